@@ -1,0 +1,142 @@
+"""The shared vocabulary of cellbatch (DESIGN §3).
+
+Owns: plain data passed between the scheduler, the runner and the executors,
+and the two error kinds every part raises.
+Promises: no torch, no I/O, no behaviour beyond validation of its own fields.
+Never: holds engine state; these objects are values.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+Token = int
+SessionId = int
+TaskId = int
+Position = int
+
+MAX_POSITION = 2**31 - 1
+
+
+class InvalidArgumentError(ValueError):
+    """The caller asked for something malformed (a gap, an overlap, a bad id)."""
+
+
+class OutOfResourcesError(RuntimeError):
+    """The request is well formed but does not fit (sessions, cells, tokens)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one generation picks its tokens.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 are "off"; top_k wins over top_p.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise InvalidArgumentError(
+                f"temperature must be >= 0 (0 is greedy), got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgumentError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class Input:
+    """One slice of work for one session: a decode token or one prompt chunk.
+
+    The slice is payload[offset:offset+size]; it starts at absolute position
+    position + offset (position is the base of the whole payload).
+    """
+
+    sid: SessionId
+    produce_output: bool
+    offset: int
+    size: int
+    payload: Sequence[Token]
+    position: Position
+
+    @property
+    def start(self) -> Position:
+        return self.position + self.offset
+
+    @property
+    def tokens(self) -> Sequence[Token]:
+        return self.payload[self.offset : self.offset + self.size]
+
+
+@dataclass(frozen=True)
+class Output:
+    """An executor's answer to one input: usually one token; several only for a
+    speculative executor (the accepted run plus its next prediction)."""
+
+    sid: SessionId
+    tokens: tuple[Token, ...]
+
+
+@dataclass
+class Task:
+    """An Input plus its scheduling identity."""
+
+    tid: TaskId
+    input: Input
+    is_decode: bool
+    cancelled: bool = False
+
+    @property
+    def sid(self) -> SessionId:
+        return self.input.sid
+
+
+@dataclass(frozen=True)
+class BatchInput:
+    inputs: tuple[Input, ...]
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    """outputs[i] answers inputs[i]; None exactly where no output was asked."""
+
+    outputs: tuple[Output | None, ...]
+
+
+class FinishReason(str, enum.Enum):
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    TOKEN_LIMIT = "token_limit"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class GenerationUpdate:
+    """Tokens delivered by one step. Only the last update of a generation carries
+    a finish reason, and the final tokens come with it."""
+
+    tokens: tuple[Token, ...]
+    finish_reason: FinishReason | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_tokens: frozenset[Token] = frozenset()
+    seed: int | None = None
