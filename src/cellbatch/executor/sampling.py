@@ -1,0 +1,176 @@
+"""Per-row token sampling for a packed step (DESIGN §6).
+
+Owns: `sample_rows`, which draws one token per logits row with that row's own
+policy in a single vectorised call, and `SessionSampler`, one generation's
+policy plus its private random generator.
+Promises: greedy rows (temperature 0) are the exact argmax of the raw logits;
+other rows sample softmax(logits / temperature) in float32, restricted by top-k
+(when top_k > 0, which wins over top-p) or else by top-p (when top_p < 1), by
+inverse CDF with the row's coin over the kept tokens *in token order*. A row's
+token depends only on its own logits and its own params, so a seeded session
+gets the same tokens whatever else shares the batch.
+Never: draws randomness itself (coins are inputs), loops over rows in Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cellbatch.types import InvalidArgumentError, SamplingParams
+
+PARAM_TEMPERATURE = 0
+PARAM_TOP_P = 1
+PARAM_TOP_K = 2
+PARAM_COIN = 3
+NUM_PARAMS = 4
+
+# Top-p looks for its nucleus among this many most likely tokens first, then a
+# widening factor more each round until the whole vocabulary.
+_NUCLEUS_CANDIDATES = 256
+_NUCLEUS_WIDENING = 16
+
+# The params row of a session without a policy: greedy (the coin is unused).
+GREEDY_ROW: tuple[float, float, float, float] = (0.0, 1.0, 0.0, 0.0)
+
+
+def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row of `logits` [R, V]; returns int64 [R].
+
+    `params` [R, 4] holds each row's (temperature, top_p, top_k, coin), coin in [0, 1).
+    Any float logits dtype works (bf16/fp16 are widened to float32).
+    """
+    if logits.dim() != 2:
+        raise InvalidArgumentError(
+            f"logits must be [rows, vocab], got shape {tuple(logits.shape)}; "
+            "select the rows to sample before calling sample_rows"
+        )
+    if tuple(params.shape) != (logits.shape[0], NUM_PARAMS):
+        raise InvalidArgumentError(
+            f"params must be [{logits.shape[0]}, {NUM_PARAMS}] (temperature, top_p, top_k, coin) "
+            f"for {logits.shape[0]} logits rows, got shape {tuple(params.shape)}"
+        )
+    logits = logits.float()
+    params = params.to(device=logits.device, dtype=torch.float32)
+    tokens = logits.argmax(dim=-1)
+
+    vocab = logits.shape[1]
+    top_k = params[:, PARAM_TOP_K]
+    stochastic = params[:, PARAM_TEMPERATURE] > 0.0
+    # top_k >= vocab keeps everything, and still wins over top-p.
+    by_top_k = stochastic & (top_k > 0) & (top_k < vocab)
+    by_top_p = stochastic & (top_k == 0) & (params[:, PARAM_TOP_P] < 1.0)
+    by_full = stochastic & ~by_top_k & ~by_top_p
+    for selected, draw in ((by_full, _draw_full), (by_top_k, _draw_top_k), (by_top_p, _draw_top_p)):
+        rows = torch.nonzero(selected).squeeze(1)
+        if rows.numel() > 0:
+            row_params = params.index_select(0, rows)
+            tokens[rows] = draw(_scaled(logits.index_select(0, rows), row_params), row_params)
+    return tokens
+
+
+def _scaled(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """log-probabilities up to a constant: (logits - row max) / temperature, max 0.
+
+    Shifting first keeps a tiny temperature from overflowing to inf.
+    """
+    temperature = params[:, PARAM_TEMPERATURE : PARAM_TEMPERATURE + 1]
+    return (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature)
+
+
+def _draw_full(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over the whole vocabulary, in token order."""
+    cumulative = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
+    return _inverse_cdf(cumulative, params[:, PARAM_COIN])
+
+
+def _draw_top_k(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Among each row's top_k tokens, renormalised (their weights need no softmax)."""
+    top_k = params[:, PARAM_TOP_K].long()
+    values, indices = scaled.topk(int(top_k.max()), dim=-1)
+    in_top = torch.arange(values.shape[1], device=values.device) < top_k.unsqueeze(1)
+    return _draw_among(indices, values.exp_().mul_(in_top), params[:, PARAM_COIN])
+
+
+def _draw_top_p(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Among each row's nucleus: the smallest most-likely set whose mass reaches top_p.
+
+    A token stays while the mass before it is still short of p, so the most likely
+    token always stays. A full sort of the vocabulary is slow on CPU and a nucleus is
+    usually small, so candidates come from `topk`, widened only for the rows whose
+    candidates do not reach p yet (the last width is the whole vocabulary).
+    """
+    vocab = scaled.shape[1]
+    log_total = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    tokens = torch.empty(len(scaled), dtype=torch.long, device=scaled.device)
+    pending = torch.arange(len(scaled), device=scaled.device)
+    width = min(_NUCLEUS_CANDIDATES, vocab)
+    while pending.numel() > 0:
+        values, indices = scaled.index_select(0, pending).topk(width, dim=-1)
+        probabilities = values.sub_(log_total.index_select(0, pending)).exp_()
+        cumulative = probabilities.cumsum(dim=-1)
+        top_p = params.index_select(0, pending)[:, PARAM_TOP_P : PARAM_TOP_P + 1]
+        done = (cumulative[:, -1:] >= top_p).squeeze(1) | (width == vocab)
+        in_nucleus = (cumulative - probabilities)[done] < top_p[done]
+        tokens[pending[done]] = _draw_among(
+            indices[done],
+            probabilities[done].mul_(in_nucleus),
+            params.index_select(0, pending[done])[:, PARAM_COIN],
+        )
+        pending = pending[~done]
+        width = min(width * _NUCLEUS_WIDENING, vocab)
+    return tokens
+
+
+def _draw_among(indices: torch.Tensor, weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over candidate tokens `indices` [S, W] with `weights` (0: dropped),
+    walked in token order."""
+    order = indices.argsort(dim=-1)
+    cumulative = weights.gather(1, order).cumsum_(dim=-1)
+    return indices.gather(1, order).gather(1, _inverse_cdf(cumulative, coins).unsqueeze(1))[:, 0]
+
+
+def _inverse_cdf(cumulative: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative weight exceeds coin * total weight.
+
+    That index always has a non-zero weight (the cumulative sum only rises there).
+    The target stays strictly below the total, so rounding (a float32 coin of 1.0)
+    still lands on the last weighted index rather than past the end.
+    """
+    total = cumulative[:, -1:]
+    target = torch.minimum(
+        coins.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
+    return torch.searchsorted(cumulative, target, right=True).squeeze(1)
+
+
+class SessionSampler:
+    """One generation's sampling policy and its own coin generator.
+
+    A fixed seed gives a fixed coin sequence, hence the same tokens whatever else
+    shares the batch; seed None draws a nondeterministic seed.
+    """
+
+    def __init__(self, params: SamplingParams, seed: int | None) -> None:
+        if seed is not None and seed < 0:
+            raise InvalidArgumentError(f"seed must be >= 0 or None (nondeterministic), got {seed}")
+        self.params = params
+        self.seed = seed
+        self._generator = np.random.default_rng(seed)
+
+    def next_coin(self) -> float:
+        """The generation's next uniform draw in [0, 1)."""
+        return float(self._generator.random())
+
+    def row(self, coin: float) -> tuple[float, float, float, float]:
+        """The `sample_rows` params row for this policy with the given coin."""
+        return (
+            float(self.params.temperature),
+            float(self.params.top_p),
+            float(self.params.top_k),
+            coin,
+        )
+
+    def next_row(self) -> tuple[float, float, float, float]:
+        """`row(next_coin())`: the params row of the generation's next token."""
+        return self.row(self.next_coin())

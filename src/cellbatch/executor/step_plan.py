@@ -1,0 +1,79 @@
+"""How a packed step is cut into forwards (DESIGN §6, step plan).
+
+Owns: `plan_slices`, which cuts a step's token axis into slices of at most
+`max_step_tokens`, each run by the wide (multi-token) method or as one-token
+decode forwards, and `pick_width`, the narrowest static method width for a slice.
+Promises: slices cover [0, total) in order, without overlap; a wide slice is at
+least `min_prefill_tokens` long and longer than one token; a non-wide slice is
+exactly one token.
+Never: looks at the tokens themselves; which cells they take is the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cellbatch.types import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Tokens [offset, offset + length) of a packed step, run as one forward."""
+
+    offset: int
+    length: int
+    wide: bool
+
+
+def plan_slices(total: int, max_step_tokens: int, min_prefill_tokens: int) -> list[Slice]:
+    """Cut `total` tokens into forwards of at most `max_step_tokens`.
+
+    A piece at least `min_prefill_tokens` long (and longer than one token) runs wide;
+    a shorter piece becomes one-token decode slices. When the tail piece would be too
+    short to run wide, it borrows tokens from the piece before it if that one stays
+    wide: the same number of wide forwards then replaces several decode forwards.
+    """
+    if total < 0:
+        raise InvalidArgumentError(f"total must be >= 0 tokens, got {total}")
+    if max_step_tokens < 1:
+        raise InvalidArgumentError(
+            f"max_step_tokens must be >= 1 (the widest forward), got {max_step_tokens}"
+        )
+    if min_prefill_tokens < 1:
+        raise InvalidArgumentError(
+            f"min_prefill_tokens must be >= 1 (the wide method's lower bound), "
+            f"got {min_prefill_tokens}"
+        )
+    wide_from = max(min_prefill_tokens, 2)
+    lengths = [max_step_tokens] * (total // max_step_tokens)
+    tail = total % max_step_tokens
+    if tail:
+        lengths.append(tail)
+    if len(lengths) >= 2 and 0 < tail < wide_from <= max_step_tokens - (wide_from - tail):
+        lengths[-2] -= wide_from - tail
+        lengths[-1] = wide_from
+
+    slices: list[Slice] = []
+    offset = 0
+    for length in lengths:
+        if length >= wide_from:
+            slices.append(Slice(offset, length, wide=True))
+        else:
+            slices.extend(Slice(offset + i, 1, wide=False) for i in range(length))
+        offset += length
+    return slices
+
+
+def pick_width(length: int, widths: Iterable[int]) -> int:
+    """The narrowest of `widths` that holds `length` tokens."""
+    if length < 1:
+        raise InvalidArgumentError(f"a slice holds at least one token, got length {length}")
+    available = sorted(widths)
+    for width in available:
+        if width >= length:
+            return width
+    raise InvalidArgumentError(
+        f"no static width holds {length} tokens (widths {available}); "
+        "cut the step into slices no wider than the widest method"
+    )
