@@ -1,0 +1,438 @@
+"""The `cellbatch` command line: `run` (a list of prompts through one model) and `bench`.
+
+Owns: argument parsing, reading prompt files, printing, the JSON run report.
+Promises: a missing or unreadable prompt file is an error before the model loads;
+a bad prompt line fails alone with its line number and the others still run; the
+exit status is 0 only when every generation ended by a stop token, a stop string or
+the token limit.
+Never: generates anything itself; the Engine does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cellbatch.types import Token
+
+# More sessions than this are rarely faster on a CPU and cost KV memory up front.
+SESSION_CAP = 256
+
+
+@dataclass
+class PromptLine:
+    """One prompt as read from the input, with where it came from."""
+
+    source: str  # e.g. "prompts.txt:3"
+    raw: str  # the prompt as the user wrote it
+    text: str | None  # None for token prompts
+    tokens: list[Token] | None  # None for text prompts
+    chat: bool
+    problem: str = ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as error:
+        print(f"cellbatch: error: {error}", file=sys.stderr)
+        return 2
+
+
+class UsageError(Exception):
+    """Bad command-line input found before any work was done."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cellbatch",
+        description="Many generations of one language model at once, sharing every forward.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="generate for a list of prompts and print a report")
+    run.add_argument("prompts", nargs="*", help="prompts, each like a --prompts-file line")
+    run.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--prompt-file", type=Path, help="one prompt, used verbatim")
+    source.add_argument("--prompts-file", type=Path, help="one prompt per line (\\n = newline)")
+    source.add_argument(
+        "--prompt-tokens-file", type=Path, help="one prompt per line as whitespace-separated ids"
+    )
+    run.add_argument("--raw", action="store_true", help="no chat template for prompt lines")
+    run.add_argument("--max-new-tokens", type=int, default=256)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--seed", type=int, default=42, help="per-prompt seeds derive from it")
+    run.add_argument("--stop", action="append", default=[], help="a text stop string")
+    run.add_argument("--max-sessions", type=int)
+    run.add_argument("--max-session-tokens", type=int)
+    run.add_argument("--max-batch-tokens", type=int, help="tokens per forward (W)")
+    run.add_argument("--max-decode-sequences", type=int)
+    run.add_argument("--max-prefill-chunk", type=int)
+    run.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    run.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    run.add_argument("--threads", type=int, help="torch threads")
+    run.add_argument("--report-json", type=Path, help="write the whole report here")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=run_command)
+    return parser
+
+
+# -- reading prompts ---------------------------------------------------------
+
+
+def read_prompts(args: argparse.Namespace) -> list[PromptLine]:
+    """Every prompt of the invocation; unreadable files raise UsageError."""
+    if args.prompt_file is not None:
+        text = _read(args.prompt_file)
+        return [PromptLine(str(args.prompt_file), text, text, None, chat=False)]
+    if args.prompts_file is not None:
+        lines = _read(args.prompts_file).splitlines()
+        return _text_lines(lines, str(args.prompts_file), chat=not args.raw)
+    if args.prompt_tokens_file is not None:
+        lines = _read(args.prompt_tokens_file).splitlines()
+        return _token_lines(lines, str(args.prompt_tokens_file))
+    if args.prompts:
+        return _text_lines(args.prompts, "argument", chat=not args.raw)
+    raise UsageError(
+        "no prompts: give PROMPT arguments or one of --prompt-file, --prompts-file, "
+        "--prompt-tokens-file"
+    )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError as error:
+        raise UsageError(f"prompt file {path} does not exist") from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read prompt file {path}: {error}") from error
+
+
+def _text_lines(lines: Sequence[str], origin: str, chat: bool) -> list[PromptLine]:
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            _note(f"{origin}:{number}: empty line skipped")
+            continue
+        text = line.replace("\\n", "\n")
+        prompts.append(PromptLine(f"{origin}:{number}", line, text, None, chat))
+    return prompts
+
+
+def _token_lines(lines: Sequence[str], origin: str) -> list[PromptLine]:
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            _note(f"{origin}:{number}: empty line skipped")
+            continue
+        prompt = PromptLine(f"{origin}:{number}", line, None, [], chat=False)
+        try:
+            prompt.tokens = [int(word) for word in line.split()]
+        except ValueError:
+            bad = next(word for word in line.split() if not _is_int(word))
+            prompt.problem = f"{bad!r} is not a token id (ids are whitespace-separated integers)"
+        prompts.append(prompt)
+    return prompts
+
+
+def _is_int(word: str) -> bool:
+    try:
+        int(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _note(message: str) -> None:
+    print(f"cellbatch: note: {message}", file=sys.stderr)
+
+
+# -- memory ------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    """The process's resident set size now (not its peak)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_snapshot() -> dict[str, int]:
+    snapshot = {"rss_bytes": rss_bytes()}
+    import torch
+
+    if torch.cuda.is_available():
+        snapshot["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+    return snapshot
+
+
+# -- run ---------------------------------------------------------------------
+
+
+def run_command(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args)
+    if not prompts:
+        raise UsageError("every prompt line is empty: nothing to run")
+    if args.model is not None and not Path(args.model).exists():
+        raise UsageError(f"model {args.model} does not exist (give a folder or a .gguf file)")
+    max_sessions = args.max_sessions
+    if max_sessions is None:
+        max_sessions = min(len(prompts), SESSION_CAP)
+        if len(prompts) > SESSION_CAP:
+            _note(
+                f"{len(prompts)} prompts, {SESSION_CAP} sessions at once (--max-sessions to change)"
+            )
+
+    from cellbatch.engine import Engine
+    from cellbatch.types import GenConfig, InvalidArgumentError, SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    except InvalidArgumentError as error:
+        raise UsageError(str(error)) from error
+    shape = {
+        name: value
+        for name, value in (
+            ("max_sessions", max_sessions),
+            ("max_session_tokens", args.max_session_tokens),
+            ("max_batch_tokens", args.max_batch_tokens),
+            ("max_decode_sequences", args.max_decode_sequences),
+            ("max_prefill_chunk", args.max_prefill_chunk),
+        )
+        if value is not None
+    }
+    if args.max_decode_sequences is None and "max_batch_tokens" in shape:
+        shape["max_decode_sequences"] = min(max_sessions, shape["max_batch_tokens"] // 2)
+
+    memory = {"before_load": memory_snapshot()}
+    load_started = time.perf_counter()
+    try:
+        engine = Engine.from_pretrained(
+            args.model,
+            dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+            threads=args.threads,
+            **shape,
+        )
+    except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from error
+    load_seconds = time.perf_counter() - load_started
+    memory["after_load"] = memory_snapshot()
+
+    with engine:
+        inputs, failures = _encode(prompts, engine)
+        config = GenConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+        started = time.perf_counter()
+        with _progress(args.quiet) as progress:
+            results = engine.generate(
+                [tokens for _, tokens in inputs],
+                config,
+                stop=args.stop,
+                on_tokens=progress,
+            )
+        generate_seconds = time.perf_counter() - started
+        memory["after_generate"] = memory_snapshot()
+        report = _report(
+            prompts,
+            inputs,
+            failures,
+            results,
+            engine,
+            args,
+            config,
+            memory,
+            generate_seconds,
+            load_seconds,
+        )
+        engine_text = engine.metrics().report()
+        kv = engine.kv_usage()
+
+    _print_report(report, engine_text, kv)
+    if args.report_json is not None:
+        args.report_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        _note(f"report written to {args.report_json}")
+    ok = all(entry["finish_reason"] in _GOOD_ENDINGS for entry in report["generations"])
+    return 0 if ok else 1
+
+
+_GOOD_ENDINGS = ("stop_token", "stop_string", "token_limit")
+
+
+def _encode(
+    prompts: list[PromptLine], engine: Any
+) -> tuple[list[tuple[int, list[Token]]], dict[int, str]]:
+    """(index, tokens) for every prompt that could be encoded; the others' problems."""
+    inputs: list[tuple[int, list[Token]]] = []
+    failures: dict[int, str] = {}
+    for index, prompt in enumerate(prompts):
+        if prompt.problem:
+            failures[index] = f"{prompt.source}: {prompt.problem}"
+        elif prompt.tokens is not None:
+            inputs.append((index, prompt.tokens))
+        elif engine.tokenizer is None:
+            failures[index] = f"{prompt.source}: this model has no tokenizer for text prompts"
+        elif prompt.chat:
+            inputs.append((index, engine.chat_tokens(prompt.text)))
+        else:
+            inputs.append((index, engine.tokenizer.encode(prompt.text)))
+    return inputs, failures
+
+
+class _progress:
+    """A tqdm bar of generated tokens on stderr, when stderr is a terminal."""
+
+    def __init__(self, quiet: bool) -> None:
+        self._bar = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(unit="tok", desc="generating", file=sys.stderr, smoothing=0.1)
+
+    def __enter__(self) -> _progress | None:
+        return self if self._bar is not None else None
+
+    def __call__(self, tokens: int) -> None:
+        self._bar.update(tokens)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _report(
+    prompts: list[PromptLine],
+    inputs: list[tuple[int, list[Token]]],
+    failures: dict[int, str],
+    results: list[Any],
+    engine: Any,
+    args: argparse.Namespace,
+    config: Any,
+    memory: dict[str, dict[str, int]],
+    generate_seconds: float,
+    load_seconds: float,
+) -> dict[str, Any]:
+    generations: list[dict[str, Any]] = [{} for _ in prompts]
+    for index, problem in failures.items():
+        generations[index] = _generation_entry(prompts[index], [], [], "", "failed", problem)
+    for (index, tokens), result in zip(inputs, results, strict=True):
+        error = f"{prompts[index].source}: {result.error}" if result.error else ""
+        generations[index] = _generation_entry(
+            prompts[index], tokens, result.tokens, result.text, str(result.finish_reason), error
+        )
+    generated = sum(len(entry["tokens"]) for entry in generations)
+    metrics = engine.metrics()
+    return {
+        "generations": generations,
+        "memory": memory,
+        "kv": engine.kv_usage(),
+        "weights_bytes": engine.weights_bytes,
+        "config": {
+            "model": str(engine.model_path),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
+            "threads": _threads(),
+            "max_new_tokens": config.max_new_tokens,
+            "temperature": config.sampling.temperature,
+            "top_p": config.sampling.top_p,
+            "top_k": config.sampling.top_k,
+            "seed": config.seed,
+            "stop": list(args.stop),
+            "stop_tokens": sorted(engine.stop_tokens),
+            **asdict(engine.shape),
+        },
+        "timing": {
+            "load_seconds": load_seconds,
+            "generate_seconds": generate_seconds,
+            "generated_tokens": generated,
+            "tokens_per_second": generated / generate_seconds if generate_seconds > 0 else 0.0,
+        },
+        "engine": metrics.as_dict(),
+    }
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _generation_entry(
+    prompt: PromptLine,
+    prompt_tokens: list[Token],
+    tokens: list[Token],
+    text: str,
+    finish_reason: str,
+    error: str,
+) -> dict[str, Any]:
+    return {
+        "source": prompt.source,
+        "prompt": prompt.raw,
+        "prompt_tokens": len(prompt_tokens),
+        "tokens": tokens,
+        "text": text,
+        "finish_reason": finish_reason,
+        "error": error,
+    }
+
+
+def _print_report(report: dict[str, Any], engine_text: str, kv: dict[str, int]) -> None:
+    for number, entry in enumerate(report["generations"], start=1):
+        print(f"=== [{number}] {entry['source']} ===")
+        print(f">>> {entry['prompt']}")
+        if entry["error"]:
+            print(f"!!! {entry['finish_reason']}: {entry['error']}")
+        else:
+            print(entry["text"])
+        print(
+            f"--- {entry['finish_reason']}, {entry['prompt_tokens']} prompt tokens, "
+            f"{len(entry['tokens'])} generated"
+        )
+        print()
+    print("=== engine ===")
+    print(engine_text)
+    print("=== KV pool ===")
+    print(
+        f"cells in use {kv['cells_in_use']} of {kv['max_cells']}, pool rows {kv['pool_rows']}, "
+        f"allocated {_mib(kv['allocated_bytes'])}, growths {kv['growth_count']}, "
+        f"{kv['bytes_per_cell']} bytes per cell"
+    )
+    print("=== memory ===")
+    for stage in ("before_load", "after_load", "after_generate"):
+        snapshot = report["memory"][stage]
+        extra = (
+            f", CUDA {_mib(snapshot['cuda_allocated_bytes'])}"
+            if "cuda_allocated_bytes" in snapshot
+            else ""
+        )
+        print(f"{stage.replace('_', ' '):>15}: RSS {_mib(snapshot['rss_bytes'])}{extra}")
+    print(f"{'weights':>15}: {_mib(report['weights_bytes'])}")
+    timing = report["timing"]
+    print("=== throughput ===")
+    print(
+        f"{timing['generated_tokens']} tokens in {timing['generate_seconds']:.2f} s: "
+        f"{timing['tokens_per_second']:.1f} tokens/s (load {timing['load_seconds']:.2f} s)"
+    )
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,459 @@
+"""Engine: a model, its tokenizer, a ModuleExecutor, a scheduler and a Runner in one.
+
+Owns: the loaded model and tokenizer, and the Runner driving them.
+Promises: `generate` / `chat` take many prompts at once and return one result per
+prompt, in order; a bad prompt (empty, a token outside the vocabulary, too long for
+the session) fails alone with a message naming the numbers, and the others run.
+Prompts never wait for one another beyond sharing forwards; more prompts than
+sessions are run as sessions free up. Seeds are derived per prompt, so a seeded
+result does not depend on what else shares the batch.
+Never: touches the engine thread's state directly; everything goes through the
+Runner's sessions.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
+from cellbatch.metrics import EngineMetrics, GenerationMetrics
+from cellbatch.model.default import default_model_path
+from cellbatch.model.loading import load_model
+from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
+from cellbatch.model.transformer import resolve_dtype
+from cellbatch.runner import GenerationHandle, Runner, Session
+from cellbatch.scheduler import DecodeFirstScheduler
+from cellbatch.types import (
+    MAX_POSITION,
+    FinishReason,
+    GenConfig,
+    GenerationUpdate,
+    InvalidArgumentError,
+    SamplingParams,
+    Token,
+)
+
+Prompt = str | Sequence[Token]
+Message = Mapping[str, str]
+
+# Bounds the KV pool by default: cells past this many bytes are never allocated.
+DEFAULT_KV_BUDGET_BYTES = 4 * 2**30
+DEFAULT_MAX_SESSIONS = 64
+DEFAULT_MAX_BATCH_TOKENS = 544
+DEFAULT_MAX_SESSION_TOKENS = 8192
+
+
+@dataclass
+class GenerationResult:
+    """What one prompt produced."""
+
+    prompt: Prompt
+    prompt_tokens: list[Token]
+    tokens: list[Token] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason = FinishReason.FAILED
+    error: str = ""
+    metrics: GenerationMetrics | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason in (
+            FinishReason.STOP_TOKEN,
+            FinishReason.STOP_STRING,
+            FinishReason.TOKEN_LIMIT,
+        )
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine's limits; None means "derive from the model and the others"."""
+
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_session_tokens: int | None = None
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_decode_sequences: int | None = None
+    max_prefill_chunk: int | None = None
+    max_cells: int | None = None
+
+
+class Engine:
+    """Batched generation with one model: `Engine.from_pretrained(path).generate(prompts)`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: Any,
+        tokenizer: Tokenizer | None,
+        *,
+        shape: EngineShape = EngineShape(),
+        kv_dtype: torch.dtype = torch.float32,
+        model_path: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_dtype
+        self.stop_tokens = frozenset(
+            tokenizer.stop_tokens if tokenizer is not None else config.eos_token_ids
+        )
+        self.shape = _resolve_shape(shape, config, kv_dtype)
+        self.executor = ModuleExecutor(
+            model,
+            config,
+            ExecutorShape(
+                max_sessions=self.shape.max_sessions,
+                max_session_tokens=self.shape.max_session_tokens,
+                max_cells=self.shape.max_cells,
+                max_step_tokens=self.shape.max_batch_tokens,
+                kv_dtype=kv_dtype,
+            ),
+        )
+        self.scheduler = DecodeFirstScheduler.create(
+            max_batch_tokens=self.shape.max_batch_tokens,
+            max_decode_sequences=self.shape.max_decode_sequences,
+            max_prefill_chunk_size=self.shape.max_prefill_chunk,
+        )
+        self.runner = Runner(self.executor, self.scheduler)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        kv_dtype: str | torch.dtype | None = None,
+        threads: int | None = None,
+        **shape: Any,
+    ) -> Engine:
+        """Load a Hugging Face folder or a GGUF file (default: the embedded
+        SmolLM2-135M-Instruct). `shape` takes EngineShape's fields. `kv_dtype`
+        defaults to the weight dtype."""
+        if threads is not None:
+            if threads < 1:
+                raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        path = Path(model) if model is not None else default_model_path()
+        weight_dtype = resolve_dtype(dtype)
+        config, module = load_model(path, weight_dtype)
+        try:
+            tokenizer = load_tokenizer(path)
+        except FileNotFoundError:
+            tokenizer = None  # token-id prompts still work; text prompts say why not
+        resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
+        return cls(
+            module,
+            config,
+            tokenizer,
+            shape=EngineShape(**shape),
+            kv_dtype=resolved_kv,
+            model_path=path,
+        )
+
+    # -- sessions ------------------------------------------------------------
+
+    def open_session(self, timeout: float | None = None) -> Session:
+        """A new Runner session (streaming, multi-turn, clone); raises when at capacity."""
+        session = self.runner.open_session_async().result(timeout)
+        if session is None:
+            raise RuntimeError(
+                f"no session available: all {self.shape.max_sessions} are open; close one "
+                "or raise max_sessions"
+            )
+        return session
+
+    # -- batch generation ----------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: GenConfig | SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt at once; results in prompt order.
+
+        Text prompts are tokenized as they are (no chat template: see `chat`);
+        token lists are used verbatim. `stop` ends a generation at a text stop
+        string (the text is cut before it). `on_tokens(n)` is called from the
+        engine thread as tokens arrive (for progress bars).
+        """
+        base = _gen_config(params, max_new_tokens, seed, self.stop_tokens)
+        results = [self._prepare(prompt, base) for prompt in prompts]
+        jobs = [
+            _Job(index, result, _seeded(base, index), tuple(stop))
+            for index, result in enumerate(results)
+            if result.error == ""
+        ]
+        self._run(jobs, on_tokens)
+        return results
+
+    def chat(
+        self,
+        conversations: Sequence[str | Sequence[Message]],
+        params: GenConfig | SamplingParams | None = None,
+        **options: Any,
+    ) -> list[GenerationResult]:
+        """Like `generate`, with the model's chat template applied; a plain string is
+        one user message."""
+        return self.generate(
+            [self.chat_tokens(conversation) for conversation in conversations], params, **options
+        )
+
+    def chat_tokens(self, conversation: str | Sequence[Message]) -> list[Token]:
+        tokenizer = self._require_tokenizer("apply a chat template")
+        messages = (
+            [{"role": "user", "content": conversation}]
+            if isinstance(conversation, str)
+            else list(conversation)
+        )
+        return tokenizer.apply_chat_template(messages)
+
+    def decode(self, tokens: Sequence[Token]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(token) for token in tokens)
+        return self.tokenizer.decode(tokens)
+
+    # -- reports -------------------------------------------------------------
+
+    def metrics(self) -> EngineMetrics:
+        return self.runner.metrics()
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_usage(self) -> dict[str, int]:
+        """Cells in use, pool rows, allocated bytes, growth count, bytes per cell."""
+        cache, pool = self.executor.cache, self.executor.pool
+        return {
+            "cells_in_use": cache.used_cells() if cache is not None else 0,
+            "max_cells": self.shape.max_cells,
+            "pool_rows": pool.rows if pool is not None else 0,
+            "allocated_bytes": pool.allocated_bytes if pool is not None else 0,
+            "growth_count": pool.growth_count if pool is not None else 0,
+            "bytes_per_cell": pool.bytes_per_cell if pool is not None else 0,
+        }
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def close(self) -> None:
+        self.runner.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------
+
+    def _require_tokenizer(self, why: str):
+        if self.tokenizer is None:
+            raise InvalidArgumentError(f"this model has no tokenizer, so it cannot {why}")
+        return self.tokenizer
+
+    def _prepare(self, prompt: Prompt, config: GenConfig) -> GenerationResult:
+        """Tokenizes and checks one prompt; a bad one comes back already failed."""
+        if isinstance(prompt, str):
+            tokens = self._require_tokenizer("encode text prompts").encode(prompt)
+        else:
+            tokens = [int(token) for token in prompt]
+        result = GenerationResult(prompt=prompt, prompt_tokens=tokens)
+        result.error = self._prompt_problem(tokens, config)
+        return result
+
+    def _prompt_problem(self, tokens: Sequence[Token], config: GenConfig) -> str:
+        if not tokens:
+            return "the prompt is empty: give at least one token"
+        vocab = self.config.vocab_size
+        for index, token in enumerate(tokens):
+            if not 0 <= token < vocab:
+                return (
+                    f"token id {token} at index {index} is outside the vocabulary "
+                    f"[0, {vocab}); use ids of this model's tokenizer"
+                )
+        if config.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {config.max_new_tokens}"
+        limit = self.shape.max_session_tokens
+        needed = len(tokens) + config.max_new_tokens
+        if needed > limit:
+            return (
+                f"the prompt has {len(tokens)} tokens and asks for {config.max_new_tokens} new "
+                f"ones ({needed} in all), above the session limit of {limit} tokens; shorten "
+                "the prompt, lower max_new_tokens or raise max_session_tokens"
+            )
+        return ""
+
+    def _run(self, jobs: list[_Job], on_tokens: Callable[[int], None] | None) -> None:
+        """Runs every job, as many at once as sessions can be opened, and waits for all.
+
+        Sessions are asked for in bulk: the engine thread answers a whole round of
+        requests between two forwards, so every job that fits starts in one step.
+        """
+        settled = threading.Condition()
+        running = 0
+        waiting = collections.deque(jobs)
+
+        def finish(job: _Job, session: Session, handle: GenerationHandle) -> None:
+            nonlocal running
+            job.settle(handle, self)
+            session.close()
+            with settled:
+                running -= 1
+                settled.notify_all()
+
+        while waiting:
+            with settled:
+                wanted = min(len(waiting), max(1, self.shape.max_sessions - running))
+            requests = [self.runner.open_session_async() for _ in range(wanted)]
+            sessions = [session for request in requests if (session := request.result())]
+            for session in sessions:
+                job = waiting.popleft()
+                with settled:
+                    running += 1
+                job.start(session, self, on_tokens, functools.partial(finish, job, session))
+            if sessions:
+                continue
+            with settled:
+                if running == 0:
+                    for job in waiting:
+                        job.result.error = (
+                            f"no session available: all {self.shape.max_sessions} are open "
+                            "elsewhere; close sessions or raise max_sessions"
+                        )
+                    return
+                before = running
+                while running >= before:
+                    settled.wait()
+        with settled:
+            while running:
+                settled.wait()
+
+
+@dataclass
+class _Job:
+    """One prompt's generation inside `Engine.generate`."""
+
+    index: int
+    result: GenerationResult
+    config: GenConfig
+    stop_strings: tuple[str, ...]
+    delivered: list[Token] = field(default_factory=list)
+    stopped_by_string: bool = False
+
+    def start(
+        self,
+        session: Session,
+        engine: Engine,
+        on_tokens: Callable[[int], None] | None,
+        on_settled: Callable[[GenerationHandle], None],
+    ) -> None:
+        handle: GenerationHandle | None = None
+
+        def on_update(update: GenerationUpdate) -> None:
+            self.delivered.extend(update.tokens)
+            if on_tokens is not None and update.tokens:
+                on_tokens(len(update.tokens))
+            if self.stop_strings and update.finish_reason is None:
+                text = engine.decode(self.delivered)
+                if any(stop in text for stop in self.stop_strings):
+                    self.stopped_by_string = True
+                    handle.cancel()
+
+        handle = session.generate_async(
+            self.result.prompt_tokens, self.config, on_update=on_update, on_settled=on_settled
+        )
+
+    def settle(self, handle: GenerationHandle, engine: Engine) -> None:
+        result = self.result
+        result.tokens = list(self.delivered)
+        result.metrics = handle.metrics()
+        result.finish_reason = handle.finish_reason()
+        result.error = handle.error()
+        text = engine.decode(result.tokens)
+        if self.stop_strings:
+            cut = min((text.find(s) for s in self.stop_strings if s in text), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                if self.stopped_by_string or result.finish_reason != FinishReason.FAILED:
+                    result.finish_reason = FinishReason.STOP_STRING
+                    result.error = ""
+        result.text = text
+
+
+def _gen_config(
+    params: GenConfig | SamplingParams | None,
+    max_new_tokens: int | None,
+    seed: int | None,
+    stop_tokens: frozenset[Token],
+) -> GenConfig:
+    if isinstance(params, GenConfig):
+        config = params
+    elif isinstance(params, SamplingParams):
+        config = GenConfig(sampling=params)
+    elif params is None:
+        config = GenConfig()
+    else:
+        raise InvalidArgumentError(
+            f"params must be a GenConfig or SamplingParams, got {type(params).__name__}"
+        )
+    if max_new_tokens is not None:
+        config = replace(config, max_new_tokens=max_new_tokens)
+    if seed is not None:
+        config = replace(config, seed=seed)
+    return replace(config, stop_tokens=config.stop_tokens | stop_tokens)
+
+
+def _seeded(config: GenConfig, index: int) -> GenConfig:
+    """Prompt `index`'s own seed, so a seeded run does not depend on batching."""
+    if config.seed is None:
+        return config
+    return replace(config, seed=(config.seed + index) % 2**63)
+
+
+def _resolve_shape(shape: EngineShape, config: Any, kv_dtype: torch.dtype) -> EngineShape:
+    if shape.max_sessions < 1:
+        raise InvalidArgumentError(f"max_sessions must be >= 1, got {shape.max_sessions}")
+    if shape.max_batch_tokens < 2:
+        raise InvalidArgumentError(
+            f"max_batch_tokens must be >= 2 (a decode beside a prompt token), "
+            f"got {shape.max_batch_tokens}"
+        )
+    context = min(config.max_position_embeddings, MAX_POSITION + 1)
+    session_tokens = shape.max_session_tokens or min(context, DEFAULT_MAX_SESSION_TOKENS)
+    if session_tokens > context:
+        raise InvalidArgumentError(
+            f"max_session_tokens={session_tokens} is above the model's context of {context}"
+        )
+    decodes = shape.max_decode_sequences or min(shape.max_sessions, shape.max_batch_tokens // 2)
+    chunk = shape.max_prefill_chunk or shape.max_batch_tokens - decodes
+    bytes_per_cell = (
+        2
+        * config.num_layers
+        * config.num_kv_heads
+        * config.head_dim
+        * torch.empty(0, dtype=kv_dtype).element_size()
+    )
+    cells = shape.max_cells or min(
+        shape.max_sessions * session_tokens, DEFAULT_KV_BUDGET_BYTES // bytes_per_cell
+    )
+    return replace(
+        shape,
+        max_session_tokens=session_tokens,
+        max_decode_sequences=decodes,
+        max_prefill_chunk=chunk,
+        max_cells=cells,
+    )

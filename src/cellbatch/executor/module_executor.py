@@ -1,0 +1,155 @@
+"""ModuleExecutor: runs packed steps through one torch module (DESIGN §6).
+
+Owns: the CellCache, the KVPool and the SessionTable of one model, and the model
+module itself.
+Promises: `execute` packs the batch, cuts it into slices of at most
+`max_step_tokens`, declares and places each slice on the cell cache, runs one
+forward per slice, and samples every wanted row with its own session's policy in
+one call; outputs[i] is None exactly when inputs[i] asks for none. A refused or
+failed batch returns None and says why in `last_error`. Every row's result is
+independent of what else shares the step (the model pads its
+products to fixed shapes).
+Never: schedules, keeps generation state, or calls back into the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from cellbatch.cache import CellCache, KVPool
+from cellbatch.executor.session_table import SessionTable, select_rows
+from cellbatch.executor.step_plan import plan_slices
+from cellbatch.model.config import ModelConfig
+from cellbatch.types import (
+    BatchInput,
+    BatchOutput,
+    InvalidArgumentError,
+    OutOfResourcesError,
+    Output,
+    SamplingParams,
+    SessionId,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExecutorShape:
+    """How big the executor is allowed to get."""
+
+    max_sessions: int = 64
+    max_session_tokens: int = 4096
+    max_cells: int = 65536
+    max_step_tokens: int = 544
+    kv_dtype: torch.dtype = torch.float32
+
+
+class ModuleExecutor:
+    """One torch module, one forward per slice of a packed step."""
+
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, shape: ExecutorShape) -> None:
+        self.model = model
+        self.config = config
+        self.shape = shape
+        self.cache: CellCache | None = None
+        self.pool: KVPool | None = None
+        self.table: SessionTable | None = None
+        self.last_error = ""
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def initialize(self) -> None:
+        self.cache = CellCache(self.shape.max_cells)
+        self.pool = KVPool(
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.shape.max_cells,
+            dtype=self.shape.kv_dtype,
+        )
+        self.table = SessionTable(
+            self.cache, self.shape.max_sessions, self.shape.max_session_tokens
+        )
+
+    def preferred_batch_tokens(self) -> int:
+        return self.shape.max_step_tokens
+
+    def free_cells(self) -> int | None:
+        return self.cache.free_cells()
+
+    # -- sessions ------------------------------------------------------------
+
+    def open_session(self) -> SessionId | None:
+        try:
+            return self.table.open()
+        except OutOfResourcesError as error:
+            self.last_error = str(error)
+            return None
+
+    def close_session(self, sid: SessionId) -> None:
+        self.table.close(sid)
+
+    def clone(self, source: SessionId, upto: int) -> SessionId | None:
+        try:
+            return self.table.clone(source, upto)
+        except (InvalidArgumentError, OutOfResourcesError) as error:
+            self.last_error = str(error)
+            return None
+
+    def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
+        self.table.set_sampling(sid, params, seed)
+
+    def position(self, sid: SessionId) -> int:
+        return self.table.position(sid)
+
+    # -- steps ---------------------------------------------------------------
+
+    def execute(self, batch: BatchInput) -> BatchOutput | None:
+        try:
+            return self._execute(batch)
+        except (InvalidArgumentError, OutOfResourcesError) as error:
+            self.last_error = str(error)
+        except Exception as error:  # a broken forward must not take the engine down
+            log.exception("forward failed")
+            self.last_error = f"forward failed: {type(error).__name__}: {error}"
+        return None
+
+    @torch.inference_mode()
+    def _execute(self, batch: BatchInput) -> BatchOutput:
+        step = self.table.pack(batch)
+        tokens = torch.from_numpy(step.tokens)
+        positions = torch.from_numpy(step.positions)
+        outputs: list[Output | None] = [None] * len(batch.inputs)
+        for piece in plan_slices(step.num_tokens, self.shape.max_step_tokens, 1):
+            start, end = piece.offset, piece.offset + piece.length
+            seq_ids = step.seq_ids[start:end]
+            if not self.cache.declare_step(seq_ids):
+                raise OutOfResourcesError(
+                    f"a step of {piece.length} tokens needs {piece.length} free KV cells, "
+                    f"{self.cache.free_cells()} are free; raise max_cells or run fewer sessions"
+                )
+            cells = self.cache.place_step(seq_ids, step.positions[start:end])
+            self.pool.ensure(self.cache.high_water())
+            plan = self.cache.attention_plan(seq_ids, step.positions[start:end], cells)
+            rows, input_indices = select_rows(step, start, piece.length)
+            logits = self.model(
+                tokens[start:end],
+                positions[start:end],
+                plan,
+                self.pool,
+                torch.from_numpy(cells),
+                torch.from_numpy(rows),
+            )
+            wanted = input_indices >= 0
+            if not wanted.any():
+                continue
+            sids = [batch.inputs[i].sid for i in input_indices[wanted]]
+            sampled = self.table.sample(sids, logits[torch.from_numpy(wanted)])
+            for index, sid, token in zip(
+                input_indices[wanted].tolist(), sids, sampled, strict=True
+            ):
+                outputs[index] = Output(sid, (int(token),))
+        return BatchOutput(tuple(outputs))
