@@ -1,4 +1,5 @@
-"""The `cellbatch` command line: `run` (a list of prompts through one model) and `bench`.
+"""The `cellbatch` command line: `run` (a list of prompts through one model) and `bench`
+(throughput against transformers, `cellbatch.bench`).
 
 Owns: argument parsing, reading prompt files, printing, the JSON run report.
 Promises: a missing or unreadable prompt file is an error before the model loads;
@@ -39,6 +40,11 @@ class PromptLine:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from cellbatch.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -86,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report-json", type=Path, help="write the whole report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=run_command)
+
+    # Listed for --help only: main() hands `bench` and its arguments to cellbatch.bench.
+    commands.add_parser(
+        "bench", help="throughput against transformers (cellbatch bench --help for its options)"
+    )
     return parser
 
 
