@@ -196,7 +196,23 @@ def memory_snapshot() -> dict[str, int]:
 # -- run ---------------------------------------------------------------------
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuses what would only fail after the model has loaded."""
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if any(stop == "" for stop in args.stop):
+        raise UsageError("--stop needs a non-empty string (an empty one matches at once)")
+    if args.report_json is not None:
+        folder = args.report_json.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UsageError(
+                f"cannot write the report to {args.report_json}: {folder} is not a "
+                "writable folder"
+            )
+
+
 def run_command(args: argparse.Namespace) -> int:
+    _check_options(args)
     prompts = read_prompts(args)
     if not prompts:
         raise UsageError("every prompt line is empty: nothing to run")
@@ -298,6 +314,11 @@ def _encode(
             inputs.append((index, prompt.tokens))
         elif engine.tokenizer is None:
             failures[index] = f"{prompt.source}: this model has no tokenizer for text prompts"
+        elif prompt.chat and not engine.tokenizer.has_chat_template:
+            failures[index] = (
+                f"{prompt.source}: this model has no chat template; pass --raw to send the "
+                "line as it is"
+            )
         elif prompt.chat:
             inputs.append((index, engine.chat_tokens(prompt.text)))
         else:

@@ -353,6 +353,7 @@ class _Job:
     stop_strings: tuple[str, ...]
     delivered: list[Token] = field(default_factory=list)
     stopped_by_string: bool = False
+    handle: GenerationHandle | None = None
 
     def start(
         self,
@@ -361,8 +362,6 @@ class _Job:
         on_tokens: Callable[[int], None] | None,
         on_settled: Callable[[GenerationHandle], None],
     ) -> None:
-        handle: GenerationHandle | None = None
-
         def on_update(update: GenerationUpdate) -> None:
             self.delivered.extend(update.tokens)
             if on_tokens is not None and update.tokens:
@@ -371,11 +370,15 @@ class _Job:
                 text = engine.decode(self.delivered)
                 if any(stop in text for stop in self.stop_strings):
                     self.stopped_by_string = True
-                    handle.cancel()
+                    if self.handle is not None:
+                        self.handle.cancel()
 
-        handle = session.generate_async(
+        self.handle = session.generate_async(
             self.result.prompt_tokens, self.config, on_update=on_update, on_settled=on_settled
         )
+        # The engine thread may have met the stop string before the handle existed.
+        if self.stopped_by_string:
+            self.handle.cancel()
 
     def settle(self, handle: GenerationHandle, engine: Engine) -> None:
         result = self.result

@@ -1,0 +1,152 @@
+"""Tiny random Llama-family checkpoints for tests, and transformers' greedy reference.
+
+`make_tiny_checkpoint(kind, folder)` writes a Hugging Face folder (config.json +
+safetensors, no tokenizer) whose every parameter is redrawn: biases non-zero and norm
+weights away from 1, so that each part of the computation shows in the logits.
+`reference_model(folder)` loads transformers' model back from that folder (a freshly
+built in-memory model has been seen to differ from the saved one); `greedy_reference`
+runs its greedy `generate` one prompt at a time and keeps the logits, so that a
+mismatch can be told apart from a near-tie (`first_divergence`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+KINDS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_config(kind: str, **overrides: object):  # -> transformers.PretrainedConfig
+    """transformers config of a tiny `kind` model ("llama", "qwen2", "qwen3", "mistral")."""
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }
+    settings = {**TINY, **overrides}
+    if kind in ("qwen3", "mistral"):
+        settings.setdefault("head_dim", 16)
+    return classes[kind](**settings)
+
+
+def make_tiny_checkpoint(
+    kind: str,
+    folder: Path,
+    *,
+    seed: int = 0,
+    std: float = 0.15,
+    max_shard_size: str | None = None,
+    **overrides: object,
+):  # -> tuple[transformers.PreTrainedModel, Path]
+    """Builds a tiny random `kind` model, saves it to `folder`, returns (model, folder).
+
+    Weights are drawn from N(0, std) (norm weights from U(0.5, 1.5)) with `seed`.
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, std)
+    model.eval()
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **extra)
+    return model, folder
+
+
+def reference_model(folder: Path, **options: object):  # -> transformers.PreTrainedModel
+    """transformers' fp32 model loaded from `folder` (options go to from_pretrained)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, **options
+    )
+    return model.eval()
+
+
+@dataclass
+class Reference:
+    """transformers' greedy continuation of one prompt, with the raw logits of each step."""
+
+    tokens: list[int]
+    logits: torch.Tensor  # [len(tokens), vocab] float32
+
+
+def greedy_reference(
+    model, prompt: Sequence[int], max_new_tokens: int, stop_tokens: Sequence[int] = ()
+) -> Reference:
+    """Greedy `generate` on one prompt; stops at `stop_tokens` (none: never stops early)."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=list(stop_tokens) or None,
+            pad_token_id=next(iter(stop_tokens), 0),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return Reference(tokens, torch.cat(out.logits).float())
+
+
+def divergence_index(ours: Sequence[int], reference: Reference) -> int | None:
+    """The first index where the tokens differ (or the shorter length); None when equal."""
+    ours, theirs = list(ours), reference.tokens
+    if ours == theirs:
+        return None
+    common = min(len(ours), len(theirs))
+    return next((i for i in range(common) if ours[i] != theirs[i]), common)
+
+
+def first_divergence(ours: Sequence[int], reference: Reference) -> str:
+    """ "" when equal; else where and how the tokens differ, with transformers' top-2 logits
+    at that step (a near-tie there points at rounding rather than a bug)."""
+    at = divergence_index(ours, reference)
+    if at is None:
+        return ""
+    detail = f"first difference at new token {at}: ours {list(ours)[at : at + 3]}, "
+    detail += f"transformers {reference.tokens[at : at + 3]}"
+    if at < reference.logits.shape[0]:
+        top = reference.logits[at].topk(2)
+        detail += (
+            f"; transformers' top-2 there: {top.indices.tolist()} with logits "
+            f"{[round(v, 5) for v in top.values.tolist()]} (gap "
+            f"{(top.values[0] - top.values[1]).item():.5f})"
+        )
+    return detail
+
+
+def near_tie(ours: Sequence[int], reference: Reference, tolerance: float = 0.01) -> bool:
+    """True when the tokens first differ at a step where transformers' top-2 logits differ
+    by less than `tolerance` and our token is one of those two (a length mismatch with an
+    equal common part is never a tie)."""
+    at = divergence_index(ours, reference)
+    if at is None or at >= min(len(ours), len(reference.tokens)):
+        return False
+    top = reference.logits[at].topk(2)
+    gap = (top.values[0] - top.values[1]).item()
+    return gap < tolerance and list(ours)[at] in top.indices.tolist()
