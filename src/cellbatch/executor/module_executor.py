@@ -123,14 +123,18 @@ class ModuleExecutor:
         tokens = torch.from_numpy(step.tokens)
         positions = torch.from_numpy(step.positions)
         outputs: list[Output | None] = [None] * len(batch.inputs)
+        # Checked for the whole step before any slice is placed, so that a step short of
+        # cells is refused with the cache as it was, not half placed.
+        if step.num_tokens > self.cache.free_cells():
+            raise OutOfResourcesError(
+                f"a step of {step.num_tokens} tokens needs {step.num_tokens} free KV cells, "
+                f"{self.cache.free_cells()} are free; raise max_cells or run fewer sessions"
+            )
         for piece in plan_slices(step.num_tokens, self.shape.max_step_tokens, 1):
             start, end = piece.offset, piece.offset + piece.length
             seq_ids = step.seq_ids[start:end]
             if not self.cache.declare_step(seq_ids):
-                raise OutOfResourcesError(
-                    f"a step of {piece.length} tokens needs {piece.length} free KV cells, "
-                    f"{self.cache.free_cells()} are free; raise max_cells or run fewer sessions"
-                )
+                raise OutOfResourcesError("declare_step refused a slice the step had room for")
             cells = self.cache.place_step(seq_ids, step.positions[start:end])
             self.pool.ensure(self.cache.high_water())
             plan = self.cache.attention_plan(seq_ids, step.positions[start:end], cells)
