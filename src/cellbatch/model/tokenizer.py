@@ -1,0 +1,110 @@
+"""The tokenizer and chat template of a model, read from the model's own files.
+
+Owns: `Tokenizer`, a thin wrapper over a transformers tokenizer loaded from a Hugging Face
+folder or from a GGUF file (`load_tokenizer`), and the model's stop tokens.
+Promises: `apply_chat_template` returns exactly the token ids transformers produces for
+the same messages (generation prompt added); `stop_tokens` holds the EOS ids of the
+config and generation config plus the end-of-turn tokens present in the vocabulary.
+A tokenizer is built once per file per process (the GGUF one takes seconds: the whole
+vocabulary is parsed from the GGUF metadata) and shared afterwards.
+Never: writes a cache on disk or reaches the network.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cellbatch.model.loading import ModelFiles, locate_model
+from cellbatch.types import Token
+
+# Tokens that end a turn or a document in the chat formats of the supported families.
+END_OF_TURN_TOKENS: tuple[str, ...] = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eot|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+)
+_TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class Tokenizer:
+    """Text <-> token ids, chat template and stop tokens for one model."""
+
+    def __init__(self, backend: Any, extra_eos_ids: Iterable[int] = ()) -> None:
+        self.backend = backend
+        vocab = backend.get_vocab()
+        stop = {int(t) for t in extra_eos_ids}
+        if backend.eos_token_id is not None:
+            stop.add(int(backend.eos_token_id))
+        stop.update(vocab[name] for name in END_OF_TURN_TOKENS if name in vocab)
+        self.stop_tokens: frozenset[Token] = frozenset(stop)
+        self.vocab_size: int = len(backend)
+        self.bos_token_id: int | None = backend.bos_token_id
+        self.eos_token_id: int | None = backend.eos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.backend, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[Token]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, tokens: Sequence[Token], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[Token]:
+        """The prompt ids for a conversation, ending with the assistant's turn opening."""
+        if not self.has_chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass plain prompts "
+                "(encode) instead of conversations"
+            )
+        ids = self.backend.apply_chat_template(
+            [dict(m) for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        return [int(t) for t in ids]
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of the model at `path` (a Hugging Face folder or a GGUF file)."""
+    files = locate_model(path)
+    return _load_cached(files, files.path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(files: ModelFiles, mtime_ns: int) -> Tokenizer:
+    # mtime_ns is part of the key so that a rewritten file is read again.
+    from transformers import AutoTokenizer
+
+    if files.kind == "gguf":
+        backend = AutoTokenizer.from_pretrained(str(files.folder), gguf_file=files.path.name)
+        return Tokenizer(backend)
+    # transformers 5 builds an empty tokenizer from a folder without one: check first.
+    missing = f"no usable tokenizer in {files.path}: it needs one of {', '.join(_TOKENIZER_FILES)}"
+    if not any((files.path / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(missing)
+    try:
+        backend = AutoTokenizer.from_pretrained(str(files.path))
+    except (OSError, ValueError) as error:
+        raise FileNotFoundError(f"{missing} ({error})") from error
+    return Tokenizer(backend, extra_eos_ids=_generation_eos_ids(files.path))
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    """EOS ids from config.json and generation_config.json (an int or a list in either)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        file = folder / name
+        if file.is_file():
+            with open(file, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+            ids += [eos] if isinstance(eos, int) else list(eos or [])
+    return ids

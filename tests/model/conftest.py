@@ -1,0 +1,156 @@
+"""Shared fixtures for the model tests: tiny random transformers checkpoints, and a
+driver that runs packed steps through CellCache + KVPool the way an executor would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cellbatch.cache import CellCache, KVPool
+from cellbatch.model.transformer import PackedTransformer
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def _config(kind: str, **overrides: object):  # -> transformers.PretrainedConfig
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }
+    settings = {**TINY, **overrides}
+    if kind in ("qwen3", "mistral"):
+        settings.setdefault("head_dim", 16)
+    return classes[kind](**settings)
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[object, Path]]:
+    """make(kind, **config overrides) -> (transformers model in fp32, its saved folder).
+
+    Every parameter is redrawn (biases non-zero, norm weights away from 1) so that each
+    part of the computation shows in the logits.
+    """
+
+    def make(kind: str, max_shard_size: str | None = None, **overrides: object):
+        import transformers
+
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_config(kind, **overrides))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
+                else:
+                    param.normal_(0.0, 0.15)
+        model.eval()
+        folder = tmp_path / kind
+        extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(folder, safe_serialization=True, **extra)
+        return model, folder
+
+    return make
+
+
+def run_steps(
+    model: PackedTransformer,
+    steps: Sequence[Sequence[tuple[int, Sequence[int]]]],
+    num_sequences: int,
+    kv_dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
+    """Runs packed steps; each step is a list of (sequence index, tokens) in token-axis
+    order. Returns every step's logits for all its rows."""
+    config = model.config
+    cache = CellCache(capacity=4096)
+    pool = KVPool(
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        capacity=4096,
+        dtype=kv_dtype,
+        initial_cells=8,
+    )
+    seqs = [cache.seq_alloc() for _ in range(num_sequences)]
+    lengths = [0] * num_sequences
+    results = []
+    for step in steps:
+        tokens, seq_ids, positions = [], [], []
+        for index, chunk in step:
+            tokens += list(chunk)
+            seq_ids += [seqs[index]] * len(chunk)
+            positions += range(lengths[index], lengths[index] + len(chunk))
+            lengths[index] += len(chunk)
+        seq_ids_np, positions_np = np.array(seq_ids), np.array(positions)
+        assert cache.declare_step(seq_ids_np)
+        cells = cache.place_step(seq_ids_np, positions_np)
+        pool.ensure(cache.high_water())
+        plan = cache.attention_plan(seq_ids_np, positions_np, cells)
+        with torch.no_grad():
+            logits = model(
+                torch.tensor(tokens),
+                torch.tensor(positions),
+                plan,
+                pool,
+                torch.from_numpy(cells),
+                torch.arange(len(tokens)),
+            )
+        results.append(logits)
+    return results
+
+
+@pytest.fixture
+def packed_steps() -> Callable[..., list[torch.Tensor]]:
+    return run_steps
+
+
+def schedule(
+    prompts: Sequence[Sequence[int]], decodes: Sequence[int], order: Sequence[int], chunk: int
+) -> tuple[list[list[tuple[int, list[int]]]], list[slice]]:
+    """Steps that feed each sequence in `order` its prompt in chunks of at most `chunk`,
+    then the `decodes` tokens one per step; also, per step, the rows of sequence 0."""
+    steps, rows_of_first = [], []
+    fed = dict.fromkeys(order, 0)
+    sequences = {i: list(prompts[i]) + list(decodes) for i in order}
+    while any(fed[i] < len(sequences[i]) for i in order):
+        step, rows, width = [], slice(0, 0), 0
+        for i in order:
+            prompt_left = len(prompts[i]) - fed[i]
+            size = min(chunk, prompt_left) if prompt_left > 0 else 1
+            tokens = sequences[i][fed[i] : fed[i] + size]
+            if tokens:
+                step.append((i, tokens))
+                if i == 0:
+                    rows = slice(width, width + len(tokens))
+                width += len(tokens)
+                fed[i] += len(tokens)
+        steps.append(step)
+        rows_of_first.append(rows)
+    return steps, rows_of_first
+
+
+@pytest.fixture
+def first_sequence_logits() -> Callable[..., torch.Tensor]:
+    """(model, prompts, decodes, order, chunk) -> logits of every token of sequence 0,
+    in position order, when the sequences of `order` are scheduled together."""
+
+    def run(model, prompts, decodes, order, chunk) -> torch.Tensor:
+        steps, rows = schedule(prompts, decodes, order, chunk)
+        results = run_steps(model, steps, len(prompts))
+        return torch.cat([r[rows_of] for r, rows_of in zip(results, rows, strict=True)])
+
+    return run

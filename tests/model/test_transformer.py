@@ -1,0 +1,175 @@
+"""The packed transformer against transformers, on tiny random checkpoints (fp32).
+
+Two sequences of different lengths are prefilled in one step, then both decode, then one
+decodes while the other takes a prompt chunk (both plan groups in one forward). Every
+row's logits must match transformers' forward over each sequence alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cellbatch.model.loading import load_model
+from cellbatch.model.transformer import PackedTransformer
+
+PROMPT_A = [5, 17, 33, 2, 61]
+PROMPT_B = [9, 40, 12, 77, 3, 50, 21, 8, 64, 30, 11]
+# (sequence, tokens) per step, in token-axis order.
+STEPS = [
+    [(0, PROMPT_A), (1, PROMPT_B)],
+    [(1, [70]), (0, [4])],
+    [(0, [19]), (1, [6, 44, 90])],
+]
+
+
+def rows_of(sequence: int) -> list[tuple[int, slice]]:
+    """(step, row slice) of each sequence's tokens in STEPS, in position order."""
+    out = []
+    for step_index, step in enumerate(STEPS):
+        start = 0
+        for index, chunk in step:
+            if index == sequence:
+                out.append((step_index, slice(start, start + len(chunk))))
+            start += len(chunk)
+    return out
+
+
+def full_sequence(sequence: int) -> list[int]:
+    return [t for step in STEPS for index, chunk in step if index == sequence for t in chunk]
+
+
+def compare_with_transformers(hf_model, ours: list[torch.Tensor]) -> None:
+    for sequence in (0, 1):
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([full_sequence(sequence)])).logits[0]
+        got = torch.cat([ours[step][rows] for step, rows in rows_of(sequence)])
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        assert expected.std() > 0.5  # the check below is not vacuous
+        assert (got - expected).abs().max().item() < 1e-4
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+        ),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("mistral", {"sliding_window": 4}),
+    ],
+    ids=["llama", "llama-tied", "llama3-rope", "qwen2", "qwen3", "mistral-window4"],
+)
+def test_packed_steps_match_transformers(tiny_checkpoint, packed_steps, kind, overrides) -> None:
+    hf_model, folder = tiny_checkpoint(kind, **overrides)
+    config, model = load_model(folder, "float32")
+    assert config.architecture == kind
+    compare_with_transformers(hf_model, packed_steps(model, STEPS, 2))
+
+
+def test_the_window_changes_the_result(tiny_checkpoint, packed_steps) -> None:
+    # Guards the Mistral case above: a window shorter than the prompt must matter.
+    _, folder = tiny_checkpoint("mistral", sliding_window=4)
+    config, windowed = load_model(folder, "float32")
+    full = PackedTransformer(dataclasses.replace(config, layer_windows=(None,) * config.num_layers))
+    full.load_state_dict(windowed.state_dict())
+    last_b = packed_steps(windowed, STEPS, 2)[2][-1]
+    assert not torch.allclose(last_b, packed_steps(full, STEPS, 2)[2][-1], atol=1e-3)
+
+
+def test_a_window_layer_skips_key_blocks_outside_its_window(tiny_checkpoint) -> None:
+    from cellbatch.cache import CellCache, KVPool
+    from cellbatch.model.transformer import KEY_BLOCK
+
+    _, folder = tiny_checkpoint("mistral", sliding_window=4)
+    config, model = load_model(folder, "float32")
+    cache = CellCache(256)
+    pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, 256)
+    seq = cache.seq_alloc()
+
+    def step(tokens: list[int]) -> torch.Tensor:
+        ids = torch.full((len(tokens),), seq)
+        start = cache.seq_length(seq)
+        positions = torch.arange(start, start + len(tokens))
+        assert cache.declare_step(ids.numpy())
+        cells = cache.place_step(ids.numpy(), positions.numpy())
+        pool.ensure(cache.high_water())
+        plan = cache.attention_plan(ids.numpy(), positions.numpy(), cells)
+        with torch.no_grad():
+            return model(
+                torch.tensor(tokens),
+                positions,
+                plan,
+                pool,
+                torch.from_numpy(cells),
+                torch.tensor([len(tokens) - 1]),
+            )
+
+    prompt = torch.randint(0, 96, (KEY_BLOCK + 16,), generator=torch.Generator().manual_seed(3))
+    step(prompt.tolist())
+    clean = step([70])
+    cache.seq_rewind(seq, len(prompt))
+    # The decode at position 80 sees positions 77..80: the whole first block of keys is out
+    # of its window. Poisoned, it must not be read at all (NaN * 0 would still be NaN).
+    first_block = torch.from_numpy(cache.seq_cells(seq)[:KEY_BLOCK])
+    for layer in range(config.num_layers):
+        pool.k[layer][first_block] = float("nan")
+        pool.v[layer][first_block] = float("nan")
+    assert torch.equal(step([70]), clean)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "overrides"),
+    [
+        ("llama", "float32", {}),
+        ("llama", "bfloat16", {}),
+        ("mistral", "float32", {"sliding_window": 8}),
+    ],
+)
+def test_a_sequence_is_batch_invariant(
+    tiny_checkpoint, first_sequence_logits, kind, dtype, overrides
+) -> None:
+    """Sequence 0's logits are bit-identical alone, chunked, beside others, first or last."""
+    _, folder = tiny_checkpoint(kind, **overrides)
+    _, model = load_model(folder, dtype)
+    generator = torch.Generator().manual_seed(5)
+    lengths = [70, 3, 100, 17, 40, 9]
+    prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in lengths]
+    decodes = [7, 31, 64]
+    alone = first_sequence_logits(model, prompts, decodes, [0], 256)
+    assert alone.shape[0] == lengths[0] + len(decodes)
+    for order, chunk in (([0], 16), ([0, 1, 2, 3, 4, 5], 256), ([5, 4, 3, 2, 1, 0], 16)):
+        got = first_sequence_logits(model, prompts, decodes, order, chunk)
+        assert torch.equal(got, alone), (order, chunk)
+
+
+def test_bf16_weights_and_kv_stay_close_to_fp32(tiny_checkpoint, packed_steps) -> None:
+    _, folder = tiny_checkpoint("llama")
+    _, model32 = load_model(folder, "float32")
+    _, model16 = load_model(folder, "bfloat16")
+    assert model16.embed.weight.dtype == torch.bfloat16
+    reference = packed_steps(model32, STEPS, 2)
+    for kv_dtype in (torch.float32, torch.bfloat16):
+        got = packed_steps(model16, STEPS, 2, kv_dtype=kv_dtype)
+        for ours, ref in zip(got, reference, strict=True):
+            assert ours.dtype == torch.float32
+            assert (ours - ref).abs().max().item() < 0.25
+    # fp32 weights with a bf16 KV pool: only the cached K/V are rounded.
+    got = packed_steps(model32, STEPS, 2, kv_dtype=torch.bfloat16)
+    assert 0 < (got[2] - reference[2]).abs().max().item() < 0.1
