@@ -1,0 +1,375 @@
+"""The throughput benchmark's pieces: prompt set, agreement, engine windows, ratios, JSON,
+PNG, options, and one end-to-end run on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cellbatch import bench
+from cellbatch.bench import (
+    CELLBATCH,
+    CHAT_PROMPTS,
+    CONTINUOUS,
+    PADDED,
+    SINGLE,
+    Agreement,
+    BenchReport,
+    ConcurrencyPoint,
+    Divergence,
+    EngineWindow,
+    PeerRun,
+    Series,
+)
+from cellbatch.metrics import EngineMetrics
+
+# -- prompt set --------------------------------------------------------------------
+
+
+def test_prompt_set_is_32_distinct_requests() -> None:
+    assert len(CHAT_PROMPTS) == 32
+    assert len(set(CHAT_PROMPTS)) == 32
+    assert all(text.strip() == text and text for text in CHAT_PROMPTS)
+
+
+@pytest.mark.slow
+def test_prompts_span_35_to_130_tokens_under_the_default_chat_template() -> None:
+    from cellbatch.model.default import default_model_path
+    from cellbatch.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    lengths = [
+        len(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        for text in CHAT_PROMPTS
+    ]
+    assert min(lengths) >= 35 and max(lengths) <= 130
+    # varied: both ends of the range are used, not just the middle
+    assert min(lengths) <= 40 and max(lengths) >= 115
+
+
+# -- agreement ---------------------------------------------------------------------
+
+
+def test_until_stop_keeps_the_first_stop_token_and_drops_the_rest() -> None:
+    assert bench.until_stop([5, 6, 2, 7, 2], frozenset({2})) == [5, 6, 2]
+    assert bench.until_stop([5, 0, 2], frozenset({0, 2})) == [5, 0]
+    assert bench.until_stop([5, 6], frozenset({2})) == [5, 6]
+
+
+def test_first_divergence() -> None:
+    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_divergence([1, 9, 3], [1, 2, 3]) == 1
+    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert bench.first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_compare_counts_identical_prompts_and_records_divergences() -> None:
+    agreement = bench.compare([[1, 2, 3], [4, 5], [6, 7]], [[1, 2, 3], [4, 8], [6, 7, 9]])
+    assert (agreement.total, agreement.identical) == (3, 1)
+    assert agreement.divergences == [Divergence(1, 1, 5, 8), Divergence(2, 2, None, 9)]
+
+
+def test_compare_refuses_runs_over_different_prompt_counts() -> None:
+    with pytest.raises(ValueError, match="same prompts"):
+        bench.compare([[1]], [[1], [2]])
+
+
+def test_parity_rule_excuses_one_near_tie_only() -> None:
+    tie = Divergence(0, 3, 7, 8, top2_gap=0.004, ours_in_top2=True)
+    wide = Divergence(1, 3, 7, 8, top2_gap=0.5, ours_in_top2=True)
+    third = Divergence(2, 3, 7, 8, top2_gap=0.004, ours_in_top2=False)
+    assert tie.near_tie and not wide.near_tie and not third.near_tie
+    assert Agreement(4, []).meets_parity_rule
+    assert Agreement(4, [tie]).meets_parity_rule
+    assert not Agreement(4, [wide]).meets_parity_rule
+    assert not Agreement(4, [third]).meets_parity_rule
+    assert not Agreement(4, [tie, Divergence(3, 1, 2, 3, 0.001, True)]).meets_parity_rule
+
+
+def test_probe_fills_the_reference_models_top2_gap() -> None:
+    class Fixed(torch.nn.Module):
+        """Logits that depend only on the context length: [.., 1.0, 0.995, 0.2]."""
+
+        def forward(self, ids: torch.Tensor):
+            logits = torch.tensor([0.0, 1.0, 0.995, 0.2]).repeat(1, ids.shape[1], 1)
+            return type("Out", (), {"logits": logits})
+
+    agreement = Agreement(1, [Divergence(0, 2, ours=2, reference=1)])
+    bench.probe_divergences(Fixed(), [[3, 3]], [[1, 1, 1]], agreement)
+    divergence = agreement.divergences[0]
+    assert divergence.top2_gap == pytest.approx(0.005, abs=1e-6)
+    assert divergence.ours_in_top2 and divergence.near_tie
+
+
+# -- engine windows and ratios -------------------------------------------------------
+
+
+def test_engine_window_takes_differences_and_counts_submission_as_idle() -> None:
+    before = EngineMetrics(
+        steps=10, step_time_sum=1.0, decode_only_steps=4, decode_only_tokens=40,
+        decode_only_time=0.5, last_step_end=100.0,
+    )  # fmt: skip
+    after = EngineMetrics(
+        steps=30, step_time_sum=2.8, decode_only_steps=19, decode_only_tokens=520,
+        decode_only_time=1.7, last_step_end=103.0,
+    )  # fmt: skip
+    window = EngineWindow.between(before, after, started=101.0)
+    assert (window.steps, window.decode_only_steps, window.decode_only_tokens) == (20, 15, 480)
+    assert window.wall_seconds == pytest.approx(2.0)
+    assert window.idle_fraction == pytest.approx(1 - 1.8 / 2.0)
+    assert window.decode_only_tokens_per_s == pytest.approx(480 / 1.2)
+    assert window.sessions_per_decode_step == pytest.approx(32)
+
+
+def test_engine_window_without_steps_has_no_rates() -> None:
+    metrics = EngineMetrics()
+    window = EngineWindow.between(metrics, metrics, started=5.0)
+    assert window.idle_fraction == 0.0
+    assert window.decode_only_tokens_per_s == 0.0
+    assert window.sessions_per_decode_step == 0.0
+
+
+def _run(name: str, tokens: int, seconds: float, error: str = "") -> PeerRun:
+    return PeerRun(name, name, 4, "float32", seconds, [[1] * tokens], error)
+
+
+def _report(runs: list[PeerRun]) -> BenchReport:
+    options = bench.parse_options(["--quick", "--dtype", "float32", "--output-json", "x.json"])
+    window = EngineWindow(10, 1.0, 1.25, 8, 64, 0.5)
+    return BenchReport(options, {"model": "tiny"}, [40, 50], runs, [ConcurrencyPoint(8, window)])
+
+
+def test_ratios_divide_cellbatch_by_each_peer_that_ran() -> None:
+    runs = [
+        _run(PADDED, 100, 2.0),
+        _run(CONTINUOUS, 100, 1.0, error="boom"),
+        _run(CELLBATCH, 300, 1.5),
+    ]
+    report = _report(runs)
+    assert report.ratios() == {f"{CELLBATCH}/{PADDED}": pytest.approx(200 / 50)}
+    report.runs[2].error = "engine failed"
+    assert report.ratios() == {}
+
+
+def test_json_holds_peers_ratios_and_concurrency(tmp_path: Path) -> None:
+    report = _report([_run(SINGLE, 10, 1.0), _run(CELLBATCH, 60, 2.0)])
+    report.runs[1].agreement = Agreement(2, [Divergence(1, 4, 9, 8, 0.003, True)])
+    path = tmp_path / "deep" / "figures.json"
+    bench.write_json(report, path)
+    text = path.read_text()
+    assert "[1, 1, 1, 1, 1, 1, 1, 1, 1, 1]" in text  # token lists stay on one line
+    data = json.loads(text)
+    assert data["peers"][CELLBATCH]["tokens_per_s"] == pytest.approx(30.0)
+    assert data["peers"][CELLBATCH]["agreement"]["identical"] == 1
+    assert data["peers"][CELLBATCH]["agreement"]["divergences"][0]["near_tie"] is True
+    assert data["ratios"] == {f"{CELLBATCH}/{SINGLE}": pytest.approx(3.0)}
+    assert data["concurrency"][0]["sessions"] == 8
+    assert data["concurrency"][0]["decode_only_tokens_per_s"] == pytest.approx(128.0)
+    assert data["concurrency"][0]["idle_fraction"] == pytest.approx(0.2)
+    assert [p["tokens"] for p in data["prompts"]] == [40, 50]
+    assert data["options"]["dtype"] == "float32"
+
+
+# -- plot --------------------------------------------------------------------------
+
+
+def _decode_png(data: bytes) -> np.ndarray:
+    """A minimal reader for the PNGs encode_png writes (RGB, 8 bit, filter 0)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    offset, chunks = 8, {}
+    while offset < len(data):
+        (length,) = struct.unpack(">I", data[offset : offset + 4])
+        kind = data[offset + 4 : offset + 8]
+        body = data[offset + 8 : offset + 8 + length]
+        (crc,) = struct.unpack(">I", data[offset + 8 + length : offset + 12 + length])
+        assert crc == zlib.crc32(kind + body)
+        chunks[kind] = body
+        offset += 12 + length
+    width, height, depth, colour, *_ = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
+    assert (depth, colour) == (8, 2)
+    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8)
+    rows = rows.reshape(height, 1 + width * 3)
+    assert not rows[:, 0].any()
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+def test_png_round_trips_its_pixels() -> None:
+    pixels = np.random.default_rng(0).integers(0, 256, size=(7, 5, 3), dtype=np.uint8)
+    assert np.array_equal(_decode_png(bench.encode_png(pixels)), pixels)
+
+
+def test_png_refuses_a_non_rgb_array() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        bench.encode_png(np.zeros((4, 4), dtype=np.uint8))
+
+
+def test_nice_step_is_one_two_or_five_times_a_power_of_ten() -> None:
+    assert bench.nice_step(1000) == 200
+    assert bench.nice_step(1300) == 500
+    assert bench.nice_step(90) == 20
+    assert bench.nice_step(4.2) == 1
+
+
+def test_chart_draws_a_higher_value_higher() -> None:
+    pixels = bench.render_chart(
+        [Series("up", ((1, 100.0), (64, 900.0)), joined=True)], "t", "x", "y"
+    )
+    blue = np.all(pixels == bench._COLOURS[0], axis=2)
+    blue[:80] = False  # the legend's swatch
+    rows, cols = np.nonzero(blue)
+    left_rows = rows[cols < cols.min() + 10]
+    right_rows = rows[cols > cols.max() - 10]
+    assert left_rows.size and right_rows.size
+    assert right_rows.mean() < left_rows.mean() - 100  # 900 sits well above 100
+
+
+def test_chart_refuses_an_empty_plot() -> None:
+    with pytest.raises(ValueError, match="nothing to plot"):
+        bench.render_chart([Series("none", (), joined=False)], "t", "x", "y")
+
+
+# -- options -----------------------------------------------------------------------
+
+
+def test_quick_options_and_default_paths() -> None:
+    options = bench.parse_options(["--quick", "--dtype", "float32"])
+    assert (options.prompts, options.max_new_tokens) == (bench.QUICK_PROMPTS, 16)
+    assert options.sessions == bench.QUICK_SESSIONS
+    assert options.output_json == Path("benchmarks/results/throughput-float32-quick.json")
+    assert options.plot == Path("benchmarks/results/throughput-float32-quick.png")
+    assert not options.fp32_baseline
+
+
+def test_full_options_default_to_the_issue_figures() -> None:
+    options = bench.parse_options(["--dtype", "bfloat16", "--threads", "2"])
+    assert (options.prompts, options.max_new_tokens, options.sessions) == (32, 64, (1, 8, 32, 64))
+    assert options.output_json == Path("benchmarks/results/throughput-bfloat16.json")
+    assert options.fp32_baseline and options.threads == 2
+    explicit = bench.parse_options(
+        ["--quick", "--prompts", "3", "--sessions", "2,5", "--no-fp32-baseline", "--no-plot"]
+    )
+    assert (explicit.prompts, explicit.sessions, explicit.plot) == (3, (2, 5), None)
+    assert not explicit.fp32_baseline
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompts", "33"], "--prompts must be in 1..32"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+        (["--sessions", "1,x"], "comma-separated integers"),
+        (["--sessions", "0,4"], "counts must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--model", "/no/such/model.gguf"], "does not exist"),
+    ],
+)
+def test_bad_options_exit_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_options(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_left_padding_puts_prompts_flush_right() -> None:
+    ids, mask = bench.left_padded([[5, 6, 7], [8]], pad=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+# -- end to end on a tiny random model -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with a word-level tokenizer and a ChatML template."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    words = sorted({w for text in CHAT_PROMPTS for w in text.split()} | {"user", "assistant"})
+    vocab = {token: index for index, token in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(specials)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.15)
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_quick_run_on_a_tiny_model_writes_every_figure(
+    tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "figures.json"
+    argv = [
+        "--model", str(tiny_chat_model), "--dtype", "float32",
+        "--threads", str(torch.get_num_threads()),  # the run sets it process-wide
+        "--prompts", "3", "--max-new-tokens", "5", "--sessions", "1,3",
+        "--output-json", str(output),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    data = json.loads(output.read_text())
+    assert set(data["peers"]) == {SINGLE, PADDED, CONTINUOUS, CELLBATCH}
+    for name, peer in data["peers"].items():
+        assert peer["error"] == "" and len(peer["outputs"]) == 3, name
+        assert 3 <= peer["generated_tokens"] <= 15 and peer["tokens_per_s"] > 0
+        if name != SINGLE:
+            assert peer["agreement"]["total"] == 3
+    # transformers agrees with itself on this well-separated random model
+    for name in (PADDED, CONTINUOUS):
+        assert data["peers"][name]["agreement"]["identical"] == 3
+    assert set(data["ratios"]) == {f"{CELLBATCH}/{n}" for n in (SINGLE, PADDED, CONTINUOUS)}
+    assert 0.0 <= data["peers"][CELLBATCH]["idle_fraction"] < 1.0
+    assert [point["sessions"] for point in data["concurrency"]] == [1, 3]
+    for point in data["concurrency"]:
+        assert point["decode_only_steps"] >= 1 and point["decode_only_tokens_per_s"] > 0
+        assert 0 < point["sessions_per_decode_step"] <= point["sessions"]
+    assert _decode_png(output.with_suffix(".png").read_bytes()).shape == (460, 760, 3)
+    printed = capsys.readouterr().out
+    assert "transformers generate_batch" in printed and "decode-only" in printed
+
+
+def test_report_text_warns_when_the_machine_was_busy() -> None:
+    report = _report([_run(SINGLE, 10, 1.0), _run(CELLBATCH, 60, 2.0)])
+    report.environment.update(cores=2, load_average_1min_at_start=0.4)
+    report.environment["load_average_1min_at_end"] = 0.9
+    text = bench.format_report(report)
+    assert "3.00x" in text and "busy" not in text
+    report.environment["load_average_1min_at_end"] = 3.5
+    assert "load 0.4 at start, 3.5 at end, on 2 cores" in bench.format_report(report)
+
+
+def test_reference_is_the_single_run_else_the_padded_one() -> None:
+    report = _report([_run(SINGLE, 10, 1.0), _run(PADDED, 10, 1.0), _run(CELLBATCH, 9, 1.0)])
+    assert report.reference() is report.runs[0]
+    report.runs[0].error = "interrupted"
+    assert report.reference() is report.runs[1]
+    assert _report([_run(CONTINUOUS, 10, 1.0)]).reference() is None
