@@ -127,18 +127,27 @@ class _GroupWork:
     """One plan group prepared for one window size: what every layer of that window reads."""
 
     rows: torch.Tensor  # [G, Tq] query rows (padded queries repeat a valid row)
-    cells: torch.Tensor  # [G, Tk] key cells, Tk a multiple of KEY_BLOCK (pad: scratch cell)
-    masked: torch.Tensor  # [1, G, 1, Tq, Tk] bool: True where the key is invisible
+    key_rows: torch.Tensor  # [kv_heads * G * Tk] rows of the pool seen as [cells * kv_heads, D]
+    keys: int  # Tk: keys per sequence, a multiple of KEY_BLOCK (pad: the scratch cell)
+    bias: torch.Tensor  # [kv_heads * G, share * Tq, Tk] 0 where visible, -inf where not
     dest: torch.Tensor  # [N] token rows the valid queries write
     valid: torch.Tensor | None  # [G * Tq] bool, None when every query is valid
 
 
 def _prepare_groups(
-    plan: AttentionPlan, window: int | None, scratch_cell: int, min_query_rows: int
+    plan: AttentionPlan,
+    window: int | None,
+    scratch_cell: int,
+    min_query_rows: int,
+    kv_heads: int,
+    share: int,
+    dtype: torch.dtype,
 ) -> list[_GroupWork]:
     """Pads each group so that a query's result does not depend on the other sequences in
     its group: keys to whole KEY_BLOCKs aligned on absolute positions, and (when
-    `min_query_rows` > 1) multi-token groups to at least that many query rows."""
+    `min_query_rows` > 1) multi-token groups to at least that many query rows. The mask
+    becomes an additive bias laid out like the layers' score products, built once per
+    step and window rather than once per layer."""
     work = []
     for group in plan.groups:
         rows, cells, visible, valid = group.rows, group.cells, group.mask(window), group.query_valid
@@ -157,12 +166,22 @@ def _prepare_groups(
             rows = torch.cat([rows, rows[:, -1:].expand(num_groups, extra)], dim=1)
             visible = torch.cat([visible, visible[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
             valid = F.pad(valid, (0, extra), value=False)
+            num_queries = min_query_rows
+        keys = cells.shape[1]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        # [G, 1, Tq, Tk] -> [kv_heads * G, share * Tq, Tk], the layout of the score products.
+        bias = bias[None].expand(kv_heads, num_groups, share, num_queries, keys)
+        # Row h + kv_heads * cell of the pool seen as [cells * kv_heads, D] is head h of
+        # that cell: one row gather yields K/V already laid out [kv_heads, G, Tk, D].
+        heads = torch.arange(kv_heads, device=cells.device)[:, None]
         all_valid = bool(valid.all())
         work.append(
             _GroupWork(
                 rows=rows,
-                cells=cells,
-                masked=~visible[None],
+                key_rows=(cells.reshape(1, -1) * kv_heads + heads).reshape(-1),
+                keys=keys,
+                bias=bias.reshape(kv_heads * num_groups, share * num_queries, keys),
                 dest=rows.reshape(-1) if all_valid else rows[valid],
                 valid=None if all_valid else valid.reshape(-1),
             )
@@ -171,7 +190,7 @@ def _prepare_groups(
 
 
 def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """probs [G, H, M, Tk] @ values [G, H, Tk, D] -> [G, H, M, D], batch-invariantly.
+    """probs [B, M, Tk] @ values [B, Tk, D] -> [B, M, D], batch-invariantly.
 
     fp32 GEMMs choose how to split the Tk sum from Tk itself, so a padded Tk changed the
     rounding; there the sum runs as fixed KEY_BLOCK-key products added in block order
@@ -179,14 +198,14 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     which also keeps their fp32 accumulation over all keys.
     """
     if probs.dtype != torch.float32:
-        return torch.matmul(probs, values)
-    g, h, m, tk = probs.shape
-    blocks = tk // KEY_BLOCK
+        return torch.bmm(probs, values)
+    batch, rows, keys = probs.shape
+    blocks = keys // KEY_BLOCK
     per_block = torch.matmul(
-        probs.view(g, h, m, blocks, KEY_BLOCK).transpose(2, 3),
-        values.reshape(g, h, blocks, KEY_BLOCK, values.shape[-1]),
+        probs.view(batch, rows, blocks, KEY_BLOCK).transpose(1, 2),
+        values.view(batch, blocks, KEY_BLOCK, values.shape[-1]),
     )
-    return per_block.sum(dim=2)
+    return per_block.sum(dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -258,36 +277,35 @@ class DecoderLayer(nn.Module):
         """Grouped-query attention per plan group, as transformers' eager attention does it
         (scores in the compute dtype, softmax in fp32). Laid out KV-head-major: the query
         heads sharing a KV head are stacked as rows of one product, so K/V are never
-        repeated, and K/V are gathered straight into [kv_heads, G, Tk, D]."""
+        repeated; scale and mask are applied inside the score GEMM (baddbmm)."""
         kv_heads, head_dim = self.num_kv_heads, self.head_dim
         share = self.num_heads // kv_heads
         new = q.new_zeros if zero_fill else q.new_empty
         out = new(q.shape[0], self.num_heads * head_dim)
-        # [rows, kv_heads, D] -> [kv_heads, rows, D] views: indexing them by cells gives
-        # contiguous [kv_heads, G, Tk, D] operands (same GEMM path for every group size).
-        k_by_head, v_by_head = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
         for g in groups:
             num_groups, num_queries = g.rows.shape
-            # q[rows]: [G, Tq, kv_heads * share, D] -> [kv_heads, G, share * Tq, D]
+            batch = kv_heads * num_groups
+            # q[rows]: [G, Tq, kv_heads * share, D] -> [kv_heads * G, share * Tq, D]
             query = (
                 q[g.rows]
                 .view(num_groups, num_queries, kv_heads, share, head_dim)
                 .permute(2, 0, 3, 1, 4)
-                .reshape(kv_heads, num_groups, share * num_queries, head_dim)
+                .reshape(batch, share * num_queries, head_dim)
             )
-            # The pool's dtype may differ from the compute dtype.
-            key = k_by_head[:, g.cells].to(q.dtype)
-            value = v_by_head[:, g.cells].to(q.dtype)
-            scores = torch.matmul(query, key.transpose(-1, -2)) * self.scale
-            keys = scores.shape[-1]
-            scores = scores.view(kv_heads, num_groups, share, num_queries, keys)
-            scores = scores.masked_fill(g.masked, float("-inf"))
+            # One row gather each into contiguous [kv_heads * G, Tk, D] (so every group
+            # size takes the same GEMM path); the pool's dtype may differ from ours.
+            key, value = (
+                cache.view(-1, head_dim)
+                .index_select(0, g.key_rows)
+                .view(batch, g.keys, head_dim)
+                .to(q.dtype)
+                for cache in (k_cache, v_cache)
+            )
+            scores = torch.baddbmm(g.bias, query, key.transpose(1, 2), alpha=self.scale)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = _weighted_values(
-                probs.view(kv_heads, num_groups, share * num_queries, keys), value
-            )
             attended = (
-                attended.view(kv_heads, num_groups, share, num_queries, head_dim)
+                _weighted_values(probs, value)
+                .view(kv_heads, num_groups, share, num_queries, head_dim)
                 .permute(1, 3, 0, 2, 4)
                 .reshape(num_groups * num_queries, self.num_heads * head_dim)
             )
@@ -379,9 +397,18 @@ class PackedTransformer(nn.Module):
             tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
         cos = self.rope_cos[positions].to(self.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
+        c = self.config
         work = {
-            window: _prepare_groups(plan, window, kv.scratch_cell, self._min_query_rows)
-            for window in set(self.config.layer_windows)
+            window: _prepare_groups(
+                plan,
+                window,
+                kv.scratch_cell,
+                self._min_query_rows,
+                c.num_kv_heads,
+                c.num_heads // c.num_kv_heads,
+                self.dtype,
+            )
+            for window in set(c.layer_windows)
         }
         hidden = self.embed(tokens)
         for index, layer in enumerate(self.layers):
