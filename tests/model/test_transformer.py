@@ -11,9 +11,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cellbatch.model.loading import load_model
-from cellbatch.model.transformer import PackedTransformer
+from cellbatch.model.transformer import PackedLinear, PackedTransformer, can_pack_linears
 
 PROMPT_A = [5, 17, 33, 2, 61]
 PROMPT_B = [9, 40, 12, 77, 3, 50, 21, 8, 64, 30, 11]
@@ -173,3 +174,18 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(tiny_checkpoint, packed_steps) -
     # fp32 weights with a bf16 KV pool: only the cached K/V are rounded.
     got = packed_steps(model32, STEPS, 2, kv_dtype=torch.bfloat16)
     assert 0 < (got[2] - reference[2]).abs().max().item() < 0.1
+
+
+@pytest.mark.skipif(
+    not can_pack_linears(torch.bfloat16, "cpu"), reason="needs a CPU with native bf16 products"
+)
+def test_packed_linear_equals_f_linear_for_every_row_count() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(96, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(300, 64, generator=generator).to(torch.bfloat16)
+    packed = PackedLinear(weight, bias)
+    full = packed(rows)
+    assert torch.equal(full, F.linear(rows, weight, bias))
+    for count in (1, 2, 3, 15, 16, 33, 128):
+        assert torch.equal(packed(rows[:count]), full[:count]), count

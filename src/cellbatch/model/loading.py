@@ -80,6 +80,7 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_rope("cpu")
     model.requires_grad_(False)
+    model.pack_linears()
     return config, model.eval()
 
 
