@@ -12,57 +12,17 @@ import torch
 
 from cellbatch.cache import CellCache, KVPool
 from cellbatch.model.transformer import PackedTransformer
-
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-
-
-def _config(kind: str, **overrides: object):  # -> transformers.PretrainedConfig
-    import transformers
-
-    classes = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-        "mistral": transformers.MistralConfig,
-    }
-    settings = {**TINY, **overrides}
-    if kind in ("qwen3", "mistral"):
-        settings.setdefault("head_dim", 16)
-    return classes[kind](**settings)
+from tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture
 def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[object, Path]]:
-    """make(kind, **config overrides) -> (transformers model in fp32, its saved folder).
-
-    Every parameter is redrawn (biases non-zero, norm weights away from 1) so that each
-    part of the computation shows in the logits.
-    """
+    """make(kind, **config overrides) -> (transformers model in fp32, its saved folder)."""
 
     def make(kind: str, max_shard_size: str | None = None, **overrides: object):
-        import transformers
-
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(_config(kind, **overrides))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0.0, 0.15)
-        model.eval()
-        folder = tmp_path / kind
-        extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
-        model.save_pretrained(folder, safe_serialization=True, **extra)
-        return model, folder
+        return make_tiny_checkpoint(
+            kind, tmp_path / kind, max_shard_size=max_shard_size, **overrides
+        )
 
     return make
 
