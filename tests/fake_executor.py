@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cellbatch.runner import Runner, Session
 from cellbatch.types import (
     BatchInput,
     BatchOutput,
@@ -273,3 +274,10 @@ class Recorder:
     @property
     def tokens(self) -> list[int]:
         return [token for update in self.updates for token in update.tokens]
+
+
+def open_session(runner: Runner) -> Session:
+    """A session of `runner`, opened synchronously (the test fails if refused)."""
+    session = runner.open_session_async().result(WAIT_S)
+    assert session is not None
+    return session

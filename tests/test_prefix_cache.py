@@ -9,7 +9,7 @@ import pytest
 from cellbatch import PrefixCache, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError
-from fake_executor import WAIT_S, FakeExecutor, make_tokens, wait_until
+from fake_executor import WAIT_S, FakeExecutor, make_tokens, open_session, wait_until
 
 
 @pytest.fixture
@@ -23,12 +23,6 @@ def runner(fake: FakeExecutor) -> Iterator[Runner]:
     yield runner
     runner.shutdown()
     assert fake.open_count == 0
-
-
-def open_session(runner: Runner) -> Session:
-    session = runner.open_session_async().result(WAIT_S)
-    assert session is not None
-    return session
 
 
 def generate(session: Session, delta: list[int], max_new: int = 1, **kwargs: object) -> None:

@@ -20,7 +20,7 @@ from cellbatch import GenerationHandle, Runner, Session
 from cellbatch.runner import InitializationState
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError, SamplingParams, Task
-from fake_executor import WAIT_S, FakeExecutor, Recorder, make_tokens, wait_until
+from fake_executor import WAIT_S, FakeExecutor, Recorder, make_tokens, open_session, wait_until
 
 ENGINE = "cellbatch-engine"
 Start = Callable[..., tuple[Runner, FakeExecutor]]
@@ -49,12 +49,6 @@ def start() -> Iterator[Start]:
         runner.shutdown()
         assert fake.wrong_thread_calls == 0
         assert fake.open_count == 0
-
-
-def open_session(runner: Runner) -> Session:
-    session = runner.open_session_async().result(WAIT_S)
-    assert session is not None
-    return session
 
 
 def run(session: Session, delta: list[int], max_new: int = 3, **config: object) -> GenerationHandle:
