@@ -833,6 +833,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
     from cellbatch.engine import Engine
     from cellbatch.model.default import default_model_path
     from cellbatch.model.tokenizer import load_tokenizer
+    from cellbatch.threads import in_short_lived_thread
 
     torch.set_num_threads(options.threads)
     path = options.model or default_model_path()
@@ -849,19 +850,25 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
     reference_model = None
     hf_names = [name for name in (SINGLE, PADDED, CONTINUOUS) if name not in options.skip]
     if hf_names or options.fp32_baseline:
-        _progress(f"loading {path} in transformers")
-        fp32_model = load_transformers_model(path, torch.float32)
-        reference_model = fp32_model
-        if options.dtype != "float32":
-            reference_model = copy.deepcopy(fp32_model).to(getattr(torch, options.dtype))
-        peers = [
-            transformers_peer(name, model, count, stop, pad, options.max_batch_tokens)
-            for name, model in (
-                *([(PADDED_FP32, fp32_model)] if options.fp32_baseline else []),
-                *((name, reference_model) for name in hf_names),
-            )
-        ]
-        report.runs += [time_peer(peer, prompts, options.max_new_tokens) for peer in peers]
+
+        def run_transformers() -> torch.nn.Module:
+            _progress(f"loading {path} in transformers")
+            fp32_model = load_transformers_model(path, torch.float32)
+            reference = fp32_model
+            if options.dtype != "float32":
+                reference = copy.deepcopy(fp32_model).to(getattr(torch, options.dtype))
+            peers = [
+                transformers_peer(name, model, count, stop, pad, options.max_batch_tokens)
+                for name, model in (
+                    *([(PADDED_FP32, fp32_model)] if options.fp32_baseline else []),
+                    *((name, reference) for name in hf_names),
+                )
+            ]
+            report.runs += [time_peer(peer, prompts, options.max_new_tokens) for peer in peers]
+            return reference
+
+        # Off the main thread, as cellbatch's forwards are: see cellbatch.threads.
+        reference_model = in_short_lived_thread(run_transformers)
 
     if CELLBATCH not in options.skip or SWEEP not in options.skip:
         _progress(f"loading {path} in cellbatch")

@@ -31,6 +31,7 @@ from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.runner import GenerationHandle, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
+from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (
     MAX_POSITION,
     FinishReason,
@@ -144,7 +145,7 @@ class Engine:
             torch.set_num_threads(threads)
         path = Path(model) if model is not None else default_model_path()
         weight_dtype = resolve_dtype(dtype)
-        config, module = load_model(path, weight_dtype)
+        config, module = in_short_lived_thread(lambda: load_model(path, weight_dtype))
         try:
             tokenizer = load_tokenizer(path)
         except FileNotFoundError:
