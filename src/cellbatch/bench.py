@@ -795,7 +795,11 @@ def transformers_peer(
     kinds: dict[str, tuple[str, int, Callable[..., list[list[Token]]]]] = {
         SINGLE: ("transformers one prompt at a time", 1, transformers_single),
         PADDED: (f"transformers padded batch of {count}", count, transformers_padded),
-        PADDED_FP32: (f"transformers padded batch of {count}", count, transformers_padded),
+        PADDED_FP32: (
+            f"transformers padded batch of {count} in float32",
+            count,
+            transformers_padded,
+        ),
         CONTINUOUS: (
             "transformers generate_batch",
             count,
