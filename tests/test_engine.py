@@ -321,3 +321,12 @@ def test_default_model_batch_invariance(default_engine: Engine) -> None:
         shape = EngineShape(max_sessions=32, max_prefill_chunk=chunk, max_batch_tokens=chunk + 32)
         with Engine(engine.model, engine.config, engine.tokenizer, shape=shape) as chunked:
             assert generate(chunked, [target], new_tokens)[0] == alone
+
+
+def test_engine_is_exported_from_the_package_top_level() -> None:
+    import cellbatch
+    from cellbatch.engine import Engine
+
+    assert cellbatch.Engine is Engine
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        _ = cellbatch.Nothing

@@ -13,6 +13,7 @@ from cellbatch.types import (
 )
 
 __all__ = [
+    "Engine",
     "EngineMetrics",
     "FinishReason",
     "GenConfig",
@@ -26,3 +27,13 @@ __all__ = [
     "SamplingParams",
     "Session",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Engine pulls in the model loaders (torch, gguf, transformers): imported on first use,
+    # so that `import cellbatch` stays light for users of the Runner alone.
+    if name == "Engine":
+        from cellbatch.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'cellbatch' has no attribute {name!r}")
