@@ -131,6 +131,16 @@ def cli(
     return run
 
 
+@pytest.fixture
+def model_loads(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Replaces Engine.from_pretrained with a recorder: the list of loads it was asked for."""
+    from cellbatch.engine import Engine
+
+    loads: list[object] = []
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: loads.append(a))
+    return loads
+
+
 def write_lines(path: Path, lines: Sequence[str]) -> Path:
     path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
     return path
@@ -336,27 +346,19 @@ def test_prompt_too_long_for_the_model_context_fails_with_the_numbers(cli, tmp_p
 
 @pytest.mark.parametrize("option", ["--prompt-file", "--prompts-file", "--prompt-tokens-file"])
 def test_missing_prompt_file_is_an_error_before_the_model_loads(
-    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: str
+    cli, tmp_path: Path, model_loads: list[object], option: str
 ) -> None:
-    from cellbatch.engine import Engine
-
-    loads: list[object] = []
-    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: loads.append(a))
     missing = tmp_path / "nowhere.txt"
     run = cli(option, str(missing))
     assert run.code == 2 and run.report is None
     assert f"prompt file {missing} does not exist" in run.stderr
-    assert loads == []
+    assert model_loads == []
 
 
 @pytest.mark.parametrize("kind", ["directory", "not utf-8"])
 def test_unreadable_prompt_file_is_an_error_before_the_model_loads(
-    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+    cli, tmp_path: Path, model_loads: list[object], kind: str
 ) -> None:
-    from cellbatch.engine import Engine
-
-    loads: list[object] = []
-    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: loads.append(a))
     path = tmp_path / "prompts"
     if kind == "directory":
         path.mkdir()
@@ -365,7 +367,7 @@ def test_unreadable_prompt_file_is_an_error_before_the_model_loads(
     run = cli("--prompts-file", str(path))
     assert run.code == 2 and run.report is None
     assert f"cannot read prompt file {path}" in run.stderr
-    assert loads == []
+    assert model_loads == []
 
 
 def test_missing_prompt_file_in_a_subprocess(tiny: TinyModel, tmp_path: Path) -> None:
@@ -394,20 +396,16 @@ def test_missing_model_is_an_error_before_loading(cli, tmp_path: Path) -> None:
 )
 def test_options_that_could_only_fail_later_are_refused_before_loading(
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    model_loads: list[object],
     capsys: pytest.CaptureFixture[str],
     options: tuple[str, ...],
     message: str,
 ) -> None:
-    from cellbatch.engine import Engine
-
-    loads: list[object] = []
-    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: loads.append(a))
     prompts = write_lines(tmp_path / "p.txt", ["Hi"])
     code = main(["run", "--prompts-file", str(prompts), *options])
     assert code == 2
     assert message in capsys.readouterr().err
-    assert loads == []
+    assert model_loads == []
 
 
 # -- prompt sources ----------------------------------------------------------------
