@@ -411,6 +411,12 @@ class CellCache:
         self._lengths[seq] = pos
 
 
+def kv_bytes_per_cell(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V that one cell holds across every layer."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * element
+
+
 class KVPool:
     """Per-layer K and V tensors [rows, kv_heads, head_dim] over cells.
 
@@ -456,8 +462,7 @@ class KVPool:
 
     @property
     def bytes_per_cell(self) -> int:
-        element = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return kv_bytes_per_cell(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def allocated_bytes(self) -> int:
