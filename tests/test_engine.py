@@ -270,6 +270,16 @@ CHAT_PROMPTS = [
 DEFAULT_NEW_TOKENS = 48
 
 
+def test_prompts_failing_at_once_free_their_sessions_for_the_rest(make_engine) -> None:
+    engine = make_engine(max_sessions=1)
+    results = engine.generate([[], [], [], [5, 6, 7]], GenConfig(max_new_tokens=2))
+    assert [r.finish_reason for r in results] == [FinishReason.FAILED] * 3 + [
+        FinishReason.TOKEN_LIMIT
+    ]
+    assert all("delta is empty" in r.error for r in results[:3])
+    assert len(results[3].tokens) == 2
+
+
 @pytest.fixture(scope="module")
 def default_engine() -> Iterator[Engine]:
     with Engine.from_pretrained(dtype="float32", max_sessions=32) as engine:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from cellbatch.cache import kv_bytes_per_cell
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
 from cellbatch.model.default import default_model_path
@@ -194,7 +195,7 @@ class Engine:
         base = _gen_config(params, max_new_tokens, seed, self.stop_tokens)
         results = [self._prepare(prompt, base) for prompt in prompts]
         jobs = [
-            _Job(index, result, _seeded(base, index), tuple(stop))
+            _Job(result, _seeded(base, index), tuple(stop))
             for index, result in enumerate(results)
             if result.error == ""
         ]
@@ -277,8 +278,8 @@ class Engine:
         return result
 
     def _prompt_problem(self, tokens: Sequence[Token], config: GenConfig) -> str:
-        if not tokens:
-            return "the prompt is empty: give at least one token"
+        """What only the engine knows to refuse (the vocabulary and the session limit);
+        an empty prompt or a bad max_new_tokens is the runner's to refuse."""
         vocab = self.config.vocab_size
         for index, token in enumerate(tokens):
             if not 0 <= token < vocab:
@@ -286,8 +287,6 @@ class Engine:
                     f"token id {token} at index {index} is outside the vocabulary "
                     f"[0, {vocab}); use ids of this model's tokenizer"
                 )
-        if config.max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1, got {config.max_new_tokens}"
         limit = self.shape.max_session_tokens
         needed = len(tokens) + config.max_new_tokens
         if needed > limit:
@@ -318,7 +317,11 @@ class Engine:
 
         while waiting:
             with settled:
-                wanted = min(len(waiting), max(1, self.shape.max_sessions - running))
+                # A job settles by queueing its session's close before it stops counting
+                # here, so requests posted after `running` drops below `ours` find its
+                # session free (the inbox is FIFO).
+                ours = running
+                wanted = min(len(waiting), max(1, self.shape.max_sessions - ours))
             requests = [self.runner.open_session_async() for _ in range(wanted)]
             sessions = [session for request in requests if (session := request.result())]
             for session in sessions:
@@ -328,16 +331,15 @@ class Engine:
                 job.start(session, self, on_tokens, functools.partial(finish, job, session))
             if sessions:
                 continue
+            if ours == 0:
+                for job in waiting:
+                    job.result.error = (
+                        f"no session available: all {self.shape.max_sessions} are open "
+                        "elsewhere; close sessions or raise max_sessions"
+                    )
+                return
             with settled:
-                if running == 0:
-                    for job in waiting:
-                        job.result.error = (
-                            f"no session available: all {self.shape.max_sessions} are open "
-                            "elsewhere; close sessions or raise max_sessions"
-                        )
-                    return
-                before = running
-                while running >= before:
+                while running >= ours:
                     settled.wait()
         with settled:
             while running:
@@ -348,7 +350,6 @@ class Engine:
 class _Job:
     """One prompt's generation inside `Engine.generate`."""
 
-    index: int
     result: GenerationResult
     config: GenConfig
     stop_strings: tuple[str, ...]
@@ -444,12 +445,8 @@ def _resolve_shape(shape: EngineShape, config: Any, kv_dtype: torch.dtype) -> En
         )
     decodes = shape.max_decode_sequences or min(shape.max_sessions, shape.max_batch_tokens // 2)
     chunk = shape.max_prefill_chunk or shape.max_batch_tokens - decodes
-    bytes_per_cell = (
-        2
-        * config.num_layers
-        * config.num_kv_heads
-        * config.head_dim
-        * torch.empty(0, dtype=kv_dtype).element_size()
+    bytes_per_cell = kv_bytes_per_cell(
+        config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype
     )
     cells = shape.max_cells or min(
         shape.max_sessions * session_tokens, DEFAULT_KV_BUDGET_BYTES // bytes_per_cell
