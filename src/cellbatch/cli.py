@@ -244,8 +244,6 @@ def run_command(args: argparse.Namespace) -> int:
         )
         if value is not None
     }
-    if args.max_decode_sequences is None and "max_batch_tokens" in shape:
-        shape["max_decode_sequences"] = min(max_sessions, shape["max_batch_tokens"] // 2)
 
     memory = {"before_load": memory_snapshot()}
     load_started = time.perf_counter()
