@@ -206,8 +206,7 @@ def _check_options(args: argparse.Namespace) -> None:
         folder = args.report_json.parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise UsageError(
-                f"cannot write the report to {args.report_json}: {folder} is not a "
-                "writable folder"
+                f"cannot write the report to {args.report_json}: {folder} is not a writable folder"
             )
 
 
@@ -273,22 +272,22 @@ def run_command(args: argparse.Namespace) -> int:
             )
         generate_seconds = time.perf_counter() - started
         memory["after_generate"] = memory_snapshot()
+        metrics = engine.metrics()
         report = _report(
             prompts,
             inputs,
             failures,
             results,
             engine,
+            metrics,
             args,
             config,
             memory,
             generate_seconds,
             load_seconds,
         )
-        engine_text = engine.metrics().report()
-        kv = engine.kv_usage()
 
-    _print_report(report, engine_text, kv)
+    _print_report(report, metrics.report())
     if args.report_json is not None:
         args.report_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         _note(f"report written to {args.report_json}")
@@ -351,6 +350,7 @@ def _report(
     failures: dict[int, str],
     results: list[Any],
     engine: Any,
+    metrics: Any,
     args: argparse.Namespace,
     config: Any,
     memory: dict[str, dict[str, int]],
@@ -366,7 +366,6 @@ def _report(
             prompts[index], tokens, result.tokens, result.text, str(result.finish_reason), error
         )
     generated = sum(len(entry["tokens"]) for entry in generations)
-    metrics = engine.metrics()
     return {
         "generations": generations,
         "memory": memory,
@@ -421,7 +420,8 @@ def _generation_entry(
     }
 
 
-def _print_report(report: dict[str, Any], engine_text: str, kv: dict[str, int]) -> None:
+def _print_report(report: dict[str, Any], engine_text: str) -> None:
+    kv = report["kv"]
     for number, entry in enumerate(report["generations"], start=1):
         print(f"=== [{number}] {entry['source']} ===")
         print(f">>> {entry['prompt']}")
