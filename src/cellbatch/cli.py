@@ -88,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-prefill-chunk", type=int)
     run.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     run.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    run.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "kernel", "gather"),
+        help="attention path: the compiled CPU kernel (built on first use), pure torch "
+        "(gather), or auto (the kernel where it builds)",
+    )
     run.add_argument("--threads", type=int, help="torch threads")
     run.add_argument("--report-json", type=Path, help="write the whole report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -252,6 +259,7 @@ def run_command(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
             threads=args.threads,
+            attention=args.attention,
             **shape,
         )
     except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
@@ -375,6 +383,7 @@ def _report(
             "model": str(engine.model_path),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
+            "attention": engine.attention,
             "threads": _threads(),
             "max_new_tokens": config.max_new_tokens,
             "temperature": config.sampling.temperature,

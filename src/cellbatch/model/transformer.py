@@ -4,33 +4,31 @@ Owns: `PackedTransformer` (a Llama-family decoder whose batch is one token axis)
 `resolve_dtype`, and the RoPE frequency rule.
 Promises: `forward(tokens, positions, plan, kv, cells, logit_rows)` writes each token's
 K/V into its cell of the `KVPool`, attends each token to exactly the cells the
-`AttentionPlan` gives its sequence (gathered per plan group, so a token's work scales with
-its own context; a sliding-window layer skips the key blocks wholly outside its window),
-and returns float32 logits for `logit_rows` only. Numerics follow transformers' eager
-attention: compute in the weight dtype, RMSNorm and softmax in float32, RoPE from float32
-angles. A token's logits are bit-identical whatever else shares its step (see
-PackedTransformer).
+`AttentionPlan` gives its sequence (`cellbatch.model.attention`: a token's work scales with
+its own context, and a sliding-window layer reads only its window), and returns float32
+logits for `logit_rows` only. Numerics follow transformers' eager attention: compute in
+the weight dtype, RMSNorm and softmax in float32, RoPE from float32 angles. A token's
+logits are bit-identical whatever else shares its step (see PackedTransformer).
 Never: owns cells or sequences (`cellbatch.cache` does), samples, or loops in Python over
-tokens; the only loops run over layers and the (at most two) plan groups.
+tokens; the only loops run over layers (and, on the gather path, the plan groups).
 
 Positions index a precomputed cos/sin table, so they must lie in [0, max_positions)
 (by default the model's `max_position_embeddings`). A table lookup, unlike computing
 cos/sin per step, gives a position the same angles whatever else is in the step.
-Attention is written out (two GEMMs and a softmax) rather than calling torch's SDPA: the
-CPU flash kernel's rounding depends on the padded key length, i.e. on the other
-sequences of the group.
+Attention does not call torch's SDPA: the CPU flash kernel's rounding depends on the
+padded key length, i.e. on the other sequences of the group.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cellbatch.cache import AttentionPlan, KVPool
+from cellbatch.model.attention import CellAttention, HeadShape, make_attention
 from cellbatch.model.config import ModelConfig
 from cellbatch.types import InvalidArgumentError
 
@@ -40,8 +38,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# Keys are gathered and summed in blocks of this many positions (see _weighted_values).
-KEY_BLOCK = 64
 # Fewest rows per GEMM call for which a row's result does not depend on the row count
 # (measured on the development CPU: fp32 rounds calls of < 12 rows differently, bf16 only
 # 1-row calls; fp16 is not measured, so it gets fp32's margin).
@@ -150,100 +146,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-@dataclass
-class _GroupWork:
-    """One plan group prepared for one window size: what every layer of that window reads."""
-
-    rows: torch.Tensor  # [G, Tq] query rows (padded queries repeat a valid row)
-    key_rows: torch.Tensor  # [kv_heads * G * Tk] rows of the pool seen as [cells * kv_heads, D]
-    keys: int  # Tk: keys per sequence, a multiple of KEY_BLOCK (pad: the scratch cell)
-    bias: torch.Tensor  # [kv_heads * G, share * Tq, Tk] 0 where visible, -inf where not
-    dest: torch.Tensor  # [N] token rows the valid queries write
-    valid: torch.Tensor | None  # [G * Tq] bool, None when every query is valid
-
-
-def _prepare_groups(
-    plan: AttentionPlan,
-    window: int | None,
-    scratch_cell: int,
-    min_query_rows: int,
-    kv_heads: int,
-    share: int,
-    dtype: torch.dtype,
-) -> list[_GroupWork]:
-    """Pads each group so that a query's result does not depend on the other sequences in
-    its group: keys to whole KEY_BLOCKs aligned on absolute positions, and (when
-    `min_query_rows` > 1) multi-token groups to at least that many query rows. The mask
-    becomes an additive bias laid out like the layers' score products, built once per
-    step and window rather than once per layer."""
-    work = []
-    for group in plan.groups:
-        rows, cells, visible, valid = group.rows, group.cells, group.mask(window), group.query_valid
-        if window is not None:
-            # Blocks of keys wholly at positions <= (lowest query position) - window are
-            # invisible to the whole group: leave them out of the gather.
-            lowest = int(group.query_pos[valid].min())
-            start = max(0, lowest - window + 1) // KEY_BLOCK * KEY_BLOCK
-            cells, visible = cells[:, start:], visible[..., start:]
-        pad_keys = -cells.shape[1] % KEY_BLOCK
-        cells = F.pad(cells, (0, pad_keys), value=scratch_cell)
-        visible = F.pad(visible, (0, pad_keys), value=False)
-        num_groups, num_queries = rows.shape
-        if 1 < num_queries < min_query_rows:
-            extra = min_query_rows - num_queries
-            rows = torch.cat([rows, rows[:, -1:].expand(num_groups, extra)], dim=1)
-            visible = torch.cat([visible, visible[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-            valid = F.pad(valid, (0, extra), value=False)
-            num_queries = min_query_rows
-        keys = cells.shape[1]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        bias.masked_fill_(~visible, float("-inf"))
-        # [G, 1, Tq, Tk] -> [kv_heads * G, share * Tq, Tk], the layout of the score products.
-        bias = bias[None].expand(kv_heads, num_groups, share, num_queries, keys)
-        # Row h + kv_heads * cell of the pool seen as [cells * kv_heads, D] is head h of
-        # that cell: one row gather yields K/V already laid out [kv_heads, G, Tk, D].
-        heads = torch.arange(kv_heads, device=cells.device)[:, None]
-        all_valid = bool(valid.all())
-        work.append(
-            _GroupWork(
-                rows=rows,
-                key_rows=(cells.reshape(1, -1) * kv_heads + heads).reshape(-1),
-                keys=keys,
-                bias=bias.reshape(kv_heads * num_groups, share * num_queries, keys),
-                dest=rows.reshape(-1) if all_valid else rows[valid],
-                valid=None if all_valid else valid.reshape(-1),
-            )
-        )
-    return work
-
-
-def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """probs [B, M, Tk] @ values [B, Tk, D] -> [B, M, D], batch-invariantly.
-
-    fp32 GEMMs choose how to split the Tk sum from Tk itself, so a padded Tk changed the
-    rounding; there the sum runs as fixed KEY_BLOCK-key products added in block order
-    (masked keys add exact zeros). bf16/fp16 GEMMs proved invariant to Tk in one call,
-    which also keeps their fp32 accumulation over all keys.
-    """
-    if probs.dtype != torch.float32:
-        return torch.bmm(probs, values)
-    batch, rows, keys = probs.shape
-    blocks = keys // KEY_BLOCK
-    per_block = torch.matmul(
-        probs.view(batch, rows, blocks, KEY_BLOCK).transpose(1, 2),
-        values.view(batch, blocks, KEY_BLOCK, values.shape[-1]),
-    )
-    return per_block.sum(dim=1)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm attention and SwiGLU MLP, with fused q/k/v and gate/up projections."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        attention: CellAttention,
+    ) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.attention = attention
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.qkv = nn.Linear(
             c.hidden_size,
@@ -273,7 +189,8 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cells: torch.Tensor,
-        groups: list[_GroupWork],
+        prepared: object,
+        window: int | None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv(self.input_norm(hidden))
@@ -289,56 +206,10 @@ class DecoderLayer(nn.Module):
         real = cells.shape[0]
         k_cache.index_copy_(0, cells, k[:real].to(k_cache.dtype))
         v_cache.index_copy_(0, cells, v[:real].to(v_cache.dtype))
-        attended = self._attend(q, k_cache, v_cache, groups, zero_fill=real < tokens)
+        attended = self.attention.attend(q, k_cache, v_cache, prepared, window)
         hidden = hidden + self.o_proj(attended)
         gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
         return hidden + self.down(F.silu(gate) * up)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        groups: list[_GroupWork],
-        zero_fill: bool,
-    ) -> torch.Tensor:
-        """Grouped-query attention per plan group, as transformers' eager attention does it
-        (scores in the compute dtype, softmax in fp32). Laid out KV-head-major: the query
-        heads sharing a KV head are stacked as rows of one product, so K/V are never
-        repeated; scale and mask are applied inside the score GEMM (baddbmm)."""
-        kv_heads, head_dim = self.num_kv_heads, self.head_dim
-        share = self.num_heads // kv_heads
-        new = q.new_zeros if zero_fill else q.new_empty
-        out = new(q.shape[0], self.num_heads * head_dim)
-        for g in groups:
-            num_groups, num_queries = g.rows.shape
-            batch = kv_heads * num_groups
-            # q[rows]: [G, Tq, kv_heads * share, D] -> [kv_heads * G, share * Tq, D]
-            query = (
-                q[g.rows]
-                .view(num_groups, num_queries, kv_heads, share, head_dim)
-                .permute(2, 0, 3, 1, 4)
-                .reshape(batch, share * num_queries, head_dim)
-            )
-            # One row gather each into contiguous [kv_heads * G, Tk, D] (so every group
-            # size takes the same GEMM path); the pool's dtype may differ from ours.
-            key, value = (
-                cache.view(-1, head_dim)
-                .index_select(0, g.key_rows)
-                .view(batch, g.keys, head_dim)
-                .to(q.dtype)
-                for cache in (k_cache, v_cache)
-            )
-            scores = torch.baddbmm(g.bias, query, key.transpose(1, 2), alpha=self.scale)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = (
-                _weighted_values(probs, value)
-                .view(kv_heads, num_groups, share, num_queries, head_dim)
-                .permute(1, 3, 0, 2, 4)
-                .reshape(num_groups * num_queries, self.num_heads * head_dim)
-            )
-            out.index_copy_(0, g.dest, attended if g.valid is None else attended[g.valid])
-        return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -353,11 +224,13 @@ class PackedTransformer(nn.Module):
 
     Batch invariance: a token's logits are bit-identical whatever else shares its step
     (other sequences, their lengths, the token's place on the axis, the chunking of its
-    prompt). Three things make it so: every matrix product runs on at least `min_rows`
+    prompt). Two things make it so: every matrix product runs on at least `min_rows`
     rows (zero rows are appended, then dropped; default MIN_GEMM_ROWS of the dtype), since
-    CPU GEMMs round a row differently in calls of very few rows; attention operands are
-    made contiguous so every group size takes the same GEMM path; and keys are padded to
-    whole KEY_BLOCKs aligned on positions (see _weighted_values).
+    CPU GEMMs round a row differently in calls of very few rows; and attention keeps the
+    same promise (`cellbatch.model.attention`).
+
+    `attention` picks the attention path: "auto" (the compiled kernel on CPU where it
+    builds, else pure torch), "kernel" or "gather".
     """
 
     def __init__(
@@ -367,18 +240,23 @@ class PackedTransformer(nn.Module):
         device: str | torch.device = "cpu",
         max_positions: int | None = None,
         min_rows: int | None = None,
+        attention: str = "auto",
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.max_positions = max_positions or config.max_position_embeddings
         self.min_rows = MIN_GEMM_ROWS.get(dtype, 16) if min_rows is None else min_rows
-        share = config.num_heads // config.num_kv_heads
-        # Attention products stack `share` heads per query: this many queries fill min_rows.
-        self._min_query_rows = -(-self.min_rows // share)
+        self.attention = make_attention(
+            attention,
+            HeadShape(config.num_heads, config.num_kv_heads, config.head_dim),
+            dtype,
+            torch.device(device),
+            self.min_rows,
+        )
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+            DecoderLayer(config, dtype, device, self.attention) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
@@ -438,23 +316,11 @@ class PackedTransformer(nn.Module):
             tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
         cos = self.rope_cos[positions].to(self.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
-        c = self.config
-        work = {
-            window: _prepare_groups(
-                plan,
-                window,
-                kv.scratch_cell,
-                self._min_query_rows,
-                c.num_kv_heads,
-                c.num_heads // c.num_kv_heads,
-                self.dtype,
-            )
-            for window in set(c.layer_windows)
-        }
+        prepared = self.attention.prepare(plan, kv.scratch_cell)
         hidden = self.embed(tokens)
         for index, layer in enumerate(self.layers):
             window = self.config.layer_windows[index]
-            hidden = layer(hidden, cos, sin, kv.k[index], kv.v[index], cells, work[window])
+            hidden = layer(hidden, cos, sin, kv.k[index], kv.v[index], cells, prepared, window)
         last = hidden[logit_rows]
         rows = last.shape[0]
         if rows < self.min_rows:

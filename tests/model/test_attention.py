@@ -1,0 +1,195 @@
+"""Attention over cells: the compiled kernel against a float64 reference and the gather
+path, its batch invariance, and how the path is chosen."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from cellbatch.cache import CellCache
+from cellbatch.model import kernels
+from cellbatch.model.attention import (
+    GatherAttention,
+    HeadShape,
+    KernelAttention,
+    make_attention,
+)
+from cellbatch.types import InvalidArgumentError
+
+HEADS = HeadShape(num_heads=6, num_kv_heads=2, head_dim=32)
+KERNELS_OFF = os.environ.get("CELLBATCH_KERNELS") == "0"
+needs_kernel = pytest.mark.skipif(KERNELS_OFF, reason="CELLBATCH_KERNELS=0")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> KernelAttention:
+    op = kernels.cell_attention_op()
+    # On the project's machines the kernel must build: a missing compiler is a failure here,
+    # not a skip, so a broken build cannot hide behind the fallback.
+    assert op is not None, kernels.unavailable_reason()
+    return KernelAttention(HEADS, op)
+
+
+class Cells:
+    """A CellCache fed steps of (sequence, token count). The K/V of (sequence, position)
+    are fixed random values, whichever cell that position lands in."""
+
+    def __init__(self, num_sequences: int, kv_dtype: torch.dtype, seed: int = 0) -> None:
+        self.cache = CellCache(4096)
+        self.seqs = [self.cache.seq_alloc() for _ in range(num_sequences)]
+        generator = torch.Generator().manual_seed(seed)
+        shape = (num_sequences, 512, HEADS.num_kv_heads, HEADS.head_dim)
+        self.k_of = torch.randn(shape, generator=generator).to(kv_dtype)
+        self.v_of = torch.randn(shape, generator=generator).to(kv_dtype)
+        # Cells never written hold NaN, so reading one shows in the result; the scratch
+        # cell 0, which the gather path reads as masked padding, holds zeros as in a pool.
+        self.k = torch.full((4097, *shape[2:]), float("nan"), dtype=kv_dtype)
+        self.k[0] = 0
+        self.v = self.k.clone()
+
+    def step(self, parts: list[tuple[int, int]]):
+        """Places a step; returns (plan, seq index per token, position per token)."""
+        ids, positions, owners = [], [], []
+        for index, count in parts:
+            start = self.cache.seq_length(self.seqs[index])
+            ids += [self.seqs[index]] * count
+            positions += range(start, start + count)
+            owners += [index] * count
+        ids_np, pos_np = np.array(ids), np.array(positions)
+        assert self.cache.declare_step(ids_np)
+        cells = torch.from_numpy(self.cache.place_step(ids_np, pos_np))
+        self.k[cells] = self.k_of[owners, positions]
+        self.v[cells] = self.v_of[owners, positions]
+        return self.cache.attention_plan(ids_np, pos_np, cells.numpy()), owners, positions
+
+
+def reference(cells: Cells, q: torch.Tensor, owners, positions, window, dtype) -> torch.Tensor:
+    """float64 attention of each token over its own sequence's visible cells."""
+    out = torch.zeros(q.shape[0], HEADS.num_heads * HEADS.head_dim, dtype=torch.float64)
+    for row, (index, pos) in enumerate(zip(owners, positions, strict=True)):
+        seq_cells = torch.from_numpy(cells.cache.seq_cells(cells.seqs[index])[: pos + 1])
+        low = 0 if window is None else max(0, pos - window + 1)
+        keys = cells.k[seq_cells[low:]].to(dtype).double()  # [n, kv_heads, D]
+        values = cells.v[seq_cells[low:]].to(dtype).double()
+        for head in range(HEADS.num_heads):
+            kv = head // HEADS.share
+            scores = keys[:, kv] @ q[row, head].double() * HEADS.scale
+            weights = torch.softmax(scores, dim=0)
+            out[row, head * HEADS.head_dim : (head + 1) * HEADS.head_dim] = weights @ values[:, kv]
+    return out
+
+
+MIXED_STEPS = [
+    [(0, 5), (1, 40), (2, 1)],  # prompt chunks beside a 1-token prompt
+    [(2, 1), (0, 1), (1, 1)],  # decodes
+    [(1, 1), (0, 23), (2, 1)],  # a chunk beside decodes
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "tolerance"),
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 3e-2),
+        (torch.bfloat16, torch.float32, 3e-2),
+        (torch.float32, torch.bfloat16, 1e-5),
+        (torch.float16, torch.float16, 3e-3),
+    ],
+)
+def test_kernel_matches_a_float64_reference_and_the_gather_path(
+    kernel, window, dtype, kv_dtype, tolerance
+) -> None:
+    cells = Cells(3, kv_dtype)
+    gather = GatherAttention(HEADS, dtype, min_rows=16)
+    generator = torch.Generator().manual_seed(1)
+    for parts in MIXED_STEPS:
+        plan, owners, positions = cells.step(parts)
+        q = torch.randn(len(owners) + 3, HEADS.num_heads, HEADS.head_dim, generator=generator)
+        q = q.to(dtype)  # 3 padding rows that no query names
+        got = kernel.attend(q, cells.k, cells.v, kernel.prepare(plan, 0), window)
+        assert got.dtype == dtype and got.shape == (q.shape[0], HEADS.num_heads * HEADS.head_dim)
+        assert torch.equal(got[len(owners) :], torch.zeros_like(got[len(owners) :]))
+        expected = reference(cells, q, owners, positions, window, dtype)
+        assert (got[: len(owners)].double() - expected[: len(owners)]).abs().max() < tolerance
+        gathered = gather.attend(q, cells.k, cells.v, gather.prepare(plan, 0), window)
+        assert (got.float() - gathered.float()).abs().max() < tolerance
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_gives_the_same_bits_whatever_shares_its_step(kernel, window, dtype) -> None:
+    """Sequence 0 (a 37-token prompt, then decodes) alone, chunked in different sizes, and
+    beside other sequences in either order: each of its rows is bit-identical."""
+    generator = torch.Generator().manual_seed(2)
+    queries = torch.randn(45, HEADS.num_heads, HEADS.head_dim, generator=generator).to(dtype)
+    extra = torch.randn(200, HEADS.num_heads, HEADS.head_dim, generator=generator).to(dtype)
+
+    def run(schedule: list[list[tuple[int, int]]]) -> torch.Tensor:
+        cells = Cells(3, dtype, seed=7)
+        rows = []
+        fed = 0
+        for parts in schedule:
+            plan, owners, positions = cells.step(parts)
+            mine = [i for i, owner in enumerate(owners) if owner == 0]
+            q = extra[: len(owners)].clone()
+            q[mine] = queries[fed : fed + len(mine)]
+            out = kernel.attend(q, cells.k, cells.v, kernel.prepare(plan, 0), window)
+            rows.append(out[mine])
+            fed += len(mine)
+        return torch.cat(rows)
+
+    alone = run([[(0, 37)]] + [[(0, 1)]] * 8)
+    for schedule in (
+        [[(0, 16)], [(0, 16)], [(0, 5)]] + [[(0, 1)]] * 8,
+        [[(1, 30), (0, 20), (2, 3)], [(2, 9), (0, 17)]] + [[(1, 1), (0, 1), (2, 1)]] * 8,
+        [[(0, 1)]] * 45,
+    ):
+        assert torch.equal(run(schedule), alone), schedule
+
+
+def test_auto_falls_back_to_gather_when_kernels_are_off(monkeypatch) -> None:
+    monkeypatch.setenv("CELLBATCH_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_state", {})
+    assert kernels.cell_attention_op() is None
+    assert "CELLBATCH_KERNELS=0" in kernels.unavailable_reason()
+    cpu = torch.device("cpu")
+    assert make_attention("auto", HEADS, torch.float32, cpu, 16).kind == "gather"
+    assert make_attention("gather", HEADS, torch.float32, cpu, 16).kind == "gather"
+    with pytest.raises(InvalidArgumentError, match="CELLBATCH_KERNELS=0.*attention='gather'"):
+        make_attention("kernel", HEADS, torch.float32, cpu, 16)
+
+
+def test_a_failed_build_warns_once_with_the_compiler_error(monkeypatch, caplog) -> None:
+    calls = []
+
+    def broken_build():
+        calls.append(1)
+        raise RuntimeError(
+            "Error building extension 'x': [1/2] c++ -O3 ...\n"
+            "cell_attention.cpp:10:1: error: 'foo' was not declared in this scope\n"
+            "ninja: build stopped: subcommand failed."
+        )
+
+    monkeypatch.delenv("CELLBATCH_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_build", broken_build)
+    with caplog.at_level(logging.WARNING, logger="cellbatch.model.kernels"):
+        assert kernels.cell_attention_op() is None
+        assert kernels.cell_attention_op() is None
+    assert calls == [1]
+    assert kernels.unavailable_reason() == (
+        "cell_attention.cpp:10:1: error: 'foo' was not declared in this scope"
+    )
+    assert len(caplog.records) == 1 and "pure-torch attention" in caplog.text
+
+
+def test_an_unknown_attention_kind_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown attention 'flash'"):
+        make_attention("flash", HEADS, torch.float32, torch.device("cpu"), 16)
