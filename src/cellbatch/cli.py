@@ -89,11 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     run.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
     run.add_argument(
-        "--attention",
+        "--kernels",
         default="auto",
-        choices=("auto", "kernel", "gather"),
-        help="attention path: the compiled CPU kernel (built on first use), pure torch "
-        "(gather), or auto (the kernel where it builds)",
+        choices=("auto", "compiled", "torch"),
+        help="attention and per-layer ops: compiled for this CPU (built on first use), "
+        "pure torch, or auto (compiled where they build)",
     )
     run.add_argument("--threads", type=int, help="torch threads")
     run.add_argument("--report-json", type=Path, help="write the whole report here")
@@ -259,7 +259,7 @@ def run_command(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
             threads=args.threads,
-            attention=args.attention,
+            kernels=args.kernels,
             **shape,
         )
     except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
@@ -383,7 +383,7 @@ def _report(
             "model": str(engine.model_path),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
-            "attention": engine.attention,
+            "kernels": engine.kernels,
             "threads": _threads(),
             "max_new_tokens": config.max_new_tokens,
             "temperature": config.sampling.temperature,

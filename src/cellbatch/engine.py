@@ -105,7 +105,7 @@ class Engine:
         self.model_path = model_path
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_dtype
-        self.attention: str = model.attention.kind
+        self.kernels = "torch" if model.ops is None else "compiled"
         self.stop_tokens = frozenset(
             tokenizer.stop_tokens if tokenizer is not None else config.eos_token_ids
         )
@@ -136,20 +136,20 @@ class Engine:
         dtype: str | torch.dtype = "auto",
         kv_dtype: str | torch.dtype | None = None,
         threads: int | None = None,
-        attention: str = "auto",
+        kernels: str = "auto",
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder or a GGUF file (default: the embedded
         SmolLM2-135M-Instruct). `shape` takes EngineShape's fields. `kv_dtype`
-        defaults to the weight dtype. `attention`: "auto" (the compiled CPU kernel where
-        it builds, else pure torch), "kernel" or "gather"."""
+        defaults to the weight dtype. `kernels`: "auto" (the compiled CPU kernels where
+        they build, else pure torch), "compiled" or "torch"."""
         if threads is not None:
             if threads < 1:
                 raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
         path = Path(model) if model is not None else default_model_path()
         weight_dtype = resolve_dtype(dtype)
-        config, module = in_short_lived_thread(lambda: load_model(path, weight_dtype, attention))
+        config, module = in_short_lived_thread(lambda: load_model(path, weight_dtype, kernels))
         try:
             tokenizer = load_tokenizer(path)
         except FileNotFoundError:

@@ -1,5 +1,5 @@
 """Attention over cells: the compiled kernel against a float64 reference and the gather
-path, its batch invariance, and how the path is chosen."""
+path, and its batch invariance; how the compiled kernels are chosen."""
 
 from __future__ import annotations
 
@@ -12,12 +12,7 @@ import torch
 
 from cellbatch.cache import CellCache
 from cellbatch.model import kernels
-from cellbatch.model.attention import (
-    GatherAttention,
-    HeadShape,
-    KernelAttention,
-    make_attention,
-)
+from cellbatch.model.attention import GatherAttention, HeadShape, KernelAttention
 from cellbatch.types import InvalidArgumentError
 
 HEADS = HeadShape(num_heads=6, num_kv_heads=2, head_dim=32)
@@ -27,11 +22,11 @@ needs_kernel = pytest.mark.skipif(KERNELS_OFF, reason="CELLBATCH_KERNELS=0")
 
 @pytest.fixture(scope="module")
 def kernel() -> KernelAttention:
-    op = kernels.cell_attention_op()
-    # On the project's machines the kernel must build: a missing compiler is a failure here,
-    # not a skip, so a broken build cannot hide behind the fallback.
-    assert op is not None, kernels.unavailable_reason()
-    return KernelAttention(HEADS, op)
+    ops = kernels.compiled_ops()
+    # On the project's machines the kernels must build: a missing compiler is a failure
+    # here, not a skip, so a broken build cannot hide behind the fallback.
+    assert ops is not None, kernels.unavailable_reason()
+    return KernelAttention(HEADS, ops)
 
 
 class Cells:
@@ -136,7 +131,7 @@ def test_a_query_gives_the_same_bits_whatever_shares_its_step(kernel, window, dt
         rows = []
         fed = 0
         for parts in schedule:
-            plan, owners, positions = cells.step(parts)
+            plan, owners, _ = cells.step(parts)
             mine = [i for i, owner in enumerate(owners) if owner == 0]
             q = extra[: len(owners)].clone()
             q[mine] = queries[fed : fed + len(mine)]
@@ -154,16 +149,15 @@ def test_a_query_gives_the_same_bits_whatever_shares_its_step(kernel, window, dt
         assert torch.equal(run(schedule), alone), schedule
 
 
-def test_auto_falls_back_to_gather_when_kernels_are_off(monkeypatch) -> None:
+def test_auto_falls_back_to_torch_when_kernels_are_off(monkeypatch) -> None:
     monkeypatch.setenv("CELLBATCH_KERNELS", "0")
     monkeypatch.setattr(kernels, "_state", {})
-    assert kernels.cell_attention_op() is None
+    assert kernels.compiled_ops() is None
     assert "CELLBATCH_KERNELS=0" in kernels.unavailable_reason()
-    cpu = torch.device("cpu")
-    assert make_attention("auto", HEADS, torch.float32, cpu, 16).kind == "gather"
-    assert make_attention("gather", HEADS, torch.float32, cpu, 16).kind == "gather"
-    with pytest.raises(InvalidArgumentError, match="CELLBATCH_KERNELS=0.*attention='gather'"):
-        make_attention("kernel", HEADS, torch.float32, cpu, 16)
+    assert kernels.resolve("auto", "cpu") is None
+    assert kernels.resolve("torch", "cpu") is None
+    with pytest.raises(InvalidArgumentError, match=r"CELLBATCH_KERNELS=0.*kernels='torch'"):
+        kernels.resolve("compiled", "cpu")
 
 
 def test_a_failed_build_warns_once_with_the_compiler_error(monkeypatch, caplog) -> None:
@@ -181,15 +175,18 @@ def test_a_failed_build_warns_once_with_the_compiler_error(monkeypatch, caplog) 
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(kernels, "_build", broken_build)
     with caplog.at_level(logging.WARNING, logger="cellbatch.model.kernels"):
-        assert kernels.cell_attention_op() is None
-        assert kernels.cell_attention_op() is None
+        assert kernels.compiled_ops() is None
+        assert kernels.compiled_ops() is None
     assert calls == [1]
     assert kernels.unavailable_reason() == (
         "cell_attention.cpp:10:1: error: 'foo' was not declared in this scope"
     )
-    assert len(caplog.records) == 1 and "pure-torch attention" in caplog.text
+    assert len(caplog.records) == 1 and "pure-torch path" in caplog.text
 
 
-def test_an_unknown_attention_kind_is_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="unknown attention 'flash'"):
-        make_attention("flash", HEADS, torch.float32, torch.device("cpu"), 16)
+def test_unknown_or_misplaced_kernel_choices_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown kernels 'flash'"):
+        kernels.resolve("flash", "cpu")
+    with pytest.raises(InvalidArgumentError, match="CPU only"):
+        kernels.resolve("compiled", "cuda")
+    assert kernels.resolve("auto", "cuda") is None

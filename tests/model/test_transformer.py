@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from cellbatch.model.loading import load_model
 from cellbatch.model.transformer import PackedLinear, PackedTransformer, can_pack_linears
 
-# Both attention paths, unless the kernel is switched off (then "kernel" would be refused).
-ATTENTION = ["gather"] if os.environ.get("CELLBATCH_KERNELS") == "0" else ["kernel", "gather"]
+# Both implementations, unless the compiled ones are switched off (then refused).
+KERNELS = ["torch"] if os.environ.get("CELLBATCH_KERNELS") == "0" else ["compiled", "torch"]
 PROMPT_A = [5, 17, 33, 2, 61]
 PROMPT_B = [9, 40, 12, 77, 3, 50, 21, 8, 64, 30, 11]
 # (sequence, tokens) per step, in token-axis order.
@@ -80,13 +80,13 @@ def compare_with_transformers(hf_model, ours: list[torch.Tensor]) -> None:
     ],
     ids=["llama", "llama-tied", "llama3-rope", "qwen2", "qwen3", "mistral-window4"],
 )
-@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_packed_steps_match_transformers(
-    tiny_checkpoint, packed_steps, kind, overrides, attention
+    tiny_checkpoint, packed_steps, kind, overrides, kernels
 ) -> None:
     hf_model, folder = tiny_checkpoint(kind, **overrides)
-    config, model = load_model(folder, "float32", attention)
-    assert config.architecture == kind and model.attention.kind == attention
+    config, model = load_model(folder, "float32", kernels)
+    assert config.architecture == kind and (model.ops is None) == (kernels == "torch")
     compare_with_transformers(hf_model, packed_steps(model, STEPS, 2))
 
 
@@ -100,13 +100,13 @@ def test_the_window_changes_the_result(tiny_checkpoint, packed_steps) -> None:
     assert not torch.allclose(last_b, packed_steps(full, STEPS, 2)[2][-1], atol=1e-3)
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
-def test_a_window_layer_skips_key_blocks_outside_its_window(tiny_checkpoint, attention) -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_window_layer_skips_key_blocks_outside_its_window(tiny_checkpoint, kernels) -> None:
     from cellbatch.cache import CellCache, KVPool
     from cellbatch.model.attention import KEY_BLOCK
 
     _, folder = tiny_checkpoint("mistral", sliding_window=4)
-    config, model = load_model(folder, "float32", attention)
+    config, model = load_model(folder, "float32", kernels)
     cache = CellCache(256)
     pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, 256)
     seq = cache.seq_alloc()
@@ -150,13 +150,13 @@ def test_a_window_layer_skips_key_blocks_outside_its_window(tiny_checkpoint, att
         ("mistral", "float32", {"sliding_window": 8}),
     ],
 )
-@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_a_sequence_is_batch_invariant(
-    tiny_checkpoint, first_sequence_logits, kind, dtype, overrides, attention
+    tiny_checkpoint, first_sequence_logits, kind, dtype, overrides, kernels
 ) -> None:
     """Sequence 0's logits are bit-identical alone, chunked, beside others, first or last."""
     _, folder = tiny_checkpoint(kind, **overrides)
-    _, model = load_model(folder, dtype, attention)
+    _, model = load_model(folder, dtype, kernels)
     generator = torch.Generator().manual_seed(5)
     lengths = [70, 3, 100, 17, 40, 9]
     prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in lengths]

@@ -1,8 +1,7 @@
 """Attention over cells: the two ways a packed step's queries read their own K/V.
 
 Owns: `KernelAttention` (one compiled op per layer, `cellbatch.model.kernels`) and
-`GatherAttention` (pure torch: gather each plan group's cells, then two GEMMs and a softmax),
-and `make_attention`, which picks between them.
+`GatherAttention` (pure torch: gather each plan group's cells, then two GEMMs and a softmax).
 Promises: both give each query the attention of transformers' eager implementation over
 exactly the cells the `AttentionPlan` gives its sequence, limited to a layer's sliding window,
 with a result bit-identical whatever else shares the step (other sequences, the query's place
@@ -17,16 +16,13 @@ uses one of them for its whole life.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from cellbatch.cache import AttentionPlan
-from cellbatch.model import kernels
-from cellbatch.types import InvalidArgumentError
 
-ATTENTION_KINDS = ("auto", "kernel", "gather")
 # GatherAttention sums keys in blocks of this many positions (see _weighted_values).
 KEY_BLOCK = 64
 # KernelAttention hands out queries of one sequence in blocks of at most this many, so a
@@ -67,29 +63,6 @@ class CellAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
-def make_attention(
-    kind: str, heads: HeadShape, dtype: torch.dtype, device: torch.device, min_rows: int
-) -> CellAttention:
-    """The attention path `kind` names: "auto" takes the compiled kernel on CPU where it
-    builds, else the gather path; "kernel" insists on the kernel (and says why it is
-    missing); "gather" never builds it."""
-    if kind not in ATTENTION_KINDS:
-        raise InvalidArgumentError(f"unknown attention {kind!r}; use one of {ATTENTION_KINDS}")
-    on_cpu = device.type in ("cpu", "meta")
-    if kind == "gather" or (kind == "auto" and not on_cpu):
-        return GatherAttention(heads, dtype, min_rows)
-    op = kernels.cell_attention_op() if on_cpu else None
-    if op is not None:
-        return KernelAttention(heads, op)
-    if kind == "kernel":
-        why = "it runs on the CPU only" if not on_cpu else kernels.unavailable_reason()
-        raise InvalidArgumentError(
-            f"the compiled attention kernel is not available ({why}); "
-            "use attention='gather' or 'auto'"
-        )
-    return GatherAttention(heads, dtype, min_rows)
-
-
 # -- the compiled kernel -----------------------------------------------------------------
 
 
@@ -108,9 +81,9 @@ class KernelPlan:
 class KernelAttention:
     kind = "kernel"
 
-    def __init__(self, heads: HeadShape, op) -> None:
+    def __init__(self, heads: HeadShape, ops: Any) -> None:
         self.heads = heads
-        self._op = op
+        self._op = ops.cell_attention
 
     def prepare(self, plan: AttentionPlan, scratch_cell: int) -> KernelPlan:
         cells, rows, positions, offsets, starts = [], [], [], [], []
@@ -151,9 +124,10 @@ class KernelAttention:
         window: int | None,
     ) -> torch.Tensor:
         h = self.heads
-        out = q.new_zeros(q.shape[0], h.num_heads * h.head_dim)
+        out = q.new_empty(q.shape[0], h.num_heads * h.head_dim)
+        out[prepared.num_tokens :].zero_()  # padding rows, which no query names
         self._op(
-            q.contiguous(),
+            q if q.stride(-1) == 1 and q.stride(-2) == h.head_dim else q.contiguous(),
             k_cache,
             v_cache,
             prepared.cells,

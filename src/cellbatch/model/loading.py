@@ -68,15 +68,15 @@ def locate_model(path: str | Path) -> ModelFiles:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "auto", attention: str = "auto"
+    path: str | Path, dtype: str | torch.dtype = "auto", kernels: str = "auto"
 ) -> tuple[ModelConfig, PackedTransformer]:
-    """Loads the model at `path` with weights in `dtype` ("auto", "float32", ...) and the
-    attention path `attention` ("auto", "kernel", "gather": see PackedTransformer)."""
+    """Loads the model at `path` with weights in `dtype` ("auto", "float32", ...) and
+    `kernels` ("auto", "compiled", "torch": see PackedTransformer)."""
     files = locate_model(path)
     torch_dtype = resolve_dtype(dtype)
     checkpoint = _HFCheckpoint(files.path) if files.kind == "hf" else _GGUFCheckpoint(files.path)
     config = checkpoint.config
-    model = PackedTransformer(config, dtype=torch_dtype, device="meta", attention=attention)
+    model = PackedTransformer(config, dtype=torch_dtype, device="meta", kernels=kernels)
     state = _assemble(checkpoint, config, torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_rope("cpu")

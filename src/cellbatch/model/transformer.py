@@ -22,13 +22,15 @@ padded key length, i.e. on the other sequences of the group.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cellbatch.cache import AttentionPlan, KVPool
-from cellbatch.model.attention import CellAttention, HeadShape, make_attention
+from cellbatch.model import kernels as compiled
+from cellbatch.model.attention import CellAttention, GatherAttention, HeadShape, KernelAttention
 from cellbatch.model.config import ModelConfig
 from cellbatch.types import InvalidArgumentError
 
@@ -131,16 +133,20 @@ def can_pack_linears(dtype: torch.dtype, device: str | torch.device) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype (one
+    compiled op when `ops` is given)."""
 
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, device: str | torch.device
+        self, size: int, eps: float, dtype: torch.dtype, device: str | torch.device, ops: Any
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -155,12 +161,14 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: str | torch.device,
         attention: CellAttention,
+        ops: Any,
     ) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.attention = attention
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.ops = ops
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, ops)
         self.qkv = nn.Linear(
             c.hidden_size,
             c.q_size + 2 * c.kv_size,
@@ -168,12 +176,12 @@ class DecoderLayer(nn.Module):
             dtype=dtype,
             device=device,
         )
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device) if c.qk_norm else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, ops) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, ops) if c.qk_norm else None
         self.o_proj = nn.Linear(
             c.q_size, c.hidden_size, bias=c.attention_out_bias, dtype=dtype, device=device
         )
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, ops)
         self.gate_up = nn.Linear(
             c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype, device=device
         )
@@ -201,15 +209,23 @@ class DecoderLayer(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         # Rows past len(cells) are padding (PackedTransformer.min_rows): never stored.
-        real = cells.shape[0]
-        k_cache.index_copy_(0, cells, k[:real].to(k_cache.dtype))
-        v_cache.index_copy_(0, cells, v[:real].to(v_cache.dtype))
+        if self.ops is not None:
+            self.ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
+        else:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            real = cells.shape[0]
+            k_cache.index_copy_(0, cells, k[:real].to(k_cache.dtype))
+            v_cache.index_copy_(0, cells, v[:real].to(v_cache.dtype))
         attended = self.attention.attend(q, k_cache, v_cache, prepared, window)
         hidden = hidden + self.o_proj(attended)
-        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(self.post_norm(hidden))
+        if self.ops is not None:
+            activated = self.ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        return hidden + self.down(activated)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -226,11 +242,13 @@ class PackedTransformer(nn.Module):
     (other sequences, their lengths, the token's place on the axis, the chunking of its
     prompt). Two things make it so: every matrix product runs on at least `min_rows`
     rows (zero rows are appended, then dropped; default MIN_GEMM_ROWS of the dtype), since
-    CPU GEMMs round a row differently in calls of very few rows; and attention keeps the
-    same promise (`cellbatch.model.attention`).
+    CPU GEMMs round a row differently in calls of very few rows; and attention and the
+    elementwise steps keep the same promise (`cellbatch.model.attention`, `kernels`).
 
-    `attention` picks the attention path: "auto" (the compiled kernel on CPU where it
-    builds, else pure torch), "kernel" or "gather".
+    `kernels` picks the implementation of attention and of the per-layer elementwise steps
+    (RMSNorm, RoPE with the K/V store, SiLU-times-up): "compiled" (the ops of
+    `cellbatch.model.kernels`, built on first use), "torch", or "auto" (compiled on the CPU
+    where they build). The two agree to rounding, not bit for bit.
     """
 
     def __init__(
@@ -240,25 +258,26 @@ class PackedTransformer(nn.Module):
         device: str | torch.device = "cpu",
         max_positions: int | None = None,
         min_rows: int | None = None,
-        attention: str = "auto",
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.max_positions = max_positions or config.max_position_embeddings
         self.min_rows = MIN_GEMM_ROWS.get(dtype, 16) if min_rows is None else min_rows
-        self.attention = make_attention(
-            attention,
-            HeadShape(config.num_heads, config.num_kv_heads, config.head_dim),
-            dtype,
-            torch.device(device),
-            self.min_rows,
+        self.ops = compiled.resolve(kernels, device)
+        heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attention: CellAttention = (
+            KernelAttention(heads, self.ops)
+            if self.ops is not None
+            else GatherAttention(heads, dtype, self.min_rows)
         )
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device, self.attention) for _ in range(config.num_layers)
+            DecoderLayer(config, dtype, device, self.attention, self.ops)
+            for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, self.ops)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -314,8 +333,9 @@ class PackedTransformer(nn.Module):
             # Padding rows (token 0 at position 0) go through the layers but are never
             # stored in the pool nor attended to.
             tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
-        cos = self.rope_cos[positions].to(self.dtype)[:, None, :]
-        sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if self.ops is None:  # _rotate's layout; the compiled op takes float32 [T, D/2]
+            cos, sin = cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
         prepared = self.attention.prepare(plan, kv.scratch_cell)
         hidden = self.embed(tokens)
         for index, layer in enumerate(self.layers):

@@ -1,13 +1,15 @@
 """Compiled CPU kernels: built on this machine on first use, then loaded from torch's cache.
 
-Owns: building and loading `cell_attention.cpp` (the op `torch.ops.cellbatch.cell_attention`)
-with torch's C++ extension tools, for this CPU's vector width.
-Promises: `cell_attention_op()` returns the op, or None (with the reason in
-`unavailable_reason()`, and one warning in the log) when it cannot be built here: no
-compiler, no ninja, a non-CPU build of torch, or `CELLBATCH_KERNELS=0`. The first build
-takes about 15 s; later processes load the cached library in well under a second.
-Never: raises for a missing toolchain (the model then uses the pure-torch path), or builds
-twice in one process.
+Owns: building and loading the ops `torch.ops.cellbatch.*` (`cell_attention.cpp`:
+cell_attention; `fused_ops.cpp`: rms_norm, rope_store, silu_mul) with torch's C++
+extension tools, for this CPU's vector width; `resolve`, which turns a user's choice
+("auto", "compiled", "torch") into the ops or None.
+Promises: `compiled_ops()` returns the op namespace, or None (with the reason in
+`unavailable_reason()`, and one warning in the log) when the ops cannot be built here: no
+compiler, no ninja, or `CELLBATCH_KERNELS=0`. The first build takes about 20 s; later
+processes load the cached library in well under a second.
+Never: raises for a missing toolchain under "auto" (the model then runs pure torch), or
+builds twice in one process.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from cellbatch.types import InvalidArgumentError
+
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cell_attention.cpp")
+KERNEL_CHOICES = ("auto", "compiled", "torch")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cell_attention.cpp", "fused_ops.cpp")]
 # Per torch CPU capability: the instruction sets to compile for, and the matching macro
 # that selects ATen's vector types (at::vec) for that width.
 _CAPABILITY_FLAGS: dict[str, list[str]] = {
@@ -50,23 +55,30 @@ def _cpu_capability() -> str:
     return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"
 
 
-def _build() -> Callable[..., None]:
+def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     capability = _cpu_capability()
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     # The name keys torch's build cache: a new source, torch or vector width builds anew.
     digest = hashlib.sha256(source + torch.__version__.encode() + capability.encode())
     name = f"cellbatch_kernels_{capability.lower()}_{digest.hexdigest()[:12]}"
     load(
         name=name,
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])],
+        sources=[str(path) for path in _SOURCES],
+        # No contraction of a*b+c into one fused multiply-add behind our back: the ops
+        # promise torch's roundings, and torch's elementwise kernels round each step.
+        extra_cflags=[
+            "-O3",
+            "-fopenmp",
+            "-ffp-contract=off",
+            *_CAPABILITY_FLAGS.get(capability, []),
+        ],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
-    return torch.ops.cellbatch.cell_attention
+    return torch.ops.cellbatch
 
 
 def _summary(error: Exception) -> str:
@@ -76,8 +88,8 @@ def _summary(error: Exception) -> str:
     return (errors[1:2] or errors[:1] or lines[:1] or [type(error).__name__])[0][-300:]
 
 
-def cell_attention_op() -> Callable[..., None] | None:
-    """torch.ops.cellbatch.cell_attention, built on first call; None if it cannot be."""
+def compiled_ops() -> Any:
+    """torch.ops.cellbatch, built on first call; None if it cannot be."""
     with _lock:
         if "op" not in _state:
             op, reason = None, ""
@@ -89,8 +101,8 @@ def cell_attention_op() -> Callable[..., None] | None:
                 except Exception as error:  # any toolchain failure means "not here"
                     reason = _summary(error)
                     log.warning(
-                        "cellbatch: compiled attention unavailable (%s); using the slower "
-                        "pure-torch attention. Install a C++ compiler and ninja to enable it.",
+                        "cellbatch: compiled kernels unavailable (%s); using the slower "
+                        "pure-torch path. Install a C++ compiler and ninja to enable them.",
                         reason,
                     )
             _state["op"], _state["reason"] = op, reason
@@ -98,5 +110,27 @@ def cell_attention_op() -> Callable[..., None] | None:
 
 
 def unavailable_reason() -> str:
-    """Why cell_attention_op() returned None ("" when it did not, or was not yet asked)."""
+    """Why compiled_ops() returned None ("" when it did not, or was not yet asked)."""
     return str(_state.get("reason", ""))
+
+
+def resolve(choice: str, device: str | torch.device) -> Any:
+    """The ops a model on `device` should use for `choice`: "auto" takes them on the CPU
+    where they build, "compiled" insists (and says why they are missing), "torch" never
+    builds them. None means pure torch."""
+    if choice not in KERNEL_CHOICES:
+        raise InvalidArgumentError(f"unknown kernels {choice!r}; use one of {KERNEL_CHOICES}")
+    on_cpu = torch.device(device).type in ("cpu", "meta")
+    if choice == "torch" or not on_cpu:
+        if choice == "compiled":
+            raise InvalidArgumentError(
+                "the compiled kernels run on the CPU only; use kernels='auto' or 'torch'"
+            )
+        return None
+    ops = compiled_ops()
+    if ops is None and choice == "compiled":
+        raise InvalidArgumentError(
+            f"the compiled kernels are not available ({unavailable_reason()}); "
+            "use kernels='torch' or 'auto'"
+        )
+    return ops

@@ -10,7 +10,7 @@
 // in another dtype are first rounded to T, as `.to(T)` would.
 // Never: allocates per key, reads the scratch cell, or touches rows that no query names.
 //
-// Layout: q [tokens, heads, head_dim]; k_cache/v_cache [cells, kv_heads, head_dim];
+// Layout: q [tokens, heads, head_dim] (rows may be strided); k_cache/v_cache [cells, kv_heads, head_dim];
 // out [tokens, heads * head_dim]. Query i (in block order) is token rows[i] at position
 // pos[i]; its sequence's cells, in position order, start at cells[cell_offsets[i]].
 // block_starts splits the queries into blocks of one sequence each.
@@ -209,7 +209,7 @@ template <typename T, typename C>
 void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* cells,
             const int64_t* rows, const int64_t* pos, const int64_t* cell_offsets,
             const int64_t* block_starts, int64_t num_blocks, int64_t heads, int64_t kv_heads,
-            int64_t head_dim, int64_t window, float scale, T* out) {
+            int64_t head_dim, int64_t q_row_stride, int64_t window, float scale, T* out) {
   const int64_t share = heads / kv_heads, width = heads * head_dim;
   const int64_t kv_width = kv_heads * head_dim;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -233,7 +233,7 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* cells
       queries.resize(count * width);
       acc.assign(count * width, 0.f);
       for (int64_t i = 0; i < count; ++i) {
-        const T* src = q + rows[first + i] * width;
+        const T* src = q + rows[first + i] * q_row_stride;
         for (int64_t x = 0; x < width; ++x) queries[i * width + x] = widen(src[x]);
       }
       auto row_of = [&](int64_t i, int64_t h) { return scores.data() + (i * heads + h) * span - base; };
@@ -282,7 +282,7 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     attend<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                  cells.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
                  cell_offsets.data_ptr<int64_t>(), block_starts.data_ptr<int64_t>(),
-                 block_starts.size(0) - 1, q.size(1), k_cache.size(1), q.size(2), window,
+                 block_starts.size(0) - 1, q.size(1), k_cache.size(1), q.size(2), q.stride(0), window,
                  static_cast<float>(scale), out.data_ptr<T>());
   };
   switch (k_cache.scalar_type()) {
@@ -304,10 +304,13 @@ void cell_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.dim() == 2 &&
                   out.size(0) == q.size(0) && out.size(1) == q.size(1) * q.size(2),
               "cell_attention: out must be [tokens, heads * dim] in q's dtype");
-  const at::Tensor* all[] = {&q, &k_cache, &v_cache, &cells, &rows, &pos, &cell_offsets,
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "cell_attention: q's heads must be contiguous (rows may be strided)");
+  const at::Tensor* all[] = {&k_cache, &v_cache, &cells, &rows, &pos, &cell_offsets,
                              &block_starts, &out};
   for (const at::Tensor* t : all)
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "cell_attention: CPU, contiguous");
+  TORCH_CHECK(q.device().is_cpu(), "cell_attention: CPU tensors only");
   for (const at::Tensor* t : {&cells, &rows, &pos, &cell_offsets, &block_starts})
     TORCH_CHECK(t->scalar_type() == at::kLong, "cell_attention: index tensors must be int64");
   switch (q.scalar_type()) {
@@ -326,7 +329,7 @@ void cell_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(cellbatch, m) {
+TORCH_LIBRARY_FRAGMENT(cellbatch, m) {
   m.def(
       "cell_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cells, Tensor rows, "
       "Tensor pos, Tensor cell_offsets, Tensor block_starts, int window, float scale, "
