@@ -4,7 +4,6 @@ path, and its batch invariance; how the compiled kernels are chosen."""
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import pytest
@@ -16,17 +15,11 @@ from cellbatch.model.attention import GatherAttention, HeadShape, KernelAttentio
 from cellbatch.types import InvalidArgumentError
 
 HEADS = HeadShape(num_heads=6, num_kv_heads=2, head_dim=32)
-KERNELS_OFF = os.environ.get("CELLBATCH_KERNELS") == "0"
-needs_kernel = pytest.mark.skipif(KERNELS_OFF, reason="CELLBATCH_KERNELS=0")
 
 
-@pytest.fixture(scope="module")
-def kernel() -> KernelAttention:
-    ops = kernels.compiled_ops()
-    # On the project's machines the kernels must build: a missing compiler is a failure
-    # here, not a skip, so a broken build cannot hide behind the fallback.
-    assert ops is not None, kernels.unavailable_reason()
-    return KernelAttention(HEADS, ops)
+@pytest.fixture
+def kernel(compiled_ops) -> KernelAttention:
+    return KernelAttention(HEADS, compiled_ops)
 
 
 class Cells:
@@ -85,7 +78,6 @@ MIXED_STEPS = [
 ]
 
 
-@needs_kernel
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype", "tolerance"),
@@ -116,7 +108,6 @@ def test_kernel_matches_a_float64_reference_and_the_gather_path(
         assert (got.float() - gathered.float()).abs().max() < tolerance
 
 
-@needs_kernel
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_query_gives_the_same_bits_whatever_shares_its_step(kernel, window, dtype) -> None:

@@ -3,26 +3,18 @@ against the torch chains they replace, row by row."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cellbatch.model import kernels
 from cellbatch.model.transformer import RMSNorm, _rotate
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("CELLBATCH_KERNELS") == "0", reason="CELLBATCH_KERNELS=0"
-)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = kernels.compiled_ops()
-    assert ops is not None, kernels.unavailable_reason()
-    return ops
+@pytest.fixture
+def ops(compiled_ops):
+    return compiled_ops
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -8,17 +8,17 @@ row's logits must match transformers' forward over each sequence alone.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from cellbatch.model import kernels as compiled
 from cellbatch.model.loading import load_model
 from cellbatch.model.transformer import PackedLinear, PackedTransformer, can_pack_linears
 
 # Both implementations, unless the compiled ones are switched off (then refused).
-KERNELS = ["torch"] if os.environ.get("CELLBATCH_KERNELS") == "0" else ["compiled", "torch"]
+KERNELS = ["torch"] if compiled.disabled() else ["compiled", "torch"]
 PROMPT_A = [5, 17, 33, 2, 61]
 PROMPT_B = [9, 40, 12, 77, 3, 50, 21, 8, 64, 30, 11]
 # (sequence, tokens) per step, in token-axis order.

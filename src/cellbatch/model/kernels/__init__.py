@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "compiled", "torch")
 _SOURCES = [Path(__file__).with_name(name) for name in ("cell_attention.cpp", "fused_ops.cpp")]
+_HEADERS = [Path(__file__).with_name("common.h")]
 # Per torch CPU capability: the instruction sets to compile for, and the matching macro
 # that selects ATen's vector types (at::vec) for that width.
 _CAPABILITY_FLAGS: dict[str, list[str]] = {
@@ -59,7 +60,7 @@ def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     capability = _cpu_capability()
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     # The name keys torch's build cache: a new source, torch or vector width builds anew.
     digest = hashlib.sha256(source + torch.__version__.encode() + capability.encode())
     name = f"cellbatch_kernels_{capability.lower()}_{digest.hexdigest()[:12]}"
@@ -88,12 +89,17 @@ def _summary(error: Exception) -> str:
     return (errors[1:2] or errors[:1] or lines[:1] or [type(error).__name__])[0][-300:]
 
 
+def disabled() -> bool:
+    """True when the user switched the compiled kernels off (CELLBATCH_KERNELS=0)."""
+    return os.environ.get("CELLBATCH_KERNELS", "1") == "0"
+
+
 def compiled_ops() -> Any:
     """torch.ops.cellbatch, built on first call; None if it cannot be."""
     with _lock:
         if "op" not in _state:
             op, reason = None, ""
-            if os.environ.get("CELLBATCH_KERNELS", "1") == "0":
+            if disabled():
                 reason = "disabled by CELLBATCH_KERNELS=0"
             else:
                 try:

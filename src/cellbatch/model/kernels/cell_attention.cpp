@@ -23,6 +23,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -31,42 +33,13 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
+using cellbatch::kLanes;
+using cellbatch::round_to;
+using cellbatch::Vec;
+using cellbatch::widen;
 constexpr int64_t kKeyTile = 32;  // K/V rows widened to float at a time: 24 KiB at 3x64, in L1
 constexpr int64_t kPrefetchRows = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-template <typename T>
-inline float widen(T x) {
-  return static_cast<float>(x);
-}
-template <>
-inline float widen<c10::BFloat16>(c10::BFloat16 x) {
-  // c10's conversion is not inlined into vector loops; the bit shift is.
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// x as a tensor of dtype T would hold it.
-template <typename T>
-inline float round_to(float x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // Round to nearest even, as c10::BFloat16 does for finite values and -inf.
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  } else {
-    return static_cast<float>(static_cast<T>(x));
-  }
-}
 
 template <typename T>
 inline void round_all(float* x, int64_t n) {
@@ -237,33 +210,31 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* cells
         for (int64_t x = 0; x < width; ++x) queries[i * width + x] = widen(src[x]);
       }
       auto row_of = [&](int64_t i, int64_t h) { return scores.data() + (i * heads + h) * span - base; };
-      for (int64_t t0 = lo; t0 < hi; t0 += kKeyTile) {
-        const int64_t tn = std::min(kKeyTile, hi - t0);
-        load_tile<T>(k_cache, seq_cells, t0, tn, hi, kv_width, tile.data());
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t j0 = std::max(t0, visible[i].lo), j1 = std::min(t0 + tn, visible[i].hi);
-          if (j1 <= j0) continue;
-          for (int64_t h = 0; h < heads; ++h)
-            dots_any(queries.data() + i * width + h * head_dim,
-                     tile.data() + (j0 - t0) * kv_width + (h / share) * head_dim, kv_width,
-                     j1 - j0, row_of(i, h) + j0, head_dim);
+      // body(i, h, j0, j1, keys): query i, head h sees keys [j0, j1) of this tile, whose
+      // rows (of head h's KV head) start at `keys`, kv_width floats apart.
+      auto for_each_tile = [&](const C* cache, auto&& body) {
+        for (int64_t t0 = lo; t0 < hi; t0 += kKeyTile) {
+          const int64_t tn = std::min(kKeyTile, hi - t0);
+          load_tile<T>(cache, seq_cells, t0, tn, hi, kv_width, tile.data());
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t j0 = std::max(t0, visible[i].lo), j1 = std::min(t0 + tn, visible[i].hi);
+            if (j1 <= j0) continue;
+            for (int64_t h = 0; h < heads; ++h)
+              body(i, h, j0, j1, tile.data() + (j0 - t0) * kv_width + (h / share) * head_dim);
+          }
         }
-      }
+      };
+      for_each_tile(k_cache, [&](int64_t i, int64_t h, int64_t j0, int64_t j1, const float* keys) {
+        dots_any(queries.data() + i * width + h * head_dim, keys, kv_width, j1 - j0,
+                 row_of(i, h) + j0, head_dim);
+      });
       for (int64_t i = 0; i < count; ++i)
         for (int64_t h = 0; h < heads; ++h)
           softmax_row<T>(row_of(i, h), visible[i].lo, visible[i].hi, scale);
-      for (int64_t t0 = lo; t0 < hi; t0 += kKeyTile) {
-        const int64_t tn = std::min(kKeyTile, hi - t0);
-        load_tile<T>(v_cache, seq_cells, t0, tn, hi, kv_width, tile.data());
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t j0 = std::max(t0, visible[i].lo), j1 = std::min(t0 + tn, visible[i].hi);
-          if (j1 <= j0) continue;
-          for (int64_t h = 0; h < heads; ++h)
-            weighted_sum_any(row_of(i, h) + j0,
-                             tile.data() + (j0 - t0) * kv_width + (h / share) * head_dim,
-                             kv_width, j1 - j0, acc.data() + i * width + h * head_dim, head_dim);
-        }
-      }
+      for_each_tile(v_cache, [&](int64_t i, int64_t h, int64_t j0, int64_t j1, const float* values) {
+        weighted_sum_any(row_of(i, h) + j0, values, kv_width, j1 - j0,
+                         acc.data() + i * width + h * head_dim, head_dim);
+      });
       for (int64_t i = 0; i < count; ++i) {
         T* o = out + rows[first + i] * width;
         for (int64_t x = 0; x < width; ++x) o[x] = static_cast<T>(acc[i * width + x]);
@@ -277,20 +248,14 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     const at::Tensor& cells, const at::Tensor& rows, const at::Tensor& pos,
                     const at::Tensor& cell_offsets, const at::Tensor& block_starts, int64_t window,
                     double scale, at::Tensor& out) {
-  auto run = [&](auto cache_tag) {
+  cellbatch::for_each_scalar_type(k_cache, "cell_attention KV", [&](auto cache_tag) {
     using C = decltype(cache_tag);
     attend<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                  cells.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
                  cell_offsets.data_ptr<int64_t>(), block_starts.data_ptr<int64_t>(),
                  block_starts.size(0) - 1, q.size(1), k_cache.size(1), q.size(2), q.stride(0), window,
                  static_cast<float>(scale), out.data_ptr<T>());
-  };
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: return run(float{});
-    case at::kBFloat16: return run(c10::BFloat16{});
-    case at::kHalf: return run(c10::Half{});
-    default: TORCH_CHECK(false, "cell_attention: unsupported KV dtype ", k_cache.scalar_type());
-  }
+  });
 }
 
 void cell_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -313,18 +278,10 @@ void cell_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   TORCH_CHECK(q.device().is_cpu(), "cell_attention: CPU tensors only");
   for (const at::Tensor* t : {&cells, &rows, &pos, &cell_offsets, &block_starts})
     TORCH_CHECK(t->scalar_type() == at::kLong, "cell_attention: index tensors must be int64");
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      return dispatch_cache<float>(q, k_cache, v_cache, cells, rows, pos, cell_offsets,
-                                   block_starts, window, scale, out);
-    case at::kBFloat16:
-      return dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, cells, rows, pos, cell_offsets,
-                                           block_starts, window, scale, out);
-    case at::kHalf:
-      return dispatch_cache<c10::Half>(q, k_cache, v_cache, cells, rows, pos, cell_offsets,
-                                       block_starts, window, scale, out);
-    default: TORCH_CHECK(false, "cell_attention: unsupported dtype ", q.scalar_type());
-  }
+  cellbatch::for_each_scalar_type(q, "cell_attention", [&](auto tag) {
+    dispatch_cache<decltype(tag)>(q, k_cache, v_cache, cells, rows, pos, cell_offsets,
+                                  block_starts, window, scale, out);
+  });
 }
 
 }  // namespace

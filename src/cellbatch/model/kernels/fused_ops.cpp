@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -26,29 +28,12 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
-
-template <typename T>
-inline float f32(T x) {
-  return static_cast<float>(x);
-}
-
-// x rounded to T, back in float.
-template <typename T>
-inline float in(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-template <typename Fn>
-void for_each_scalar_type(const at::Tensor& t, const char* name, Fn&& fn) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return fn(float{});
-    case at::kBFloat16: return fn(c10::BFloat16{});
-    case at::kHalf: return fn(c10::Half{});
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", t.scalar_type());
-  }
-}
+using cellbatch::for_each_scalar_type;
+using cellbatch::kLanes;
+using cellbatch::narrow;
+using cellbatch::round_to;
+using cellbatch::Vec;
+using cellbatch::widen;
 
 // Rows of x ([..., size], last dim contiguous, rows evenly strided) normalised by their
 // root mean square, times weight.
@@ -75,18 +60,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
         if (size % kLanes == 0) {
           alignas(64) float buffer[kLanes];
           for (; d < size; d += kLanes) {
-            for (int64_t l = 0; l < kLanes; ++l) buffer[l] = f32(row[d + l]);
+            for (int64_t l = 0; l < kLanes; ++l) buffer[l] = widen(row[d + l]);
             const Vec v = Vec::loadu(buffer);
             lanes = at::vec::fmadd(v, v, lanes);
           }
         } else {
-          for (; d < size; ++d) tail += f32(row[d]) * f32(row[d]);
+          for (; d < size; ++d) tail += widen(row[d]) * widen(row[d]);
         }
         const float sum =
             at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, lanes) + tail;
         const float scale = 1.f / std::sqrt(sum / static_cast<float>(size) + static_cast<float>(eps));
         T* o = dst + r * size;
-        for (int64_t i = 0; i < size; ++i) o[i] = static_cast<T>(f32(w[i]) * in<T>(f32(row[i]) * scale));
+        for (int64_t i = 0; i < size; ++i) o[i] = static_cast<T>(widen(w[i]) * round_to<T>(widen(row[i]) * scale));
       }
     });
   });
@@ -132,10 +117,10 @@ void rope_store(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const a
           const float* s = sp + t * half;
           auto rotate = [&](const T* x, auto&& write) {
             for (int64_t i = 0; i < half; ++i) {
-              const float x1 = f32(x[i]), x2 = f32(x[i + half]);
-              const float ci = in<T>(c[i]), si = in<T>(s[i]);
-              write(i, in<T>(in<T>(x1 * ci) - in<T>(x2 * si)));
-              write(i + half, in<T>(in<T>(x2 * ci) + in<T>(x1 * si)));
+              const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+              const float ci = round_to<T>(c[i]), si = round_to<T>(s[i]);
+              write(i, round_to<T>(round_to<T>(x1 * ci) - round_to<T>(x2 * si)));
+              write(i + half, round_to<T>(round_to<T>(x2 * ci) + round_to<T>(x1 * si)));
             }
           };
           for (int64_t h = 0; h < heads; ++h) {
@@ -150,39 +135,12 @@ void rope_store(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const a
           for (int64_t h = 0; h < kv_heads; ++h) {
             rotate(kp + t * ks + h * dim,
                    [&](int64_t i, float value) { kd[h * dim + i] = static_cast<C>(value); });
-            for (int64_t i = 0; i < dim; ++i) vd[h * dim + i] = static_cast<C>(f32(vp[t * vs + h * dim + i]));
+            for (int64_t i = 0; i < dim; ++i) vd[h * dim + i] = static_cast<C>(widen(vp[t * vs + h * dim + i]));
           }
         }
       });
     });
   });
-}
-
-// float -> T, rounding to nearest even; the bf16 case as bit operations so that loops of it
-// vectorise (c10's conversion does not inline into them).
-template <typename T>
-inline T narrow(float x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    T out;
-    out.x = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    return out;
-  } else {
-    return static_cast<T>(x);
-  }
-}
-
-template <typename T>
-inline float widen(T x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  } else {
-    return static_cast<float>(x);
-  }
 }
 
 // [rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up.
