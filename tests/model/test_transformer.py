@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cellbatch.model import kernels as compiled
 from cellbatch.model.loading import load_model
-from cellbatch.model.transformer import PackedLinear, PackedTransformer, can_pack_linears
+from cellbatch.model.transformer import PackedLinear, can_pack_linears
 
 # Both implementations, unless the compiled ones are switched off (then refused).
 KERNELS = ["torch"] if compiled.disabled() else ["compiled", "torch"]
@@ -94,8 +94,8 @@ def test_the_window_changes_the_result(tiny_checkpoint, packed_steps) -> None:
     # Guards the Mistral case above: a window shorter than the prompt must matter.
     _, folder = tiny_checkpoint("mistral", sliding_window=4)
     config, windowed = load_model(folder, "float32")
-    full = PackedTransformer(dataclasses.replace(config, layer_windows=(None,) * config.num_layers))
-    full.load_state_dict(windowed.state_dict())
+    _, full = load_model(folder, "float32")
+    full.config = dataclasses.replace(config, layer_windows=(None,) * config.num_layers)
     last_b = packed_steps(windowed, STEPS, 2)[2][-1]
     assert not torch.allclose(last_b, packed_steps(full, STEPS, 2)[2][-1], atol=1e-3)
 
@@ -197,3 +197,19 @@ def test_packed_linear_equals_f_linear_for_every_row_count() -> None:
     assert torch.equal(full, F.linear(rows, weight, bias))
     for count in (1, 2, 3, 15, 16, 33, 128):
         assert torch.equal(packed(rows[:count]), full[:count]), count
+
+
+@pytest.mark.skipif(not can_pack_linears(torch.float32, "cpu"), reason="needs oneDNN")
+def test_fp32_packed_linear_is_row_invariant_from_the_padded_row_count() -> None:
+    from cellbatch.model.transformer import PACKED_MIN_GEMM_ROWS
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(576, 1536, generator=generator) * 0.05
+    rows = torch.randn(300, 1536, generator=generator)
+    packed = PackedLinear(weight, None)
+    full = packed(rows)
+    assert torch.allclose(full, F.linear(rows, weight), atol=1e-4)
+    for count in (PACKED_MIN_GEMM_ROWS, 3, 15, 16, 33, 128):
+        assert torch.equal(packed(rows[:count]), full[:count]), count
+    for start in (1, 7, 40):
+        assert torch.equal(packed(rows[start : start + 32]), full[start : start + 32]), start

@@ -41,9 +41,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Fewest rows per GEMM call for which a row's result does not depend on the row count
-# (measured on the development CPU: fp32 rounds calls of < 12 rows differently, bf16 only
-# 1-row calls; fp16 is not measured, so it gets fp32's margin).
+# (measured on the development CPU). torch's own GEMMs: fp32 rounds calls of < 12 rows
+# differently, bf16 only 1-row calls; fp16 is not measured, so it gets fp32's margin.
 MIN_GEMM_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 2, torch.float16: 16}
+# oneDNN's products on reordered weights (PackedLinear) round only 1-row calls differently,
+# in fp32 and bf16 alike.
+PACKED_MIN_GEMM_ROWS = 2
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -105,11 +108,14 @@ def rope_inverse_frequencies(
 
 
 class PackedLinear(nn.Module):
-    """A bf16 Linear whose weight oneDNN has reordered once for its own CPU kernels.
+    """A Linear whose weight oneDNN has reordered once for its own CPU kernels.
 
-    On the development CPU (AVX512-BF16) this runs the model's products 1.3-1.5x faster
-    at decode batch sizes, with results bit-identical to F.linear for any row count, so
-    parity and batch invariance are unchanged.
+    Measured on the development CPU (AVX512-BF16, 2 threads), against F.linear:
+    - bf16: 1.3-1.5x faster at decode batch sizes, bit-identical for any row count (torch's
+      bf16 F.linear is oneDNN too);
+    - fp32: 1.5-2.7x faster (F.linear goes to MKL, slow on this AMD CPU). It rounds
+      differently from MKL, within about 1e-5 of transformers' logits, so greedy tokens
+      agree unless the top two logits nearly tie.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -123,13 +129,11 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(dtype: torch.dtype, device: str | torch.device) -> bool:
-    """oneDNN's reordered weights pay off for bf16 on CPUs with native bf16 products."""
-    return (
-        dtype == torch.bfloat16
-        and torch.device(device).type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and cpu_has_fast_bf16()
-    )
+    """oneDNN's reordered weights pay off for fp32 on any CPU it supports, and for bf16
+    on CPUs with native bf16 products (fp16 is not measured)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
 
 
 class RMSNorm(nn.Module):
@@ -265,6 +269,7 @@ class PackedTransformer(nn.Module):
         self.dtype = dtype
         self.max_positions = max_positions or config.max_position_embeddings
         self.min_rows = MIN_GEMM_ROWS.get(dtype, 16) if min_rows is None else min_rows
+        self._min_rows_given = min_rows is not None
         self.ops = compiled.resolve(kernels, device)
         heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
         self.attention: CellAttention = (
@@ -299,9 +304,12 @@ class PackedTransformer(nn.Module):
 
     def pack_linears(self) -> None:
         """Swaps every projection and the LM head for a PackedLinear where that is faster
-        (see can_pack_linears); a tied head gets its own packed copy of the embedding."""
+        (see can_pack_linears); a tied head gets its own packed copy of the embedding.
+        Unless min_rows was given, products then pad only to PACKED_MIN_GEMM_ROWS."""
         if not can_pack_linears(self.dtype, self.embed.weight.device):
             return
+        if not self._min_rows_given:
+            self.min_rows = PACKED_MIN_GEMM_ROWS
         for layer in self.layers:
             for name in ("qkv", "o_proj", "gate_up", "down"):
                 linear = getattr(layer, name)
