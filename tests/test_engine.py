@@ -247,6 +247,60 @@ def test_a_seeded_prompt_samples_the_same_tokens_beside_others(make_engine) -> N
     assert engine.generate(prompts[:1], other_seed)[0].tokens != alone
 
 
+# -- a prefix shared by every prompt of a call ---------------------------------------------
+
+
+def prompts_with_a_common_prefix(prefix_length: int, suffix_lengths: Sequence[int]) -> list:
+    prefix = random_prompts([prefix_length], seed=21)[0]
+    return [prefix + suffix for suffix in random_prompts(suffix_lengths, seed=22)]
+
+
+@pytest.mark.parametrize("max_sessions", [64, 5, 2, 1])
+def test_a_common_prefix_is_fed_once_and_changes_no_token(make_engine, max_sessions) -> None:
+    from cellbatch.engine import MIN_SHARED_PREFIX
+
+    prompts = prompts_with_a_common_prefix(MIN_SHARED_PREFIX + 4, [1, 9, 3, 14, 6, 2])
+    engine = make_engine(max_sessions=max_sessions)
+    params = GenConfig(max_new_tokens=12)
+    separate = engine.generate(prompts, params, share_prefix=False)
+    before = engine.metrics()
+    shared = engine.generate(prompts, params)
+    after = engine.metrics()
+    assert [r.tokens for r in shared] == [r.tokens for r in separate]
+    assert all(r.finish_reason == FinishReason.TOKEN_LIMIT for r in shared)
+    assert [r.shared_prefix_tokens for r in separate] == [0] * len(prompts)
+    assert after.generations_completed - before.generations_completed == len(prompts)
+    # With a single session the prompts run one after another: nothing to share.
+    reused = MIN_SHARED_PREFIX + 4 if max_sessions > 1 else 0
+    assert [r.shared_prefix_tokens for r in shared] == [reused] * len(prompts)
+    assert after.prefill_turns - before.prefill_turns == (1 if reused else 0)
+    fed = sum(map(len, prompts)) - (len(prompts) - 1) * reused
+    assert after.prefill_tokens - before.prefill_tokens == fed
+    assert wait_until(lambda: engine.kv_usage()["cells_in_use"] == 0)
+
+
+def test_every_prompt_keeps_its_last_token_to_feed(make_engine) -> None:
+    from cellbatch.engine import MIN_SHARED_PREFIX
+
+    prompt = random_prompts([MIN_SHARED_PREFIX + 10], seed=5)[0]
+    prompts = [prompt, prompt[:-3], prompt]  # one prompt is a prefix of the others
+    engine = make_engine()
+    results = engine.generate(prompts, GenConfig(max_new_tokens=6))
+    assert [r.shared_prefix_tokens for r in results] == [len(prompt) - 4] * 3
+    alone = [engine.generate([p], GenConfig(max_new_tokens=6))[0].tokens for p in prompts]
+    assert [r.tokens for r in results] == alone
+
+
+def test_a_short_common_prefix_is_not_shared(make_engine) -> None:
+    from cellbatch.engine import MIN_SHARED_PREFIX
+
+    prompts = prompts_with_a_common_prefix(MIN_SHARED_PREFIX - 1, [4, 7])
+    engine = make_engine()
+    results = engine.generate(prompts, GenConfig(max_new_tokens=4))
+    assert [r.shared_prefix_tokens for r in results] == [0, 0]
+    assert engine.metrics().prefill_turns == 0
+
+
 # -- slow: the embedded default model --------------------------------------------------
 
 CHAT_PROMPTS = [

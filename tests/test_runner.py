@@ -368,8 +368,8 @@ def test_each_generation_reseeds_and_a_refused_one_does_not(start: Start) -> Non
 @pytest.mark.parametrize(
     ("delta", "max_new", "message"),
     [
-        ([1, 2], 0, "max_new_tokens must be a positive integer"),
-        ([1, 2], -3, "max_new_tokens must be a positive integer"),
+        ([1, 2], -3, "max_new_tokens must be an integer >= 0"),
+        ([1, 2], True, "max_new_tokens must be an integer >= 0"),
         ([], 4, "delta is empty"),
         (range(2**31), 4, "overflows the position range"),
         ([1, -5], 4, "token ids must be >= 0"),
@@ -454,6 +454,37 @@ def test_the_second_turn_carries_the_pending_token(start: Start) -> None:
     assert (tuple(opening.payload), opening.position, opening.offset) == ((1007, 50, 51), 7, 0)
     assert second.tokens() == [1010, 1011]
     assert context(fake, session) == [*prompt, 1005, 1006, 1007, 50, 51, 1010, 1011]
+
+
+def test_a_prefill_turn_feeds_the_delta_asks_for_no_output_and_settles_empty(
+    start: Start,
+) -> None:
+    runner, fake = start(chunk=4)
+    session = open_session(runner)
+    prompt = make_tokens(10)
+    handle = run(session, prompt, max_new=0)
+    assert handle.finish_reason() == FinishReason.TOKEN_LIMIT and handle.error() == ""
+    assert handle.tokens() == []
+    (batch,) = fake.batches
+    assert [i.produce_output for i in batch.inputs] == [False, False, False]
+    assert (session.position(), session.pending()) == (10, ())
+    metrics = runner.metrics()
+    assert (metrics.prefill_turns, metrics.generations_started) == (1, 0)
+    assert (metrics.generations_completed, metrics.prefill_tokens) == (0, 10)
+    # The next turn continues from the fed context; its first token answers position 11.
+    assert run(session, [50], max_new=2).tokens() == [1011, 1012]
+    assert context(fake, session) == [*prompt, 50, 1011, 1012]
+    assert runner.metrics().generations_completed == 1
+
+
+def test_a_prefill_turn_can_be_cloned_at_its_end(start: Start) -> None:
+    runner, _ = start()
+    root = open_session(runner)
+    run(root, make_tokens(6), max_new=0)
+    clone = root.clone_async(6).result(WAIT_S)
+    assert clone is not None and clone.position() == 6
+    assert run(clone, [7, 8], max_new=1).tokens() == [1008]
+    assert run(root, [9], max_new=1).tokens() == [1007]
 
 
 def test_positions_are_per_session(start: Start) -> None:

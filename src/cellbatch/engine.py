@@ -6,7 +6,9 @@ prompt, in order; a bad prompt (empty, a token outside the vocabulary, too long 
 the session) fails alone with a message naming the numbers, and the others run.
 Prompts never wait for one another beyond sharing forwards; more prompts than
 sessions are run as sessions free up. Seeds are derived per prompt, so a seeded
-result does not depend on what else shares the batch.
+result does not depend on what else shares the batch. A prefix common to all the
+prompts of a call (a chat template's system prompt, say) is fed once and its
+cells shared by clones; results are the same tokens as without the sharing.
 Never: touches the engine thread's state directly; everything goes through the
 Runner's sessions.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from cellbatch.cache import kv_bytes_per_cell
@@ -30,6 +33,7 @@ from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
+from cellbatch.prefix_cache import common_prefix_length
 from cellbatch.runner import GenerationHandle, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.threads import in_short_lived_thread
@@ -51,6 +55,9 @@ DEFAULT_KV_BUDGET_BYTES = 4 * 2**30
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MAX_BATCH_TOKENS = 544
 DEFAULT_MAX_SESSION_TOKENS = 8192
+# Shorter common prefixes are fed by every prompt: the extra turn would cost more than
+# it saves.
+MIN_SHARED_PREFIX = 16
 
 
 @dataclass
@@ -63,7 +70,8 @@ class GenerationResult:
     text: str = ""
     finish_reason: FinishReason = FinishReason.FAILED
     error: str = ""
-    metrics: GenerationMetrics | None = None
+    metrics: GenerationMetrics | None = None  # the turn's: it fed what the shared prefix did not
+    shared_prefix_tokens: int = 0  # leading prompt tokens fed once for all prompts of the call
 
     @property
     def ok(self) -> bool:
@@ -187,13 +195,15 @@ class Engine:
         stop: Sequence[str] = (),
         seed: int | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        share_prefix: bool = True,
     ) -> list[GenerationResult]:
         """Generate for every prompt at once; results in prompt order.
 
         Text prompts are tokenized as they are (no chat template: see `chat`);
         token lists are used verbatim. `stop` ends a generation at a text stop
         string (the text is cut before it). `on_tokens(n)` is called from the
-        engine thread as tokens arrive (for progress bars).
+        engine thread as tokens arrive (for progress bars). `share_prefix` feeds
+        the prompts' common prefix (when at least MIN_SHARED_PREFIX tokens) once.
         """
         base = _gen_config(params, max_new_tokens, seed, self.stop_tokens)
         results = [self._prepare(prompt, base) for prompt in prompts]
@@ -202,7 +212,8 @@ class Engine:
             for index, result in enumerate(results)
             if result.error == ""
         ]
-        self._run(jobs, on_tokens)
+        root = self._feed_shared_prefix(jobs) if share_prefix else None
+        self._run(jobs, on_tokens, root)
         return results
 
     def chat(
@@ -300,11 +311,41 @@ class Engine:
             )
         return ""
 
-    def _run(self, jobs: list[_Job], on_tokens: Callable[[int], None] | None) -> None:
-        """Runs every job, as many at once as sessions can be opened, and waits for all.
+    def _feed_shared_prefix(self, jobs: list[_Job]) -> _SharedPrefix | None:
+        """A session fed with the jobs' common prompt prefix, or None when there is none
+        worth sharing or the engine cannot spare the session. Each job keeps at least its
+        last prompt token to feed: its logits give the first new token."""
+        if len(jobs) < 2 or self.shape.max_sessions < 2:
+            return None  # with one session, the root would only delay the first job
+        prompts = [np.asarray(job.result.prompt_tokens, dtype=np.int64) for job in jobs]
+        common = min(common_prefix_length(prompts[0], prompt) for prompt in prompts[1:])
+        length = min(common, min(map(len, prompts)) - 1)
+        if length < MIN_SHARED_PREFIX:
+            return None
+        session = self.runner.open_session_async().result()
+        if session is None:
+            return None
+        handle = session.generate_async(
+            jobs[0].result.prompt_tokens[:length], GenConfig(max_new_tokens=0)
+        )
+        handle.wait()
+        if handle.finish_reason() != FinishReason.TOKEN_LIMIT:
+            session.close()
+            return None
+        return _SharedPrefix(session, length)
+
+    def _run(
+        self,
+        jobs: list[_Job],
+        on_tokens: Callable[[int], None] | None,
+        root: _SharedPrefix | None,
+    ) -> None:
+        """Runs every job, as many at once as sessions can be had, and waits for all.
 
         Sessions are asked for in bulk: the engine thread answers a whole round of
         requests between two forwards, so every job that fits starts in one step.
+        With a shared prefix, jobs get clones of its root session, and the last job
+        (or one that finds no other session) takes the root itself.
         """
         settled = threading.Condition()
         running = 0
@@ -318,20 +359,36 @@ class Engine:
                 running -= 1
                 settled.notify_all()
 
+        def start(job: _Job, session: Session, reused: int) -> None:
+            nonlocal running
+            with settled:
+                running += 1
+            job.start(session, reused, self, on_tokens, functools.partial(finish, job, session))
+
         while waiting:
             with settled:
                 # A job settles by queueing its session's close before it stops counting
                 # here, so requests posted after `running` drops below `ours` find its
                 # session free (the inbox is FIFO).
                 ours = running
-                wanted = min(len(waiting), max(1, self.shape.max_sessions - ours))
-            requests = [self.runner.open_session_async() for _ in range(wanted)]
+                slots = self.shape.max_sessions - ours - (root is not None)
+                wanted = min(len(waiting), max(1, slots))
+            if root is not None and wanted == len(waiting):
+                wanted -= 1  # the root itself serves the last job
+            requests = [
+                root.session.clone_async(root.length)
+                if root is not None
+                else self.runner.open_session_async()
+                for _ in range(wanted)
+            ]
             sessions = [session for request in requests if (session := request.result())]
+            reused = root.length if root is not None else 0
             for session in sessions:
-                job = waiting.popleft()
-                with settled:
-                    running += 1
-                job.start(session, self, on_tokens, functools.partial(finish, job, session))
+                start(waiting.popleft(), session, reused)
+            if root is not None and (len(waiting) == 1 or (not sessions and ours == 0)):
+                start(waiting.popleft(), root.session, root.length)
+                root = None
+                continue
             if sessions:
                 continue
             if ours == 0:
@@ -349,6 +406,12 @@ class Engine:
                 settled.wait()
 
 
+@dataclass(frozen=True)
+class _SharedPrefix:
+    session: Session  # idle, holding exactly the first `length` tokens of every prompt
+    length: int
+
+
 @dataclass
 class _Job:
     """One prompt's generation inside `Engine.generate`."""
@@ -363,6 +426,7 @@ class _Job:
     def start(
         self,
         session: Session,
+        reused: int,
         engine: Engine,
         on_tokens: Callable[[int], None] | None,
         on_settled: Callable[[GenerationHandle], None],
@@ -378,8 +442,12 @@ class _Job:
                     if self.handle is not None:
                         self.handle.cancel()
 
+        self.result.shared_prefix_tokens = reused
         self.handle = session.generate_async(
-            self.result.prompt_tokens, self.config, on_update=on_update, on_settled=on_settled
+            self.result.prompt_tokens[reused:],
+            self.config,
+            on_update=on_update,
+            on_settled=on_settled,
         )
         # The engine thread may have met the stop string before the handle existed.
         if self.stopped_by_string:

@@ -156,6 +156,7 @@ class EngineMetrics:
     peak_concurrent_generations: int = 0
     generations_started: int = 0
     generations_completed: int = 0
+    prefill_turns: int = 0  # turns with max_new_tokens=0: they feed a delta, generate nothing
     deferred_for_cells: int = 0  # generations that had to wait for KV cells before starting
     finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     ttft_count: int = 0
@@ -305,7 +306,8 @@ class EngineMetrics:
                 f"generations   {self.generations_started} started, "
                 f"{self.generations_completed} completed ({finished or 'none'}); "
                 f"peak {self.peak_concurrent_generations} at once, "
-                f"{self.deferred_for_cells} waited for KV cells",
+                f"{self.deferred_for_cells} waited for KV cells; "
+                f"{self.prefill_turns} prefill turns",
                 f"sessions      {self.sessions_opened} opened, {self.sessions_refused} refused",
                 f"ttft          n={self.ttft_count}, mean {_ms(self.ttft_mean)}, "
                 f"min {_ms(self.ttft_min)}, max {_ms(self.ttft_max)}",

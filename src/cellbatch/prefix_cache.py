@@ -50,7 +50,8 @@ class _Snapshot:
     session: Session
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays share."""
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n
@@ -89,7 +90,7 @@ class PrefixCache:
         with self._lock:
             candidates = []
             for recency, (key, snapshot) in enumerate(self._entries.items()):
-                matched = min(_common_prefix(snapshot.tokens, request), limit)
+                matched = min(common_prefix_length(snapshot.tokens, request), limit)
                 if matched > 0:
                     candidates.append((matched, recency, key, snapshot.session))
         # Longest first; among equals, the most recently used first.

@@ -22,6 +22,10 @@ less what running generations may still claim; others wait in arrival order.
 Only a running generation can free cells by itself, so a generation that does not
 fit while none runs fails at once with the reason (close idle sessions or ask
 for fewer tokens) instead of waiting for something that may never happen.
+
+A turn with max_new_tokens=0 is a prefill turn: it feeds its delta and settles
+`length` with no tokens once the model has consumed it (to build a shared prefix
+to clone, say). Engine metrics count it under `prefill_turns`, not as a generation.
 """
 
 from __future__ import annotations
@@ -355,15 +359,17 @@ def _read_delta(delta: Sequence[Token], config: GenConfig) -> tuple[tuple[Token,
     what does not depend on the session; lengths first, so that a huge delta is
     refused without being copied."""
     max_new = config.max_new_tokens
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
-        return (), f"max_new_tokens must be a positive integer, got {max_new!r}"
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        return (), (
+            f"max_new_tokens must be an integer >= 0 (0 only feeds the delta), got {max_new!r}"
+        )
     try:
         size = len(delta)
     except TypeError:
         return (), f"delta must be a sequence of token ids, got {type(delta).__name__}"
     if size == 0:
         return (), "delta is empty: a turn must feed at least one new token"
-    if size + max_new - 2 > MAX_POSITION:
+    if _last_position(0, size, max_new) > MAX_POSITION:
         return (), _overflow_message(0, size, max_new)
     try:
         tokens = tuple(map(operator.index, delta))
@@ -375,12 +381,17 @@ def _read_delta(delta: Sequence[Token], config: GenConfig) -> tuple[tuple[Token,
     return tokens, ""
 
 
+def _last_position(context: int, feed: int, max_new: int) -> int:
+    """The highest position a turn may feed: the last generated token is never fed."""
+    return context + feed + max(max_new, 1) - 2
+
+
 def _overflow_message(context: int, feed: int, max_new: int) -> str:
     return (
         f"the turn overflows the position range: {context} tokens of context + {feed} to feed "
         f"+ max_new_tokens {max_new} would need positions up to "
-        f"{context + feed + max_new - 2}, above {MAX_POSITION}; shorten the delta or lower "
-        "max_new_tokens"
+        f"{_last_position(context, feed, max_new)}, above {MAX_POSITION}; shorten the delta "
+        "or lower max_new_tokens"
     )
 
 
@@ -724,8 +735,7 @@ class Runner:
     def _start(self, gen: _Generation) -> None:
         state = gen.state
         assert state is not None  # unbound sessions never post
-        with self._metrics_lock:
-            self._metrics.generations_started += 1
+        self._count_start(gen)
         if gen.cancel_requested or state.closed:
             why = "cancelled by the caller" if gen.cancel_requested else "the session was closed"
             self._end(gen, FinishReason.CANCELLED, why)
@@ -736,6 +746,13 @@ class Runner:
             return
         state.active = gen  # waiting for cells already counts as active
         self._waiting.append(gen)
+
+    def _count_start(self, gen: _Generation) -> None:
+        with self._metrics_lock:
+            if gen.config.max_new_tokens == 0:
+                self._metrics.prefill_turns += 1
+            else:
+                self._metrics.generations_started += 1
 
     @staticmethod
     def _refusal(state: _SessionState, gen: _Generation) -> str:
@@ -748,7 +765,7 @@ class Runner:
         if state.active is not None:
             return "the session already has an active generation; wait for it or cancel it"
         feed = len(state.carry) + len(gen.delta)
-        if state.position + feed + gen.config.max_new_tokens - 2 > MAX_POSITION:
+        if _last_position(state.position, feed, gen.config.max_new_tokens) > MAX_POSITION:
             return _overflow_message(state.position, feed, gen.config.max_new_tokens)
         return ""
 
@@ -807,14 +824,16 @@ class Runner:
         except Exception as exc:
             self._end(gen, FinishReason.FAILED, f"executor.set_sampling raised {exc!r}")
             return
-        # Every chunk has the same base position; only the last one asks for output.
+        # Every chunk has the same base position; only the last one asks for output,
+        # unless this is a prefill turn.
         size, chunk = len(gen.feed), self._chunk_size
+        generates = gen.config.max_new_tokens > 0
         tasks = [
             Task(
                 next(self._tids),
                 Input(
                     state.sid,
-                    offset + chunk >= size,
+                    generates and offset + chunk >= size,
                     offset,
                     min(chunk, size - offset),
                     gen.feed,
@@ -959,6 +978,8 @@ class Runner:
             self._commit(gen, task, end_position)
             if output is not None:
                 generated += self._accept(gen, output.tokens, end, next_decodes)
+            elif gen.fed == len(gen.feed) and gen.config.max_new_tokens == 0:
+                self._end(gen, FinishReason.TOKEN_LIMIT)
         with self._metrics_lock:
             self._metrics.record_step(
                 start, end, decodes, len(prefill_sids), prefill_tokens, sum(context.values())
@@ -1059,6 +1080,8 @@ class Runner:
         if state.active is gen:
             state.active = None
         outcome = gen.settle(reason, error, tokens)
+        if gen.config.max_new_tokens == 0:
+            return  # a prefill turn: counted when it started, it has no outcome to record
         ttft = gen.metrics.ttft
         with self._metrics_lock:
             self._metrics.record_finish(outcome)
@@ -1084,8 +1107,7 @@ class Runner:
                 if future.set_running_or_notify_cancel():
                     self._register(None, 0, future)
             elif kind == _START:
-                with self._metrics_lock:
-                    self._metrics.generations_started += 1
+                self._count_start(command[1])
                 self._end(command[1], reason, error)
             elif kind == _CLOSE:
                 self._close(command[1])
