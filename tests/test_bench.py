@@ -15,6 +15,7 @@ import torch
 from cellbatch import bench
 from cellbatch.bench import (
     CELLBATCH,
+    CELLBATCH_UNSHARED,
     CHAT_PROMPTS,
     CONTINUOUS,
     PADDED,
@@ -337,7 +338,7 @@ def test_quick_run_on_a_tiny_model_writes_every_figure(
     ]  # fmt: skip
     assert bench.main(argv) == 0
     data = json.loads(output.read_text())
-    assert set(data["peers"]) == {SINGLE, PADDED, CONTINUOUS, CELLBATCH}
+    assert set(data["peers"]) == {SINGLE, PADDED, CONTINUOUS, CELLBATCH, CELLBATCH_UNSHARED}
     for name, peer in data["peers"].items():
         assert peer["error"] == "" and len(peer["outputs"]) == 3, name
         assert 3 <= peer["generated_tokens"] <= 15 and peer["tokens_per_s"] > 0
@@ -346,7 +347,10 @@ def test_quick_run_on_a_tiny_model_writes_every_figure(
     # transformers agrees with itself on this well-separated random model
     for name in (PADDED, CONTINUOUS):
         assert data["peers"][name]["agreement"]["identical"] == 3
-    assert set(data["ratios"]) == {f"{CELLBATCH}/{n}" for n in (SINGLE, PADDED, CONTINUOUS)}
+    # sharing the prompts' prefix changes no token
+    assert data["peers"][CELLBATCH]["outputs"] == data["peers"][CELLBATCH_UNSHARED]["outputs"]
+    others = (SINGLE, PADDED, CONTINUOUS, CELLBATCH_UNSHARED)
+    assert set(data["ratios"]) == {f"{CELLBATCH}/{n}" for n in others}
     assert 0.0 <= data["peers"][CELLBATCH]["idle_fraction"] < 1.0
     assert [point["sessions"] for point in data["concurrency"]] == [1, 3]
     for point in data["concurrency"]:

@@ -162,9 +162,11 @@ SINGLE = "transformers-single"
 PADDED = "transformers-padded"
 CONTINUOUS = "transformers-continuous"
 CELLBATCH = "cellbatch"
+# The same engine feeding every prompt whole: what sharing the chat template's prefix buys.
+CELLBATCH_UNSHARED = "cellbatch-unshared"
 PADDED_FP32 = "transformers-padded-fp32"
 SWEEP = "sweep"
-SKIPPABLE = (SINGLE, PADDED, CONTINUOUS, CELLBATCH, SWEEP)
+SKIPPABLE = (SINGLE, PADDED, CONTINUOUS, CELLBATCH, CELLBATCH_UNSHARED, SWEEP)
 # Whose greedy tokens the others are checked against: the first of these that ran.
 REFERENCES = (SINGLE, PADDED)
 
@@ -668,12 +670,12 @@ def transformers_continuous(
 
 
 def cellbatch_generate(
-    engine: Any, prompts: Sequence[Sequence[Token]], config: GenConfig
+    engine: Any, prompts: Sequence[Sequence[Token]], config: GenConfig, share_prefix: bool = True
 ) -> tuple[list[list[Token]], EngineWindow]:
     """All prompts through `Engine.generate`, and the engine's counters over that call."""
     before = engine.metrics()
     started = perf_counter()
-    results = engine.generate(prompts, config)
+    results = engine.generate(prompts, config, share_prefix=share_prefix)
     window = EngineWindow.between(before, engine.metrics(), started)
     failed = [
         f"prompt {i}: {r.finish_reason}: {r.error}" for i, r in enumerate(results) if not r.ok
@@ -817,20 +819,22 @@ def transformers_peer(
 
 
 def cellbatch_peer(
-    engine: Any, count: int, dtype: str, stop: frozenset[Token]
+    engine: Any, count: int, dtype: str, stop: frozenset[Token], share_prefix: bool = True
 ) -> tuple[Peer, list[EngineWindow]]:
     """cellbatch over `count` prompts, and the list that holds the engine's counters over
     its latest call."""
     windows: list[EngineWindow] = []
 
     def generate(prompts: Sequence[Sequence[Token]], new: int) -> list[list[Token]]:
-        outputs, window = cellbatch_generate(
-            engine, prompts, GenConfig(max_new_tokens=new, stop_tokens=stop)
-        )
+        config = GenConfig(max_new_tokens=new, stop_tokens=stop)
+        outputs, window = cellbatch_generate(engine, prompts, config, share_prefix)
         windows[:] = [window]
         return outputs
 
-    return Peer(CELLBATCH, "cellbatch", count, dtype, generate), windows
+    if share_prefix:
+        return Peer(CELLBATCH, "cellbatch", count, dtype, generate), windows
+    label = "cellbatch, prompt prefix not shared"
+    return Peer(CELLBATCH_UNSHARED, label, count, dtype, generate), windows
 
 
 def run_benchmark(options: BenchOptions) -> BenchReport:
@@ -874,7 +878,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
         # Off the main thread, as cellbatch's forwards are: see cellbatch.threads.
         reference_model = in_short_lived_thread(run_transformers)
 
-    if CELLBATCH not in options.skip or SWEEP not in options.skip:
+    if {CELLBATCH, CELLBATCH_UNSHARED, SWEEP} - set(options.skip):
         _progress(f"loading {path} in cellbatch")
         with Engine.from_pretrained(
             path,
@@ -883,11 +887,12 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
             max_sessions=max((count, *options.sessions)),
             max_batch_tokens=options.max_batch_tokens,
         ) as engine:
-            if CELLBATCH not in options.skip:
-                peer, windows = cellbatch_peer(engine, count, options.dtype, stop)
-                run = time_peer(peer, prompts, options.max_new_tokens)
-                run.idle_fraction = windows[0].idle_fraction if run.ok else None
-                report.runs.append(run)
+            for name, share in ((CELLBATCH, True), (CELLBATCH_UNSHARED, False)):
+                if name not in options.skip:
+                    peer, windows = cellbatch_peer(engine, count, options.dtype, stop, share)
+                    run = time_peer(peer, prompts, options.max_new_tokens)
+                    run.idle_fraction = windows[0].idle_fraction if run.ok else None
+                    report.runs.append(run)
             if SWEEP not in options.skip:
                 _sweep(engine, prompts, options, report)
 
