@@ -279,6 +279,32 @@ def test_a_common_prefix_is_fed_once_and_changes_no_token(make_engine, max_sessi
     assert wait_until(lambda: engine.kv_usage()["cells_in_use"] == 0)
 
 
+def test_seeded_sampling_draws_the_same_tokens_with_a_shared_prefix(make_engine) -> None:
+    from cellbatch.engine import MIN_SHARED_PREFIX
+
+    prompts = prompts_with_a_common_prefix(MIN_SHARED_PREFIX, [3, 8, 1])
+    params = GenConfig(max_new_tokens=10, sampling=SamplingParams(temperature=1.0), seed=7)
+    engine = make_engine()
+    shared = engine.generate(prompts, params)
+    assert [r.shared_prefix_tokens for r in shared] == [MIN_SHARED_PREFIX] * 3
+    separate = engine.generate(prompts, params, share_prefix=False)
+    assert [r.tokens for r in shared] == [r.tokens for r in separate]
+
+
+def test_a_failing_prompt_does_not_stop_the_others_sharing_a_prefix(make_engine) -> None:
+    from cellbatch.engine import MIN_SHARED_PREFIX
+
+    good = prompts_with_a_common_prefix(MIN_SHARED_PREFIX + 2, [4, 6])
+    engine = make_engine()
+    results = engine.generate([good[0], [], [VOCAB + 5], good[1]], GenConfig(max_new_tokens=5))
+    assert [r.ok for r in results] == [True, False, False, True]
+    assert [results[0].shared_prefix_tokens, results[3].shared_prefix_tokens] == [
+        MIN_SHARED_PREFIX + 2
+    ] * 2
+    alone = engine.generate(good, GenConfig(max_new_tokens=5), share_prefix=False)
+    assert [results[0].tokens, results[3].tokens] == [r.tokens for r in alone]
+
+
 def test_every_prompt_keeps_its_last_token_to_feed(make_engine) -> None:
     from cellbatch.engine import MIN_SHARED_PREFIX
 
@@ -330,7 +356,7 @@ def test_prompts_failing_at_once_free_their_sessions_for_the_rest(make_engine) -
     assert [r.finish_reason for r in results] == [FinishReason.FAILED] * 3 + [
         FinishReason.TOKEN_LIMIT
     ]
-    assert all("delta is empty" in r.error for r in results[:3])
+    assert all("the prompt is empty" in r.error for r in results[:3])
     assert len(results[3].tokens) == 2
 
 

@@ -292,8 +292,10 @@ class Engine:
         return result
 
     def _prompt_problem(self, tokens: Sequence[Token], config: GenConfig) -> str:
-        """What only the engine knows to refuse (the vocabulary and the session limit);
-        an empty prompt or a bad max_new_tokens is the runner's to refuse."""
+        """Why the prompt cannot run, or "": emptiness, the vocabulary and the session
+        limit (a bad max_new_tokens is the runner's to refuse)."""
+        if not tokens:
+            return "the prompt is empty: a generation must feed at least one token"
         vocab = self.config.vocab_size
         for index, token in enumerate(tokens):
             if not 0 <= token < vocab:
