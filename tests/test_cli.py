@@ -254,7 +254,10 @@ def test_report_json_schema(subprocess_runs) -> None:
         assert {"prompt", "prompt_tokens", "tokens", "text", "finish_reason", "error"} <= set(entry)
         assert isinstance(entry["prompt"], str) and isinstance(entry["text"], str)
         assert isinstance(entry["prompt_tokens"], int) and entry["prompt_tokens"] > 0
+        assert 0 <= entry["shared_prefix_tokens"] < entry["prompt_tokens"]
         assert all(isinstance(t, int) for t in entry["tokens"])
+    shared = {entry["shared_prefix_tokens"] for entry in report["generations"]}
+    assert report["engine"]["prefill_turns"] == (0 if shared == {0} else 1)
     for stage in ("before_load", "after_load", "after_generate"):
         assert report["memory"][stage]["rss_bytes"] > 0
     assert {"cells_in_use", "pool_rows", "allocated_bytes", "growth_count", "bytes_per_cell"} <= (

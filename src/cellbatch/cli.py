@@ -367,11 +367,17 @@ def _report(
 ) -> dict[str, Any]:
     generations: list[dict[str, Any]] = [{} for _ in prompts]
     for index, problem in failures.items():
-        generations[index] = _generation_entry(prompts[index], [], [], "", "failed", problem)
+        generations[index] = _generation_entry(prompts[index], [], 0, [], "", "failed", problem)
     for (index, tokens), result in zip(inputs, results, strict=True):
         error = f"{prompts[index].source}: {result.error}" if result.error else ""
         generations[index] = _generation_entry(
-            prompts[index], tokens, result.tokens, result.text, str(result.finish_reason), error
+            prompts[index],
+            tokens,
+            result.shared_prefix_tokens,
+            result.tokens,
+            result.text,
+            str(result.finish_reason),
+            error,
         )
     generated = sum(len(entry["tokens"]) for entry in generations)
     return {
@@ -413,6 +419,7 @@ def _threads() -> int:
 def _generation_entry(
     prompt: PromptLine,
     prompt_tokens: list[Token],
+    shared_prefix_tokens: int,
     tokens: list[Token],
     text: str,
     finish_reason: str,
@@ -422,6 +429,7 @@ def _generation_entry(
         "source": prompt.source,
         "prompt": prompt.raw,
         "prompt_tokens": len(prompt_tokens),
+        "shared_prefix_tokens": shared_prefix_tokens,
         "tokens": tokens,
         "text": text,
         "finish_reason": finish_reason,
@@ -439,7 +447,8 @@ def _print_report(report: dict[str, Any], engine_text: str) -> None:
         else:
             print(entry["text"])
         print(
-            f"--- {entry['finish_reason']}, {entry['prompt_tokens']} prompt tokens, "
+            f"--- {entry['finish_reason']}, {entry['prompt_tokens']} prompt tokens "
+            f"({entry['shared_prefix_tokens']} shared with the other prompts), "
             f"{len(entry['tokens'])} generated"
         )
         print()
