@@ -250,7 +250,7 @@ def test_capture_takes_nothing_for_a_rejected_generation(
     cache = PrefixCache(2)
     capture = cache.capture_prompt(session, make_tokens(4))
     handle = session.generate_async(
-        make_tokens(4), GenConfig(max_new_tokens=-1), on_update=capture.on_update
+        make_tokens(4), GenConfig(max_new_tokens=0), on_update=capture.on_update
     )
     assert handle.wait(WAIT_S)
     assert handle.finish_reason() == FinishReason.FAILED

@@ -368,8 +368,8 @@ def test_each_generation_reseeds_and_a_refused_one_does_not(start: Start) -> Non
 @pytest.mark.parametrize(
     ("delta", "max_new", "message"),
     [
-        ([1, 2], -3, "max_new_tokens must be an integer >= 0"),
-        ([1, 2], True, "max_new_tokens must be an integer >= 0"),
+        ([1, 2], 0, "max_new_tokens must be a positive integer"),
+        ([1, 2], -3, "max_new_tokens must be a positive integer"),
         ([], 4, "delta is empty"),
         (range(2**31), 4, "overflows the position range"),
         ([1, -5], 4, "token ids must be >= 0"),
@@ -462,7 +462,8 @@ def test_a_prefill_turn_feeds_the_delta_asks_for_no_output_and_settles_empty(
     runner, fake = start(chunk=4)
     session = open_session(runner)
     prompt = make_tokens(10)
-    handle = run(session, prompt, max_new=0)
+    handle = session.prefill_async(prompt)
+    assert handle.wait(WAIT_S)
     assert handle.finish_reason() == FinishReason.TOKEN_LIMIT and handle.error() == ""
     assert handle.tokens() == []
     (batch,) = fake.batches
@@ -480,7 +481,7 @@ def test_a_prefill_turn_feeds_the_delta_asks_for_no_output_and_settles_empty(
 def test_a_prefill_turn_can_be_cloned_at_its_end(start: Start) -> None:
     runner, _ = start()
     root = open_session(runner)
-    run(root, make_tokens(6), max_new=0)
+    assert root.prefill_async(make_tokens(6)).wait(WAIT_S)
     clone = root.clone_async(6).result(WAIT_S)
     assert clone is not None and clone.position() == 6
     assert run(clone, [7, 8], max_new=1).tokens() == [1008]

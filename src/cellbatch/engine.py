@@ -327,9 +327,7 @@ class Engine:
         session = self.runner.open_session_async().result()
         if session is None:
             return None
-        handle = session.generate_async(
-            jobs[0].result.prompt_tokens[:length], GenConfig(max_new_tokens=0)
-        )
+        handle = session.prefill_async(jobs[0].result.prompt_tokens[:length])
         handle.wait()
         if handle.finish_reason() != FinishReason.TOKEN_LIMIT:
             session.close()

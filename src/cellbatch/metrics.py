@@ -156,7 +156,7 @@ class EngineMetrics:
     peak_concurrent_generations: int = 0
     generations_started: int = 0
     generations_completed: int = 0
-    prefill_turns: int = 0  # turns with max_new_tokens=0: they feed a delta, generate nothing
+    prefill_turns: int = 0  # Session.prefill_async turns: they feed a delta, generate nothing
     deferred_for_cells: int = 0  # generations that had to wait for KV cells before starting
     finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     ttft_count: int = 0

@@ -23,9 +23,9 @@ Only a running generation can free cells by itself, so a generation that does no
 fit while none runs fails at once with the reason (close idle sessions or ask
 for fewer tokens) instead of waiting for something that may never happen.
 
-A turn with max_new_tokens=0 is a prefill turn: it feeds its delta and settles
-`length` with no tokens once the model has consumed it (to build a shared prefix
-to clone, say). Engine metrics count it under `prefill_turns`, not as a generation.
+A prefill turn (`Session.prefill_async`) feeds its delta and settles `length` with
+no tokens once the model has consumed it (to build a shared prefix to clone, say).
+Engine metrics count it under `prefill_turns`, not as a generation.
 """
 
 from __future__ import annotations
@@ -278,6 +278,7 @@ class _Generation:
         "ended",
         "fed",
         "feed",
+        "feed_only",
         "handle",
         "input_error",
         "last_step",
@@ -298,10 +299,12 @@ class _Generation:
         config: GenConfig,
         on_update: UpdateCallback | None,
         on_settled: SettledCallback | None,
+        feed_only: bool = False,
     ) -> None:
         self.runner = runner
         self.state = state
         self.config = config
+        self.feed_only = feed_only  # a prefill turn: feed the delta, generate nothing
         self.on_update = on_update
         self.on_settled = on_settled
         self.handle = GenerationHandle()
@@ -359,17 +362,15 @@ def _read_delta(delta: Sequence[Token], config: GenConfig) -> tuple[tuple[Token,
     what does not depend on the session; lengths first, so that a huge delta is
     refused without being copied."""
     max_new = config.max_new_tokens
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-        return (), (
-            f"max_new_tokens must be an integer >= 0 (0 only feeds the delta), got {max_new!r}"
-        )
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
+        return (), f"max_new_tokens must be a positive integer, got {max_new!r}"
     try:
         size = len(delta)
     except TypeError:
         return (), f"delta must be a sequence of token ids, got {type(delta).__name__}"
     if size == 0:
         return (), "delta is empty: a turn must feed at least one new token"
-    if _last_position(0, size, max_new) > MAX_POSITION:
+    if size + max_new - 2 > MAX_POSITION:
         return (), _overflow_message(0, size, max_new)
     try:
         tokens = tuple(map(operator.index, delta))
@@ -381,17 +382,12 @@ def _read_delta(delta: Sequence[Token], config: GenConfig) -> tuple[tuple[Token,
     return tokens, ""
 
 
-def _last_position(context: int, feed: int, max_new: int) -> int:
-    """The highest position a turn may feed: the last generated token is never fed."""
-    return context + feed + max(max_new, 1) - 2
-
-
 def _overflow_message(context: int, feed: int, max_new: int) -> str:
     return (
         f"the turn overflows the position range: {context} tokens of context + {feed} to feed "
         f"+ max_new_tokens {max_new} would need positions up to "
-        f"{_last_position(context, feed, max_new)}, above {MAX_POSITION}; shorten the delta "
-        "or lower max_new_tokens"
+        f"{context + feed + max_new - 2}, above {MAX_POSITION}; shorten the delta or lower "
+        "max_new_tokens"
     )
 
 
@@ -455,12 +451,28 @@ class Session:
         """
         config = config if config is not None else GenConfig()
         gen = _Generation(self._runner, self._state, config, on_update, on_settled)
+        return self._start_turn(gen, delta)
+
+    def prefill_async(
+        self, delta: Sequence[Token], on_settled: SettledCallback | None = None
+    ) -> GenerationHandle:
+        """Start a prefill turn: feed `delta` (after any pending tokens) and generate
+        nothing. The handle settles `length` with no tokens once the model has consumed
+        the delta; then `position()` counts it and `clone_async` can share it. Errors
+        come back as for `generate_async`."""
+        # max_new_tokens=1 sizes the checks: the last position fed is that of the
+        # delta's last token, as for a one-token generation.
+        config = GenConfig(max_new_tokens=1)
+        gen = _Generation(self._runner, self._state, config, None, on_settled, feed_only=True)
+        return self._start_turn(gen, delta)
+
+    def _start_turn(self, gen: _Generation, delta: Sequence[Token]) -> GenerationHandle:
         if self._state is None or self._runner is None:
             gen.settle(FinishReason.FAILED, "session is not initialized", ())
         elif self._closed or self._state.closed:
             gen.settle(FinishReason.CANCELLED, "session is closed", ())
         else:
-            gen.delta, gen.input_error = _read_delta(delta, config)
+            gen.delta, gen.input_error = _read_delta(delta, gen.config)
             if not self._runner._post((_START, gen)):
                 gen.settle(*self._runner._closing_outcome, ())
         return gen.handle
@@ -749,7 +761,7 @@ class Runner:
 
     def _count_start(self, gen: _Generation) -> None:
         with self._metrics_lock:
-            if gen.config.max_new_tokens == 0:
+            if gen.feed_only:
                 self._metrics.prefill_turns += 1
             else:
                 self._metrics.generations_started += 1
@@ -765,7 +777,7 @@ class Runner:
         if state.active is not None:
             return "the session already has an active generation; wait for it or cancel it"
         feed = len(state.carry) + len(gen.delta)
-        if _last_position(state.position, feed, gen.config.max_new_tokens) > MAX_POSITION:
+        if state.position + feed + gen.config.max_new_tokens - 2 > MAX_POSITION:
             return _overflow_message(state.position, feed, gen.config.max_new_tokens)
         return ""
 
@@ -827,13 +839,12 @@ class Runner:
         # Every chunk has the same base position; only the last one asks for output,
         # unless this is a prefill turn.
         size, chunk = len(gen.feed), self._chunk_size
-        generates = gen.config.max_new_tokens > 0
         tasks = [
             Task(
                 next(self._tids),
                 Input(
                     state.sid,
-                    generates and offset + chunk >= size,
+                    not gen.feed_only and offset + chunk >= size,
                     offset,
                     min(chunk, size - offset),
                     gen.feed,
@@ -978,7 +989,7 @@ class Runner:
             self._commit(gen, task, end_position)
             if output is not None:
                 generated += self._accept(gen, output.tokens, end, next_decodes)
-            elif gen.fed == len(gen.feed) and gen.config.max_new_tokens == 0:
+            elif gen.feed_only and gen.fed == len(gen.feed):
                 self._end(gen, FinishReason.TOKEN_LIMIT)
         with self._metrics_lock:
             self._metrics.record_step(
@@ -1080,7 +1091,7 @@ class Runner:
         if state.active is gen:
             state.active = None
         outcome = gen.settle(reason, error, tokens)
-        if gen.config.max_new_tokens == 0:
+        if gen.feed_only:
             return  # a prefill turn: counted when it started, it has no outcome to record
         ttft = gen.metrics.ttft
         with self._metrics_lock:
