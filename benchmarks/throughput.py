@@ -1,20 +1,198 @@
-"""Generated tokens/s of cellbatch against transformers on the default model (issue 4).
+"""Generated tokens/s of cellbatch against Hugging Face transformers on one model (issue 4).
 
-A thin wrapper over `cellbatch.bench` (also reachable as `cellbatch bench`): 32 chat
-prompts, greedy, at most 64 new tokens, in one run on the same dtype and threads for
-transformers one prompt at a time, transformers on a padded batch, transformers
-`generate_batch` and cellbatch; then cellbatch's decode-only tokens/s at 1, 8, 32 and
-64 sessions. Writes benchmarks/results/throughput-<dtype>.json and a PNG beside it.
+32 chat prompts, greedy, at most 64 new tokens, in one run on the same dtype and threads
+for transformers one prompt at a time, transformers on a left-padded batch (and that
+batch in float32 when the run is not), transformers continuous batching `generate_batch`,
+and cellbatch with and without its shared prompt prefix; then cellbatch's decode-only
+tokens/s at 1, 8, 32 and 64 sessions in lockstep. Each peer's greedy tokens are checked
+against transformers' one-prompt-at-a-time tokens (its padded batch's when that run is
+skipped). Prints a table, writes benchmarks/results/throughput-<dtype>[-quick].json and
+a PNG beside it (matplotlib: the `cellbatch[bench]` extra).
 
 Usage: .venv/bin/python benchmarks/throughput.py [--dtype float32|bfloat16] [--threads N]
        [--quick] [--model PATH] [--output-json PATH]   (--help for the rest)
+`cellbatch bench [options]` runs this script from the source checkout.
+
+Owns: one benchmark run (which peers run, in what order, on which engine) and its exit
+status; the run's environment (versions, CPU, load).
+Promises: in one run every peer gets the same prompt tokens, dtype, threads and token
+budget; a peer that fails is reported with its error and the others still run; the exit
+status is 0 when every part ran, 1 when one failed.
+Never: judges the figures against targets (it prints them), or changes the engine's
+limits beyond the session count the benchmark needs.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import platform
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from cellbatch.bench import main
+import torch
+
+from cellbatch.types import Token
+from throughput_peers import (
+    cellbatch_peer,
+    decode_sweep_point,
+    load_transformers_model,
+    probe_divergences,
+    progress,
+    time_peer,
+    transformers_peer,
+)
+from throughput_report import BenchReport, compare, format_report, write_json
+from throughput_workload import (
+    CELLBATCH,
+    CELLBATCH_UNSHARED,
+    CHAT_PROMPTS,
+    CONTINUOUS,
+    PADDED,
+    PADDED_FP32,
+    SINGLE,
+    SWEEP,
+    WARMUP_TOKENS,
+    BenchOptions,
+    parse_options,
+)
+
+
+def run_benchmark(options: BenchOptions) -> BenchReport:
+    from cellbatch.engine import Engine
+    from cellbatch.model.default import default_model_path
+    from cellbatch.model.tokenizer import load_tokenizer
+    from cellbatch.threads import in_short_lived_thread
+
+    torch.set_num_threads(options.threads)
+    path = options.model or default_model_path()
+    tokenizer = load_tokenizer(path)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        for text in CHAT_PROMPTS[: options.prompts]
+    ]
+    stop = tokenizer.stop_tokens
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(stop)
+    count = len(prompts)
+    report = BenchReport(options, _environment(path, options), [len(p) for p in prompts], [])
+
+    reference_model = None
+    hf_names = [name for name in (SINGLE, PADDED, CONTINUOUS) if name not in options.skip]
+    if hf_names or options.fp32_baseline:
+
+        def run_transformers() -> torch.nn.Module:
+            progress(f"loading {path} in transformers")
+            fp32_model = load_transformers_model(path, torch.float32)
+            reference = fp32_model
+            if options.dtype != "float32":
+                reference = copy.deepcopy(fp32_model).to(getattr(torch, options.dtype))
+            peers = [
+                transformers_peer(name, model, count, stop, pad, options.max_batch_tokens)
+                for name, model in (
+                    *([(PADDED_FP32, fp32_model)] if options.fp32_baseline else []),
+                    *((name, reference) for name in hf_names),
+                )
+            ]
+            report.runs += [time_peer(peer, prompts, options.max_new_tokens) for peer in peers]
+            return reference
+
+        # Off the main thread, as cellbatch's forwards are: see cellbatch.threads.
+        reference_model = in_short_lived_thread(run_transformers)
+
+    if {CELLBATCH, CELLBATCH_UNSHARED, SWEEP} - set(options.skip):
+        progress(f"loading {path} in cellbatch")
+        with Engine.from_pretrained(
+            path,
+            dtype=options.dtype,
+            threads=options.threads,
+            max_sessions=max((count, *options.sessions)),
+            max_batch_tokens=options.max_batch_tokens,
+        ) as engine:
+            for name, share in ((CELLBATCH, True), (CELLBATCH_UNSHARED, False)):
+                if name not in options.skip:
+                    peer, windows = cellbatch_peer(engine, count, options.dtype, stop, share)
+                    run = time_peer(peer, prompts, options.max_new_tokens)
+                    run.idle_fraction = windows[0].idle_fraction if run.ok else None
+                    report.runs.append(run)
+            if SWEEP not in options.skip:
+                _sweep(engine, prompts, options, report)
+
+    reference = report.reference()
+    if reference is not None:
+        for run in report.runs:
+            if run is not reference and run.ok and run.dtype == reference.dtype:
+                run.agreement = compare(run.outputs, reference.outputs)
+                probe_divergences(reference_model, prompts, reference.outputs, run.agreement)
+    report.environment["load_average_1min_at_end"] = _load_average()
+    return report
+
+
+def _sweep(
+    engine: Any, prompts: list[list[Token]], options: BenchOptions, report: BenchReport
+) -> None:
+    try:
+        decode_sweep_point(engine, prompts, 1, WARMUP_TOKENS)
+        for sessions in options.sessions:
+            progress(f"cellbatch decode sweep: {sessions} sessions")
+            point = decode_sweep_point(engine, prompts, sessions, options.max_new_tokens)
+            report.sweep.append(point)
+            progress(
+                f"cellbatch decode sweep: {sessions} sessions: "
+                f"{point.window.decode_only_tokens_per_s:.1f} decode-only tokens/s"
+            )
+    except Exception as error:  # keep the figures already measured
+        report.sweep_error = f"{type(error).__name__}: {error}"
+        progress(f"cellbatch decode sweep failed: {report.sweep_error}")
+
+
+def _environment(path: Path, options: BenchOptions) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "model": str(path),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "threads": options.threads,
+        # The machine may be shared: a load above the cores' count makes every figure low.
+        "cores": os.cpu_count(),
+        "load_average_1min_at_start": _load_average(),
+    }
+
+
+def _load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`benchmarks/throughput.py [options]`; 0 when every part ran, 1 when one failed."""
+    options = parse_options(argv)
+    report = run_benchmark(options)
+    print(format_report(report))
+    write_json(report, options.output_json)
+    progress(f"figures written to {options.output_json}")
+    if options.plot is not None and (report.sweep or any(run.ok for run in report.runs)):
+        from throughput_plot import write_plot  # matplotlib loads only when a plot is drawn
+
+        write_plot(report, options.plot)
+        progress(f"plot written to {options.plot}")
+    failed = report.sweep_error or any(not run.ok for run in report.runs)
+    return 1 if failed else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 """The `cellbatch` command line: `run` (a list of prompts through one model) and `bench`
-(throughput against transformers, `cellbatch.bench`).
+(throughput against transformers: runs benchmarks/throughput.py of the source checkout).
 
 Owns: argument parsing, reading prompt files, printing, the JSON run report.
 Promises: a missing or unreadable prompt file is an error before the model loads;
@@ -42,9 +42,21 @@ class PromptLine:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from cellbatch.bench import main as bench_main
+        # The benchmark is not part of the package: it lives in the source checkout.
+        import runpy
 
-        return bench_main(argv[1:])
+        script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+        if not script.is_file():
+            print(
+                f"cellbatch bench: error: no {script}: the benchmark ships with cellbatch's "
+                "source, not with the installed package. In a checkout, run "
+                "`pip install -e '.[bench]'`, then `cellbatch bench` or "
+                "`python benchmarks/throughput.py`.",
+                file=sys.stderr,
+            )
+            return 2
+        sys.path.insert(0, str(script.parent))  # its sibling modules
+        return runpy.run_path(str(script))["main"](argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -100,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=run_command)
 
-    # Listed for --help only: main() hands `bench` and its arguments to cellbatch.bench.
+    # Listed for --help only: main() hands `bench` and its arguments to the benchmark.
     commands.add_parser(
         "bench", help="throughput against transformers (cellbatch bench --help for its options)"
     )

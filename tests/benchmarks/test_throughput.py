@@ -1,34 +1,40 @@
-"""The throughput benchmark's pieces: prompt set, agreement, engine windows, ratios, JSON,
-PNG, options, and one end-to-end run on a tiny random model."""
+"""The throughput benchmark (benchmarks/throughput*.py): prompt set, agreement, engine
+windows, ratios, JSON, the matplotlib plot, options, one end-to-end run on a tiny random
+model, and the `cellbatch bench` entry that runs it."""
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from cellbatch import bench
-from cellbatch.bench import (
-    CELLBATCH,
-    CELLBATCH_UNSHARED,
-    CHAT_PROMPTS,
-    CONTINUOUS,
-    PADDED,
-    SINGLE,
+import throughput
+import throughput_peers as peers
+import throughput_plot as plot
+import throughput_report as report_module
+import throughput_workload as workload
+from cellbatch import cli
+from cellbatch.metrics import EngineMetrics
+from throughput_plot import Series
+from throughput_report import (
     Agreement,
     BenchReport,
     ConcurrencyPoint,
     Divergence,
     EngineWindow,
     PeerRun,
-    Series,
 )
-from cellbatch.metrics import EngineMetrics
+from throughput_workload import (
+    CELLBATCH,
+    CELLBATCH_UNSHARED,
+    CHAT_PROMPTS,
+    CONTINUOUS,
+    PADDED,
+    SINGLE,
+)
 
 # -- prompt set --------------------------------------------------------------------
 
@@ -58,27 +64,27 @@ def test_prompts_span_35_to_130_tokens_under_the_default_chat_template() -> None
 
 
 def test_until_stop_keeps_the_first_stop_token_and_drops_the_rest() -> None:
-    assert bench.until_stop([5, 6, 2, 7, 2], frozenset({2})) == [5, 6, 2]
-    assert bench.until_stop([5, 0, 2], frozenset({0, 2})) == [5, 0]
-    assert bench.until_stop([5, 6], frozenset({2})) == [5, 6]
+    assert peers.until_stop([5, 6, 2, 7, 2], frozenset({2})) == [5, 6, 2]
+    assert peers.until_stop([5, 0, 2], frozenset({0, 2})) == [5, 0]
+    assert peers.until_stop([5, 6], frozenset({2})) == [5, 6]
 
 
 def test_first_divergence() -> None:
-    assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert bench.first_divergence([1, 9, 3], [1, 2, 3]) == 1
-    assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
-    assert bench.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert report_module.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert report_module.first_divergence([1, 9, 3], [1, 2, 3]) == 1
+    assert report_module.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert report_module.first_divergence([1, 2, 3], [1, 2]) == 2
 
 
 def test_compare_counts_identical_prompts_and_records_divergences() -> None:
-    agreement = bench.compare([[1, 2, 3], [4, 5], [6, 7]], [[1, 2, 3], [4, 8], [6, 7, 9]])
+    agreement = report_module.compare([[1, 2, 3], [4, 5], [6, 7]], [[1, 2, 3], [4, 8], [6, 7, 9]])
     assert (agreement.total, agreement.identical) == (3, 1)
     assert agreement.divergences == [Divergence(1, 1, 5, 8), Divergence(2, 2, None, 9)]
 
 
 def test_compare_refuses_runs_over_different_prompt_counts() -> None:
     with pytest.raises(ValueError, match="same prompts"):
-        bench.compare([[1]], [[1], [2]])
+        report_module.compare([[1]], [[1], [2]])
 
 
 def test_parity_rule_excuses_one_near_tie_only() -> None:
@@ -102,7 +108,7 @@ def test_probe_fills_the_reference_models_top2_gap() -> None:
             return type("Out", (), {"logits": logits})
 
     agreement = Agreement(1, [Divergence(0, 2, ours=2, reference=1)])
-    bench.probe_divergences(Fixed(), [[3, 3]], [[1, 1, 1]], agreement)
+    peers.probe_divergences(Fixed(), [[3, 3]], [[1, 1, 1]], agreement)
     divergence = agreement.divergences[0]
     assert divergence.top2_gap == pytest.approx(0.005, abs=1e-6)
     assert divergence.ours_in_top2 and divergence.near_tie
@@ -141,7 +147,7 @@ def _run(name: str, tokens: int, seconds: float, error: str = "") -> PeerRun:
 
 
 def _report(runs: list[PeerRun]) -> BenchReport:
-    options = bench.parse_options(["--quick", "--dtype", "float32", "--output-json", "x.json"])
+    options = workload.parse_options(["--quick", "--dtype", "float32", "--output-json", "x.json"])
     window = EngineWindow(10, 1.0, 1.25, 8, 64, 0.5)
     return BenchReport(options, {"model": "tiny"}, [40, 50], runs, [ConcurrencyPoint(8, window)])
 
@@ -162,7 +168,7 @@ def test_json_holds_peers_ratios_and_concurrency(tmp_path: Path) -> None:
     report = _report([_run(SINGLE, 10, 1.0), _run(CELLBATCH, 60, 2.0)])
     report.runs[1].agreement = Agreement(2, [Divergence(1, 4, 9, 8, 0.003, True)])
     path = tmp_path / "deep" / "figures.json"
-    bench.write_json(report, path)
+    report_module.write_json(report, path)
     text = path.read_text()
     assert "[1, 1, 1, 1, 1, 1, 1, 1, 1, 1]" in text  # token lists stay on one line
     data = json.loads(text)
@@ -179,80 +185,59 @@ def test_json_holds_peers_ratios_and_concurrency(tmp_path: Path) -> None:
 
 # -- plot --------------------------------------------------------------------------
 
-
-def _decode_png(data: bytes) -> np.ndarray:
-    """A minimal reader for the PNGs encode_png writes (RGB, 8 bit, filter 0)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    offset, chunks = 8, {}
-    while offset < len(data):
-        (length,) = struct.unpack(">I", data[offset : offset + 4])
-        kind = data[offset + 4 : offset + 8]
-        body = data[offset + 8 : offset + 8 + length]
-        (crc,) = struct.unpack(">I", data[offset + 8 + length : offset + 12 + length])
-        assert crc == zlib.crc32(kind + body)
-        chunks[kind] = body
-        offset += 12 + length
-    width, height, depth, colour, *_ = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, colour) == (8, 2)
-    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8)
-    rows = rows.reshape(height, 1 + width * 3)
-    assert not rows[:, 0].any()
-    return rows[:, 1:].reshape(height, width, 3)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_png_round_trips_its_pixels() -> None:
-    pixels = np.random.default_rng(0).integers(0, 256, size=(7, 5, 3), dtype=np.uint8)
-    assert np.array_equal(_decode_png(bench.encode_png(pixels)), pixels)
+def _png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk, after checking the signature."""
+    assert data[:8] == PNG_SIGNATURE
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
 
 
-def test_png_refuses_a_non_rgb_array() -> None:
-    with pytest.raises(ValueError, match="uint8"):
-        bench.encode_png(np.zeros((4, 4), dtype=np.uint8))
+def test_series_put_the_sweep_first_and_leave_failed_peers_out() -> None:
+    report = _report([_run(PADDED, 100, 2.0), _run(CELLBATCH, 300, 1.5, error="boom")])
+    series = plot.throughput_series(report)
+    assert [s.joined for s in series] == [True, False]
+    assert series[0].points == ((8, pytest.approx(128.0)),)
+    assert series[1].points == ((4, pytest.approx(50.0)),)
+    assert PADDED in series[1].label
 
 
-def test_nice_step_is_one_two_or_five_times_a_power_of_ten() -> None:
-    assert bench.nice_step(1000) == 200
-    assert bench.nice_step(1300) == 500
-    assert bench.nice_step(90) == 20
-    assert bench.nice_step(4.2) == 1
-
-
-def test_chart_draws_a_higher_value_higher() -> None:
-    pixels = bench.render_chart(
-        [Series("up", ((1, 100.0), (64, 900.0)), joined=True)], "t", "x", "y"
-    )
-    blue = np.all(pixels == bench._COLOURS[0], axis=2)
-    blue[:80] = False  # the legend's swatch
-    rows, cols = np.nonzero(blue)
-    left_rows = rows[cols < cols.min() + 10]
-    right_rows = rows[cols > cols.max() - 10]
-    assert left_rows.size and right_rows.size
-    assert right_rows.mean() < left_rows.mean() - 100  # 900 sits well above 100
+def test_plot_is_a_png_that_matplotlib_wrote(tmp_path: Path) -> None:
+    report = _report([_run(PADDED, 100, 2.0), _run(CELLBATCH, 300, 1.5)])
+    path = tmp_path / "deep" / "plot.png"
+    plot.write_plot(report, path)
+    data = path.read_bytes()
+    width, height = _png_size(data)
+    assert (width, height) == tuple(round(inches * plot.DPI) for inches in plot.FIGURE_SIZE)
+    assert b"Software" in data and b"matplotlib" in data.lower()  # its tEXt chunk
 
 
 def test_chart_refuses_an_empty_plot() -> None:
     with pytest.raises(ValueError, match="nothing to plot"):
-        bench.render_chart([Series("none", (), joined=False)], "t", "x", "y")
+        plot.render_chart([Series("none", (), joined=False)], "t")
 
 
 # -- options -----------------------------------------------------------------------
 
 
 def test_quick_options_and_default_paths() -> None:
-    options = bench.parse_options(["--quick", "--dtype", "float32"])
-    assert (options.prompts, options.max_new_tokens) == (bench.QUICK_PROMPTS, 16)
-    assert options.sessions == bench.QUICK_SESSIONS
+    options = workload.parse_options(["--quick", "--dtype", "float32"])
+    assert (options.prompts, options.max_new_tokens) == (workload.QUICK_PROMPTS, 16)
+    assert options.sessions == workload.QUICK_SESSIONS
     assert options.output_json == Path("benchmarks/results/throughput-float32-quick.json")
     assert options.plot == Path("benchmarks/results/throughput-float32-quick.png")
     assert not options.fp32_baseline
 
 
 def test_full_options_default_to_the_issue_figures() -> None:
-    options = bench.parse_options(["--dtype", "bfloat16", "--threads", "2"])
+    options = workload.parse_options(["--dtype", "bfloat16", "--threads", "2"])
     assert (options.prompts, options.max_new_tokens, options.sessions) == (32, 64, (1, 8, 32, 64))
     assert options.output_json == Path("benchmarks/results/throughput-bfloat16.json")
     assert options.fp32_baseline and options.threads == 2
-    explicit = bench.parse_options(
+    explicit = workload.parse_options(
         ["--quick", "--prompts", "3", "--sessions", "2,5", "--no-fp32-baseline", "--no-plot"]
     )
     assert (explicit.prompts, explicit.sessions, explicit.plot) == (3, (2, 5), None)
@@ -263,7 +248,9 @@ def test_full_options_default_to_the_issue_figures() -> None:
     ("argv", "message"),
     [
         (["--prompts", "33"], "--prompts must be in 1..32"),
+        (["--prompts", "0"], "--prompts must be in 1..32, got 0"),
         (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (["--sessions", "1,x"], "comma-separated integers"),
         (["--sessions", "0,4"], "counts must be >= 1"),
         (["--threads", "0"], "--threads must be >= 1"),
@@ -274,13 +261,23 @@ def test_bad_options_exit_with_a_message(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_options(argv)
+        workload.parse_options(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
+def test_a_plot_without_matplotlib_is_refused_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(workload.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit):
+        workload.parse_options(["--quick"])
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err
+    assert workload.parse_options(["--quick", "--no-plot"]).plot is None
+
+
 def test_left_padding_puts_prompts_flush_right() -> None:
-    ids, mask = bench.left_padded([[5, 6, 7], [8]], pad=0)
+    ids, mask = peers.left_padded([[5, 6, 7], [8]], pad=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
@@ -336,7 +333,7 @@ def test_quick_run_on_a_tiny_model_writes_every_figure(
         "--prompts", "3", "--max-new-tokens", "5", "--sessions", "1,3",
         "--output-json", str(output),
     ]  # fmt: skip
-    assert bench.main(argv) == 0
+    assert throughput.main(argv) == 0
     data = json.loads(output.read_text())
     assert set(data["peers"]) == {SINGLE, PADDED, CONTINUOUS, CELLBATCH, CELLBATCH_UNSHARED}
     for name, peer in data["peers"].items():
@@ -356,7 +353,7 @@ def test_quick_run_on_a_tiny_model_writes_every_figure(
     for point in data["concurrency"]:
         assert point["decode_only_steps"] >= 1 and point["decode_only_tokens_per_s"] > 0
         assert 0 < point["sessions_per_decode_step"] <= point["sessions"]
-    assert _decode_png(output.with_suffix(".png").read_bytes()).shape == (460, 760, 3)
+    assert _png_size(output.with_suffix(".png").read_bytes()) == (900, 500)
     printed = capsys.readouterr().out
     assert "transformers generate_batch" in printed and "decode-only" in printed
 
@@ -365,10 +362,10 @@ def test_report_text_warns_when_the_machine_was_busy() -> None:
     report = _report([_run(SINGLE, 10, 1.0), _run(CELLBATCH, 60, 2.0)])
     report.environment.update(cores=2, load_average_1min_at_start=0.4)
     report.environment["load_average_1min_at_end"] = 0.9
-    text = bench.format_report(report)
+    text = report_module.format_report(report)
     assert "3.00x" in text and "busy" not in text
     report.environment["load_average_1min_at_end"] = 3.5
-    assert "load 0.4 at start, 3.5 at end, on 2 cores" in bench.format_report(report)
+    assert "load 0.4 at start, 3.5 at end, on 2 cores" in report_module.format_report(report)
 
 
 def test_reference_is_the_single_run_else_the_padded_one() -> None:
@@ -377,3 +374,33 @@ def test_reference_is_the_single_run_else_the_padded_one() -> None:
     report.runs[0].error = "interrupted"
     assert report.reference() is report.runs[1]
     assert _report([_run(CONTINUOUS, 10, 1.0)]).reference() is None
+
+
+# -- `cellbatch bench` -----------------------------------------------------------------
+
+
+def test_cellbatch_bench_runs_the_checkout_script(
+    tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: cellbatch bench" in capsys.readouterr().out
+    output = tmp_path / "figures.json"
+    skips = [word for name in workload.SKIPPABLE for word in ("--skip", name)]
+    argv = ["bench", "--model", str(tiny_chat_model), "--prompts", "2", *skips]
+    argv += ["--no-fp32-baseline", "--dtype", "float32", "--output-json", str(output)]
+    assert cli.main(argv) == 0
+    data = json.loads(output.read_text())
+    assert data["peers"] == {} and data["options"]["prompts"] == 2
+
+
+def test_cellbatch_bench_without_the_checkout_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    installed = tmp_path / "site-packages" / "cellbatch" / "cli.py"
+    monkeypatch.setattr(cli, "__file__", str(installed))
+    assert cli.main(["bench", "--quick"]) == 2
+    error = capsys.readouterr().err
+    assert "source" in error and "pip install -e '.[bench]'" in error
+    assert "python benchmarks/throughput.py" in error
