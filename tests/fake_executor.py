@@ -24,6 +24,7 @@ from cellbatch.types import (
     BatchInput,
     BatchOutput,
     GenerationUpdate,
+    KVUsage,
     Output,
     SamplingParams,
     SessionId,
@@ -51,7 +52,7 @@ class FakeExecutor:
     clone_supported: bool = True
     clone_raises: bool = False
     refuse_clone_of: set[SessionId] = field(default_factory=set)
-    cell_limit: int | None = None  # free_cells() = limit - cells held; None: no limit
+    cell_limit: int | None = None  # kv_usage() reports limit - cells held free; None: no limit
     fail_initialize: bool = False
     init_delay: float = 0.0
     on_execute: Callable[[BatchInput], None] | None = None
@@ -64,7 +65,7 @@ class FakeExecutor:
     clone_calls: list[tuple[SessionId, int]] = field(default_factory=list)
     init_calls: int = 0
     steps: int = 0
-    last_error: str = ""
+    truncations: list[tuple[SessionId, int]] = field(default_factory=list)
     engine_thread: threading.Thread | None = None
     wrong_thread_calls: int = 0
     _next_sid: int = 0
@@ -150,13 +151,19 @@ class FakeExecutor:
         self.sampling.append((sid, params, seed))
         self.events.append(("sampling", sid, seed))
 
-    def preferred_batch_tokens(self) -> int:
-        return 544
+    def truncate(self, sid: SessionId, length: int) -> None:
+        self._check_thread()
+        self.truncations.append((sid, length))
+        self.events.append(("truncate", sid, length))
+        del self.contexts[sid][length:]
 
-    def free_cells(self) -> int | None:
-        return None if self.cell_limit is None else self.cell_limit - self.used_cells()
+    def kv_usage(self) -> KVUsage | None:
+        if self.cell_limit is None:
+            return None
+        used = self.used_cells()
+        return KVUsage(used, self.cell_limit - used, self.cell_limit)
 
-    def execute(self, batch: BatchInput) -> BatchOutput | None:
+    def execute(self, batch: BatchInput) -> BatchOutput:
         self._check_thread()
         self.steps += 1
         step = self.steps
@@ -173,19 +180,16 @@ class FakeExecutor:
         if step in self.fail_steps or (
             self.fail_from_step is not None and step >= self.fail_from_step
         ):
-            self.last_error = f"fake failure at step {step}"
-            return None
+            raise RuntimeError(f"fake failure at step {step}")
         outputs = []
         for inp in batch.inputs:
             history = self.contexts.get(inp.sid)
             if history is None or inp.start > len(history):
-                self.last_error = f"input {inp} does not continue session {inp.sid}"
-                return None
+                raise RuntimeError(f"input {inp} does not continue session {inp.sid}")
             del history[inp.start :]  # a lower start rewinds
             history.extend(inp.tokens)
             if self.cell_limit is not None and self.used_cells() > self.cell_limit:
-                self.last_error = "out of cells"
-                return None
+                raise RuntimeError("out of cells")
             outputs.append(self._answer(inp, history) if inp.produce_output else None)
         if self.malformed_at_step == step:
             self._malform(batch, outputs)

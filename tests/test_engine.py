@@ -171,7 +171,7 @@ def test_two_turns_give_the_tokens_of_one_prompt_holding_both(make_engine) -> No
         first = run_turn(session, first_prompt, 10)
         # The last generated token is pending: produced, not yet fed to the model.
         assert session.position() == len(first_prompt) + len(first) - 1
-        assert session.pending() == (first[-1],)
+        assert session.unfed() == (first[-1],)
         second = run_turn(session, delta, 12)
     whole = first_prompt + first + delta
     assert generate(engine, [whole], 12)[0] == second
@@ -191,7 +191,7 @@ def test_a_clone_continues_exactly_as_its_source_would(make_engine) -> None:
         assert at_end is not None and mid_prompt is not None
         assert at_end.position() == source.position() and mid_prompt.position() == 12
         # A clone holds only committed tokens: the source's pending token comes first.
-        assert run_turn(at_end, [*source.pending(), *delta], 10) == expected_next
+        assert run_turn(at_end, [*source.unfed(), *delta], 10) == expected_next
         # A clone inside the prompt, fed the rest of it, regenerates the first turn.
         assert run_turn(mid_prompt, prompt[12:], 8) == expected_first
         # The clones wrote their own cells: the source continues undisturbed.

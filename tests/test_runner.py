@@ -37,9 +37,12 @@ def start() -> Iterator[Start]:
         decodes: int = 8,
         chunk: int = 16,
         scheduler: DecodeFirstScheduler | None = None,
+        **options: object,
     ) -> tuple[Runner, FakeExecutor]:
         fake = fake if fake is not None else FakeExecutor()
-        runner = Runner(fake, scheduler or DecodeFirstScheduler.create(budget, decodes, chunk))
+        runner = Runner(
+            fake, scheduler or DecodeFirstScheduler.create(budget, decodes, chunk), **options
+        )
         made.append((runner, fake))
         return runner, fake
 
@@ -61,7 +64,7 @@ def run(session: Session, delta: list[int], max_new: int = 3, **config: object) 
 def context(fake: FakeExecutor, session: Session) -> list[int]:
     """The session's whole context: what the executor committed + what is pending."""
     assert session.id is not None
-    return fake.contexts[session.id][: session.position()] + list(session.pending())
+    return fake.contexts[session.id][: session.position()] + list(session.unfed())
 
 
 def first_execute_with(fake: FakeExecutor, sid: int) -> int:
@@ -386,7 +389,7 @@ def test_bad_requests_fail_with_a_message_and_execute_nothing(
     assert handle.finish_reason() == FinishReason.FAILED
     assert message in handle.error()
     assert fake.batches == [] and fake.sampling == []
-    assert session.position() == 0 and session.pending() == ()
+    assert session.position() == 0 and session.unfed() == ()
 
 
 # -- stop tokens and budget ---------------------------------------------------------------------
@@ -448,7 +451,7 @@ def test_the_second_turn_carries_the_pending_token(start: Start) -> None:
     prompt = make_tokens(5)
     first = run(session, prompt, max_new=3)
     assert first.tokens() == [1005, 1006, 1007]
-    assert (session.position(), session.pending()) == (7, (1007,))
+    assert (session.position(), session.unfed()) == (7, (1007,))
     second = run(session, [50, 51], max_new=2)
     opening = fake.inputs_of(session.id)[3]
     assert (tuple(opening.payload), opening.position, opening.offset) == ((1007, 50, 51), 7, 0)
@@ -468,7 +471,7 @@ def test_a_prefill_turn_feeds_the_delta_asks_for_no_output_and_settles_empty(
     assert handle.tokens() == []
     (batch,) = fake.batches
     assert [i.produce_output for i in batch.inputs] == [False, False, False]
-    assert (session.position(), session.pending()) == (10, ())
+    assert (session.position(), session.unfed()) == (10, ())
     metrics = runner.metrics()
     assert (metrics.prefill_turns, metrics.generations_started) == (1, 0)
     assert (metrics.generations_completed, metrics.prefill_tokens) == (0, 10)
@@ -593,7 +596,7 @@ def test_a_stop_token_inside_an_accepted_run_drops_only_the_suffix(start: Start)
     handle = run(session, prompt, max_new=10, stop_tokens=frozenset({2}))
     assert handle.tokens() == [1004, 1005, 2]
     assert handle.finish_reason() == FinishReason.STOP_TOKEN
-    assert (session.position(), session.pending()) == (6, (2,))
+    assert (session.position(), session.unfed()) == (6, (2,))
     assert context(fake, session) == [*prompt, 1004, 1005, 2]
     run(session, [9], max_new=1)
     assert fake.inputs_of(session.id)[-1].start == 6  # rewinds what the executor ran ahead
@@ -608,7 +611,7 @@ def test_positions_follow_the_accepted_run_and_the_budget_cuts_a_burst(start: St
     decodes = fake.inputs_of(session.id)[1:]
     assert [(i.position, tuple(i.payload)) for i in decodes] == [(4, (1004,)), (6, (1006,))]
     assert len(fake.contexts[session.id]) == 8  # the executor ran one token past the budget
-    assert (session.position(), session.pending()) == (7, (1007,))
+    assert (session.position(), session.unfed()) == (7, (1007,))
     run(session, [9], max_new=1)
     assert fake.inputs_of(session.id)[-1].start == 7
 
@@ -657,7 +660,7 @@ def test_position_survives_a_cancelled_generation(start: Start) -> None:
     session = open_session(runner)
     prompt = make_tokens(5)
     run(session, prompt, max_new=3)
-    assert (session.position(), session.pending()) == (7, (1007,))
+    assert (session.position(), session.unfed()) == (7, (1007,))
     fake.hold()
     handle = session.generate_async([9], GenConfig(max_new_tokens=3))
     assert fake.wait_held()
@@ -665,10 +668,12 @@ def test_position_survives_a_cancelled_generation(start: Start) -> None:
     fake.release()
     assert handle.wait(WAIT_S)
     assert handle.finish_reason() == FinishReason.CANCELLED
-    assert (session.position(), session.pending()) == (7, (1007, 9))
+    # The step in flight consumed the turn's input: it is committed, its output dropped.
+    assert (session.position(), session.unfed()) == (9, ())
+    assert context(fake, session) == [*prompt, 1005, 1006, 1007, 9]
     run(session, [11], max_new=1)
     opening = fake.inputs_of(session.id)[-1]
-    assert (tuple(opening.payload), opening.start) == ((1007, 9, 11), 7)
+    assert (tuple(opening.payload), opening.start) == ((11,), 9)
 
 
 def test_a_cancelled_decode_advances_only_for_delivered_tokens(start: Start) -> None:
@@ -689,7 +694,8 @@ def test_a_cancelled_decode_advances_only_for_delivered_tokens(start: Start) -> 
     fake.release()
     assert handle.wait(WAIT_S)
     assert handle.tokens() == [1005, 1006]
-    assert (session.position(), session.pending()) == (6, (1006,))
+    # The decode in flight fed 1006; the token it produced was never delivered.
+    assert (session.position(), session.unfed()) == (7, ())
     assert context(fake, session) == [*prompt, 1005, 1006]
 
 
@@ -725,7 +731,7 @@ def test_a_clone_copies_only_the_committed_prefix_and_starts_idle(start: Start) 
     assert len(fake.contexts[source.id]) > source.position()  # speculative leftovers
     clone = source.clone_async(source.position()).result(WAIT_S)
     assert clone is not None
-    assert clone.position() == source.position() and clone.pending() == ()
+    assert clone.position() == source.position() and clone.unfed() == ()
     assert fake.contexts[clone.id] == fake.contexts[source.id][: source.position()]
     assert all(sid != clone.id for sid, _, _ in fake.sampling)
     run(clone, [9], max_new=1)
@@ -1046,7 +1052,7 @@ def test_initialisation_failure_stops_the_runner_and_refuses_sessions(start: Sta
 
 
 def test_a_generation_waits_for_cells_and_runs_once_they_free(start: Start) -> None:
-    runner, fake = start(FakeExecutor(cell_limit=40))
+    runner, fake = start(FakeExecutor(cell_limit=40), admission="reserve")
     first, second = open_session(runner), open_session(runner)
     fake.hold()
     running = first.generate_async(
@@ -1065,7 +1071,7 @@ def test_a_generation_waits_for_cells_and_runs_once_they_free(start: Start) -> N
 
 
 def test_a_generation_that_can_never_fit_fails_with_the_reason(start: Start) -> None:
-    runner, fake = start(FakeExecutor(cell_limit=20))
+    runner, fake = start(FakeExecutor(cell_limit=20), admission="reserve")
     session = open_session(runner)
     handle = run(session, make_tokens(10), max_new=20)
     assert handle.finish_reason() == FinishReason.FAILED

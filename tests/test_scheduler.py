@@ -9,6 +9,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import event, given, note, settings
@@ -53,7 +54,7 @@ def test_create_defaults() -> None:
     assert (
         scheduler.max_batch_tokens,
         scheduler.max_decode_sequences,
-        scheduler.max_prefill_chunk_size,
+        scheduler.max_prefill_chunk,
     ) == (544, 32, 256)
     assert isinstance(scheduler, Scheduler)
 
@@ -90,7 +91,7 @@ def test_create_accepts_a_huge_budget() -> None:
 def test_limits_are_read_only() -> None:
     scheduler = DecodeFirstScheduler.create()
     with pytest.raises(AttributeError):
-        scheduler.max_prefill_chunk_size = 1  # type: ignore[misc]
+        scheduler.max_prefill_chunk = 1  # type: ignore[misc]
 
 
 # --- submit ---------------------------------------------------------------------
@@ -337,8 +338,9 @@ def test_cancel_returns_every_queued_task_of_the_session_marked_cancelled() -> N
     mine = [chunk(1, 1, 10), chunk(2, 1, 10, offset=10, output=True), decode(3, 1)]
     assert scheduler.submit([*mine, chunk(4, 2, 10), decode(5, 3)])
     cancelled = scheduler.cancel(1)
-    assert ids(cancelled) == ids(mine)
-    assert all(task.cancelled for task in cancelled)
+    # Copies marked cancelled: tasks are values, the submitted ones stay as they were.
+    assert cancelled == [replace(task, cancelled=True) for task in mine]
+    assert not any(task.cancelled for task in mine)
     # Other sessions stay runnable.
     assert tids(scheduler.get_work()) == [5, 4]
     assert not scheduler.has_work()
@@ -453,7 +455,8 @@ class QueueModel:
 
     def remove(self, tasks: Sequence[Task], route: str) -> None:
         for task in tasks:
-            index = next(i for i, t in enumerate(self.waiting) if t is task)
+            # By tid: cancel hands back copies (tasks are values); tids are unique here.
+            index = next(i for i, t in enumerate(self.waiting) if t.tid == task.tid)
             del self.waiting[index]
         self.left[route] += len(tasks)
 
@@ -508,7 +511,7 @@ def test_random_operations_lose_nothing_and_return_nothing_twice(
             model.check_batch(scheduler.get_work())
         elif op == "cancel":
             cancelled = scheduler.cancel(arg)  # type: ignore[arg-type]
-            assert ids(cancelled) == ids([t for t in model.waiting if t.sid == arg])
+            assert tids(cancelled) == tids([t for t in model.waiting if t.sid == arg])
             assert all(t.cancelled for t in cancelled)
             model.remove(cancelled, "cancelled")
         else:

@@ -14,14 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cellbatch.types import Token
+
+if TYPE_CHECKING:
+    from cellbatch.engine import GenerationBatch
 
 # More sessions than this are rarely faster on a CPU and cost KV memory up front.
 SESSION_CAP = 256
@@ -282,14 +286,18 @@ def run_command(args: argparse.Namespace) -> int:
     with engine:
         inputs, failures = _encode(prompts, engine)
         config = GenConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+        if not args.quiet:
+            _note(f"generating for {len(inputs)} prompts (Ctrl-C stops and keeps what is done)")
         started = time.perf_counter()
         with _progress(args.quiet) as progress:
-            results = engine.generate(
+            batch = engine.generate_async(
                 [tokens for _, tokens in inputs],
                 config,
                 stop=args.stop,
                 on_tokens=progress,
             )
+            interrupted = _wait_interruptibly(batch)
+            results = batch.results()
         generate_seconds = time.perf_counter() - started
         memory["after_generate"] = memory_snapshot()
         metrics = engine.metrics()
@@ -311,8 +319,37 @@ def run_command(args: argparse.Namespace) -> int:
     if args.report_json is not None:
         args.report_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         _note(f"report written to {args.report_json}")
+    if interrupted:
+        _note(
+            f"interrupted by {signal.Signals(interrupted).name}: unfinished generations were "
+            "cancelled; the report above holds everything generated until then"
+        )
+        return 128 + interrupted
     ok = all(entry["finish_reason"] in _GOOD_ENDINGS for entry in report["generations"])
     return 0 if ok else 1
+
+
+def _wait_interruptibly(batch: GenerationBatch) -> int:
+    """Wait for the batch; the first SIGINT or SIGTERM cancels what still runs (the
+    results so far are kept and reported), a second SIGINT exits at once. Returns the
+    signal number that interrupted the wait, or 0."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        if received and signum == signal.SIGINT:
+            os._exit(128 + signal.SIGINT)  # the user insists: no report, no cleanup
+        received.append(signum)
+        batch.cancel()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        # Short waits, so that the main thread runs the handler as soon as a signal comes.
+        while not batch.wait(0.1):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return received[0] if received else 0
 
 
 _GOOD_ENDINGS = ("stop_token", "stop_string", "token_limit")

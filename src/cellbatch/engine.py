@@ -4,23 +4,22 @@ Owns: the loaded model and tokenizer, and the Runner driving them.
 Promises: `generate` / `chat` take many prompts at once and return one result per
 prompt, in order; a bad prompt (empty, a token outside the vocabulary, too long for
 the session) fails alone with a message naming the numbers, and the others run.
-Prompts never wait for one another beyond sharing forwards; more prompts than
-sessions are run as sessions free up. Seeds are derived per prompt, so a seeded
-result does not depend on what else shares the batch. A prefix common to all the
-prompts of a call (a chat template's system prompt, say) is fed once and its
-cells shared by clones; results are the same tokens as without the sharing.
+Every prompt is submitted to the Runner, which queues what does not fit yet (the
+Runner owns every queue). Seeds are derived per prompt, so a seeded result does not
+depend on what else shares the batch. A prefix common to all the prompts of a call
+(a chat template's system prompt, say) is fed once and its cells shared; results are
+the same tokens as without the sharing. Sessions and submissions default to the
+model's stop tokens. After `close()`, every call says the engine is closed.
 Never: touches the engine thread's state directly; everything goes through the
-Runner's sessions.
+Runner's faces.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ from cellbatch.model.loading import load_model
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.prefix_cache import common_prefix_length
-from cellbatch.runner import GenerationHandle, Runner, Session
+from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (
@@ -43,6 +42,7 @@ from cellbatch.types import (
     GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
+    KVUsage,
     SamplingParams,
     Token,
 )
@@ -106,6 +106,7 @@ class Engine:
         shape: EngineShape = EngineShape(),
         kv_dtype: torch.dtype = torch.float32,
         model_path: Path | None = None,
+        admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
     ) -> None:
         self.model = model
         self.config = config
@@ -125,16 +126,24 @@ class Engine:
                 max_sessions=self.shape.max_sessions,
                 max_session_tokens=self.shape.max_session_tokens,
                 max_cells=self.shape.max_cells,
-                max_step_tokens=self.shape.max_batch_tokens,
+                max_batch_tokens=self.shape.max_batch_tokens,
                 kv_dtype=kv_dtype,
             ),
         )
         self.scheduler = DecodeFirstScheduler.create(
             max_batch_tokens=self.shape.max_batch_tokens,
             max_decode_sequences=self.shape.max_decode_sequences,
-            max_prefill_chunk_size=self.shape.max_prefill_chunk,
+            max_prefill_chunk=self.shape.max_prefill_chunk,
         )
-        self.runner = Runner(self.executor, self.scheduler)
+        self.admission = AdmissionPolicy(admission)
+        self.runner = Runner(
+            self.executor,
+            self.scheduler,
+            tokenizer=tokenizer,
+            stop_tokens=sorted(self.stop_tokens),
+            admission=self.admission,
+        )
+        self._closed = False
 
     @classmethod
     def from_pretrained(
@@ -145,6 +154,7 @@ class Engine:
         kv_dtype: str | torch.dtype | None = None,
         threads: int | None = None,
         kernels: str = "auto",
+        admission: str = "optimistic",
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder or a GGUF file (default: the embedded
@@ -168,6 +178,7 @@ class Engine:
             config,
             tokenizer,
             shape=EngineShape(**shape),
+            admission=admission,
             kv_dtype=resolved_kv,
             model_path=path,
         )
@@ -175,9 +186,13 @@ class Engine:
     # -- sessions ------------------------------------------------------------
 
     def open_session(self, timeout: float | None = None) -> Session:
-        """A new Runner session (streaming, multi-turn, clone); raises when at capacity."""
+        """A new Runner session (streaming, multi-turn, clone); its generations stop at
+        the model's stop tokens unless their GenConfig names others. Raises when the
+        engine is closed or every session is open."""
+        self._require_open()
         session = self.runner.open_session_async().result(timeout)
         if session is None:
+            self._require_open()
             raise RuntimeError(
                 f"no session available: all {self.shape.max_sessions} are open; close one "
                 "or raise max_sessions"
@@ -200,21 +215,60 @@ class Engine:
         """Generate for every prompt at once; results in prompt order.
 
         Text prompts are tokenized as they are (no chat template: see `chat`);
-        token lists are used verbatim. `stop` ends a generation at a text stop
-        string (the text is cut before it). `on_tokens(n)` is called from the
-        engine thread as tokens arrive (for progress bars). `share_prefix` feeds
-        the prompts' common prefix (when at least MIN_SHARED_PREFIX tokens) once.
+        token lists are used verbatim. `stop` adds text stop strings (the text ends
+        before the stop string). `on_tokens(n)` is called from the engine thread as
+        tokens arrive (for progress bars). `share_prefix` feeds the prompts' common
+        prefix (when at least MIN_SHARED_PREFIX tokens) once.
         """
-        base = _gen_config(params, max_new_tokens, seed, self.stop_tokens)
+        batch = self.generate_async(
+            prompts,
+            params,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            seed=seed,
+            on_tokens=on_tokens,
+            share_prefix=share_prefix,
+        )
+        return batch.results()
+
+    def generate_async(
+        self,
+        prompts: Sequence[Prompt],
+        params: GenConfig | SamplingParams | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+        share_prefix: bool = True,
+    ) -> GenerationBatch:
+        """`generate` without waiting: the batch can be waited on, cancelled (what
+        finished stays finished) and collected."""
+        self._require_open()
+        base = _gen_config(params, max_new_tokens, seed, stop)
         results = [self._prepare(prompt, base) for prompt in prompts]
-        jobs = [
-            _Job(result, _seeded(base, index), tuple(stop))
-            for index, result in enumerate(results)
-            if result.error == ""
-        ]
-        root = self._feed_shared_prefix(jobs) if share_prefix else None
-        self._run(jobs, on_tokens, root)
-        return results
+        jobs = [(index, result) for index, result in enumerate(results) if result.error == ""]
+        root = self._feed_shared_prefix([result for _, result in jobs]) if share_prefix else None
+        batch = GenerationBatch(results, self.decode if self.tokenizer is None else None)
+
+        def progress(update: GenerationUpdate) -> None:
+            if on_tokens is not None and update.tokens:
+                on_tokens(len(update.tokens))
+
+        for index, result in jobs:
+            reused = root.length if root is not None else 0
+            result.shared_prefix_tokens = reused
+            handle = self.runner.submit(
+                result.prompt_tokens[reused:],
+                _seeded(base, index),
+                progress if on_tokens is not None else None,
+                source=root.session if root is not None else None,
+                upto=reused,
+            )
+            batch.track(result, handle)
+        if root is not None:
+            root.session.close()  # submissions queued before the close still start from it
+        return batch
 
     def chat(
         self,
@@ -252,20 +306,23 @@ class Engine:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def kv_usage(self) -> dict[str, int]:
-        """Cells in use, pool rows, allocated bytes, growth count, bytes per cell."""
-        cache, pool = self.executor.cache, self.executor.pool
+        """Cells in use, the cell limit, pool rows, allocated bytes, growth count and
+        bytes per cell, as of the engine's last step."""
+        usage = self.runner.kv_usage() or KVUsage(0, self.shape.max_cells, self.shape.max_cells)
         return {
-            "cells_in_use": cache.used_cells() if cache is not None else 0,
-            "max_cells": self.shape.max_cells,
-            "pool_rows": pool.rows if pool is not None else 0,
-            "allocated_bytes": pool.allocated_bytes if pool is not None else 0,
-            "growth_count": pool.growth_count if pool is not None else 0,
-            "bytes_per_cell": pool.bytes_per_cell if pool is not None else 0,
+            "cells_in_use": usage.cells_in_use,
+            "max_cells": usage.max_cells,
+            "pool_rows": usage.pool_rows,
+            "allocated_bytes": usage.allocated_bytes,
+            "growth_count": usage.growth_count,
+            "bytes_per_cell": usage.bytes_per_cell,
         }
 
     # -- lifecycle -----------------------------------------------------------
 
     def close(self) -> None:
+        """Cancel what still runs and stop the engine; idempotent."""
+        self._closed = True
         self.runner.shutdown()
 
     def __enter__(self) -> Engine:
@@ -275,6 +332,10 @@ class Engine:
         self.close()
 
     # -- internals -----------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._closed or self.runner.stopping():
+            raise RuntimeError("the engine is closed; create a new Engine to generate again")
 
     def _require_tokenizer(self, why: str):
         if self.tokenizer is None:
@@ -313,13 +374,13 @@ class Engine:
             )
         return ""
 
-    def _feed_shared_prefix(self, jobs: list[_Job]) -> _SharedPrefix | None:
-        """A session fed with the jobs' common prompt prefix, or None when there is none
-        worth sharing or the engine cannot spare the session. Each job keeps at least its
-        last prompt token to feed: its logits give the first new token."""
-        if len(jobs) < 2 or self.shape.max_sessions < 2:
-            return None  # with one session, the root would only delay the first job
-        prompts = [np.asarray(job.result.prompt_tokens, dtype=np.int64) for job in jobs]
+    def _feed_shared_prefix(self, results: list[GenerationResult]) -> _SharedPrefix | None:
+        """A session fed with the prompts' common prefix, or None when there is none
+        worth sharing or the engine cannot spare the session. Each prompt keeps at
+        least its last token to feed: its logits give the first new token."""
+        if len(results) < 2 or self.shape.max_sessions < 2:
+            return None  # with one session, the root would only delay the first prompt
+        prompts = [np.asarray(result.prompt_tokens, dtype=np.int64) for result in results]
         common = min(common_prefix_length(prompts[0], prompt) for prompt in prompts[1:])
         length = min(common, min(map(len, prompts)) - 1)
         if length < MIN_SHARED_PREFIX:
@@ -327,83 +388,12 @@ class Engine:
         session = self.runner.open_session_async().result()
         if session is None:
             return None
-        handle = session.prefill_async(jobs[0].result.prompt_tokens[:length])
+        handle = session.prefill_async(results[0].prompt_tokens[:length])
         handle.wait()
         if handle.finish_reason() != FinishReason.TOKEN_LIMIT:
             session.close()
             return None
         return _SharedPrefix(session, length)
-
-    def _run(
-        self,
-        jobs: list[_Job],
-        on_tokens: Callable[[int], None] | None,
-        root: _SharedPrefix | None,
-    ) -> None:
-        """Runs every job, as many at once as sessions can be had, and waits for all.
-
-        Sessions are asked for in bulk: the engine thread answers a whole round of
-        requests between two forwards, so every job that fits starts in one step.
-        With a shared prefix, jobs get clones of its root session, and the last job
-        (or one that finds no other session) takes the root itself.
-        """
-        settled = threading.Condition()
-        running = 0
-        waiting = collections.deque(jobs)
-
-        def finish(job: _Job, session: Session, handle: GenerationHandle) -> None:
-            nonlocal running
-            job.settle(handle, self)
-            session.close()
-            with settled:
-                running -= 1
-                settled.notify_all()
-
-        def start(job: _Job, session: Session, reused: int) -> None:
-            nonlocal running
-            with settled:
-                running += 1
-            job.start(session, reused, self, on_tokens, functools.partial(finish, job, session))
-
-        while waiting:
-            with settled:
-                # A job settles by queueing its session's close before it stops counting
-                # here, so requests posted after `running` drops below `ours` find its
-                # session free (the inbox is FIFO).
-                ours = running
-                slots = self.shape.max_sessions - ours - (root is not None)
-                wanted = min(len(waiting), max(1, slots))
-            if root is not None and wanted == len(waiting):
-                wanted -= 1  # the root itself serves the last job
-            requests = [
-                root.session.clone_async(root.length)
-                if root is not None
-                else self.runner.open_session_async()
-                for _ in range(wanted)
-            ]
-            sessions = [session for request in requests if (session := request.result())]
-            reused = root.length if root is not None else 0
-            for session in sessions:
-                start(waiting.popleft(), session, reused)
-            if root is not None and (len(waiting) == 1 or (not sessions and ours == 0)):
-                start(waiting.popleft(), root.session, root.length)
-                root = None
-                continue
-            if sessions:
-                continue
-            if ours == 0:
-                for job in waiting:
-                    job.result.error = (
-                        f"no session available: all {self.shape.max_sessions} are open "
-                        "elsewhere; close sessions or raise max_sessions"
-                    )
-                return
-            with settled:
-                while running >= ours:
-                    settled.wait()
-        with settled:
-            while running:
-                settled.wait()
 
 
 @dataclass(frozen=True)
@@ -412,69 +402,54 @@ class _SharedPrefix:
     length: int
 
 
-@dataclass
-class _Job:
-    """One prompt's generation inside `Engine.generate`."""
+class GenerationBatch:
+    """The generations of one `Engine.generate_async` call, in prompt order."""
 
-    result: GenerationResult
-    config: GenConfig
-    stop_strings: tuple[str, ...]
-    delivered: list[Token] = field(default_factory=list)
-    stopped_by_string: bool = False
-    handle: GenerationHandle | None = None
-
-    def start(
+    def __init__(
         self,
-        session: Session,
-        reused: int,
-        engine: Engine,
-        on_tokens: Callable[[int], None] | None,
-        on_settled: Callable[[GenerationHandle], None],
+        results: list[GenerationResult],
+        decode: Callable[[Sequence[Token]], str] | None,
     ) -> None:
-        def on_update(update: GenerationUpdate) -> None:
-            self.delivered.extend(update.tokens)
-            if on_tokens is not None and update.tokens:
-                on_tokens(len(update.tokens))
-            if self.stop_strings and update.finish_reason is None:
-                text = engine.decode(self.delivered)
-                if any(stop in text for stop in self.stop_strings):
-                    self.stopped_by_string = True
-                    if self.handle is not None:
-                        self.handle.cancel()
+        self._results = results
+        self._decode = decode  # for a model without a tokenizer: ids as text
+        self._handles: list[tuple[GenerationResult, GenerationHandle]] = []
 
-        self.result.shared_prefix_tokens = reused
-        self.handle = session.generate_async(
-            self.result.prompt_tokens[reused:],
-            self.config,
-            on_update=on_update,
-            on_settled=on_settled,
-        )
-        # The engine thread may have met the stop string before the handle existed.
-        if self.stopped_by_string:
-            self.handle.cancel()
+    def track(self, result: GenerationResult, handle: GenerationHandle) -> None:
+        self._handles.append((result, handle))
 
-    def settle(self, handle: GenerationHandle, engine: Engine) -> None:
-        result = self.result
-        result.tokens = list(self.delivered)
-        result.metrics = handle.metrics()
-        result.finish_reason = handle.finish_reason()
-        result.error = handle.error()
-        text = engine.decode(result.tokens)
-        if self.stop_strings:
-            cut = min((text.find(s) for s in self.stop_strings if s in text), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-                if self.stopped_by_string or result.finish_reason != FinishReason.FAILED:
-                    result.finish_reason = FinishReason.STOP_STRING
-                    result.error = ""
-        result.text = text
+    def cancel(self) -> None:
+        """End every generation still running `cancelled`; finished ones keep their
+        results."""
+        for _, handle in self._handles:
+            handle.cancel()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every generation has settled."""
+        deadline = None if timeout is None else perf_counter() + timeout
+        for _, handle in self._handles:
+            left = None if deadline is None else max(0.0, deadline - perf_counter())
+            if not handle.wait(left):
+                return False
+        return True
+
+    def results(self) -> list[GenerationResult]:
+        """Wait for every generation, then one result per prompt, in prompt order."""
+        self.wait()
+        for result, handle in self._handles:
+            summary = handle.result()
+            result.tokens = list(summary.tokens)
+            result.text = summary.text if self._decode is None else self._decode(summary.tokens)
+            result.finish_reason = summary.finish_reason or FinishReason.FAILED
+            result.error = summary.error
+            result.metrics = handle.metrics()
+        return self._results
 
 
 def _gen_config(
     params: GenConfig | SamplingParams | None,
     max_new_tokens: int | None,
     seed: int | None,
-    stop_tokens: frozenset[Token],
+    stop: Sequence[str],
 ) -> GenConfig:
     if isinstance(params, GenConfig):
         config = params
@@ -490,7 +465,9 @@ def _gen_config(
         config = replace(config, max_new_tokens=max_new_tokens)
     if seed is not None:
         config = replace(config, seed=seed)
-    return replace(config, stop_tokens=config.stop_tokens | stop_tokens)
+    if isinstance(stop, str):
+        stop = (stop,)
+    return replace(config, stop_strings=(*config.stop_strings, *stop))
 
 
 def _seeded(config: GenConfig, index: int) -> GenConfig:

@@ -158,6 +158,9 @@ class EngineMetrics:
     generations_completed: int = 0
     prefill_turns: int = 0  # Session.prefill_async turns: they feed a delta, generate nothing
     deferred_for_cells: int = 0  # generations that had to wait for KV cells before starting
+    preemptions: int = 0  # running generations sent back to wait, their cells dropped
+    sessions_reclaimed: int = 0  # idle or waiting sessions whose cells were dropped for others
+    recomputed_tokens: int = 0  # context fed again after its cells had been dropped
     finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     ttft_count: int = 0
     ttft_sum: float = 0.0
@@ -309,6 +312,8 @@ class EngineMetrics:
                 f"{self.deferred_for_cells} waited for KV cells; "
                 f"{self.prefill_turns} prefill turns",
                 f"sessions      {self.sessions_opened} opened, {self.sessions_refused} refused",
+                f"kv pressure   {self.preemptions} preemptions, {self.sessions_reclaimed} idle "
+                f"sessions' cells dropped, {self.recomputed_tokens} tokens recomputed",
                 f"ttft          n={self.ttft_count}, mean {_ms(self.ttft_mean)}, "
                 f"min {_ms(self.ttft_min)}, max {_ms(self.ttft_max)}",
                 f"tokens        {self.prompt_tokens} prompt, {self.generated_tokens} generated",

@@ -114,10 +114,10 @@ class PrefixCache:
         is closed. Entries beyond `max_entries` are evicted (and closed), least
         recently used first."""
         key = tuple(int(t) for t in tokens)
-        if session.position() != len(key) or session.pending():
+        if session.position() != len(key) or session.unfed():
             raise InvalidArgumentError(
                 f"a snapshot must hold exactly its tokens: the session holds "
-                f"{session.position()} committed and {len(session.pending())} pending tokens, "
+                f"{session.position()} committed and {len(session.unfed())} unfed tokens, "
                 f"but {len(key)} tokens were given; insert an idle clone taken at the "
                 "prompt boundary (see capture_prompt)"
             )
@@ -148,11 +148,11 @@ class PrefixCache:
         (the session's whole context once the turn's delta is fed). Pass the
         returned capture's `on_update` to `generate_async`; call `collect()` once
         the generation has settled."""
-        if len(tokens) < session.position() + len(session.pending()):
+        if len(tokens) < session.position() + len(session.unfed()):
             raise InvalidArgumentError(
                 f"tokens ({len(tokens)}) must be the session's whole context after the "
                 f"delta, but the session already holds "
-                f"{session.position() + len(session.pending())}"
+                f"{session.position() + len(session.unfed())}"
             )
         return PromptCapture(self, session, tuple(int(t) for t in tokens), on_update)
 

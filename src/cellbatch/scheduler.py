@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from cellbatch.types import InvalidArgumentError, SessionId, Task, TaskId
@@ -37,7 +37,7 @@ class Scheduler(Protocol):
     def has_work(self) -> bool: ...
 
     @property
-    def max_prefill_chunk_size(self) -> int: ...
+    def max_prefill_chunk(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -66,12 +66,12 @@ class DecodeFirstScheduler:
         self,
         max_batch_tokens: int = 544,
         max_decode_sequences: int = 32,
-        max_prefill_chunk_size: int = 256,
+        max_prefill_chunk: int = 256,
     ) -> None:
         for name, value in (
             ("max_batch_tokens", max_batch_tokens),
             ("max_decode_sequences", max_decode_sequences),
-            ("max_prefill_chunk_size", max_prefill_chunk_size),
+            ("max_prefill_chunk", max_prefill_chunk),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
@@ -82,18 +82,18 @@ class DecodeFirstScheduler:
                 "or lower max_decode_sequences"
             )
         room = max_batch_tokens - max_decode_sequences
-        if max_prefill_chunk_size > room:
+        if max_prefill_chunk > room:
             # Otherwise a full chunk beside a saturated decode set never fits and
             # an admitted prompt could wait forever.
             raise InvalidArgumentError(
-                f"max_prefill_chunk_size ({max_prefill_chunk_size}) must fit beside a full "
+                f"max_prefill_chunk ({max_prefill_chunk}) must fit beside a full "
                 f"decode set: at most max_batch_tokens - max_decode_sequences = {room}; "
                 f"lower it to {room} or raise max_batch_tokens to "
-                f"{max_decode_sequences + max_prefill_chunk_size}"
+                f"{max_decode_sequences + max_prefill_chunk}"
             )
         self._max_batch_tokens = max_batch_tokens
         self._max_decode_sequences = max_decode_sequences
-        self._max_prefill_chunk_size = max_prefill_chunk_size
+        self._max_prefill_chunk = max_prefill_chunk
         self._lock = threading.Lock()
         # Invariant: a tid is in _queued iff its task is waiting; _session_tasks
         # holds the same entries grouped by session, in submission order.
@@ -111,11 +111,11 @@ class DecodeFirstScheduler:
         cls,
         max_batch_tokens: int = 544,
         max_decode_sequences: int = 32,
-        max_prefill_chunk_size: int = 256,
+        max_prefill_chunk: int = 256,
     ) -> DecodeFirstScheduler:
         """Raises InvalidArgumentError for a limit that is not positive, a decode
         cap not below the budget, or a chunk that cannot fit beside full decodes."""
-        return cls(max_batch_tokens, max_decode_sequences, max_prefill_chunk_size)
+        return cls(max_batch_tokens, max_decode_sequences, max_prefill_chunk)
 
     @property
     def max_batch_tokens(self) -> int:
@@ -126,17 +126,17 @@ class DecodeFirstScheduler:
         return self._max_decode_sequences
 
     @property
-    def max_prefill_chunk_size(self) -> int:
-        return self._max_prefill_chunk_size
+    def max_prefill_chunk(self) -> int:
+        return self._max_prefill_chunk
 
     def submit(self, tasks: Sequence[Task]) -> bool:
         """Queue every task, or none (False) if any is empty, a decode wider than
-        one token, a chunk wider than `max_prefill_chunk_size`, or reuses a tid
+        one token, a chunk wider than `max_prefill_chunk`, or reuses a tid
         that is queued or repeated in this call."""
         with self._lock:
             seen: set[TaskId] = set()
             for task in tasks:
-                widest = 1 if task.is_decode else self._max_prefill_chunk_size
+                widest = 1 if task.is_decode else self._max_prefill_chunk
                 if not 0 < task.input.size <= widest:
                     return False
                 if task.tid in self._queued or task.tid in seen:
@@ -174,10 +174,7 @@ class DecodeFirstScheduler:
                 del self._queued[tid]
             # Its decode and rotation entries go stale and are skipped when reached.
             self._prompt_queues.pop(sid, None)
-            cancelled = [entry.task for entry in entries.values()]
-            for task in cancelled:
-                task.cancelled = True
-            return cancelled
+            return [replace(entry.task, cancelled=True) for entry in entries.values()]
 
     def clear(self) -> list[Task]:
         """Remove and return every waiting task, in submission order."""

@@ -87,9 +87,10 @@ class Output:
     tokens: tuple[Token, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Task:
-    """An Input plus its scheduling identity."""
+    """An Input plus its scheduling identity. A value: the scheduler hands back a
+    cancelled copy (`cancelled=True`), never changes a task it was given."""
 
     tid: TaskId
     input: Input
@@ -127,16 +128,45 @@ class FinishReason(str, enum.Enum):
 @dataclass(frozen=True)
 class GenerationUpdate:
     """Tokens delivered by one step. Only the last update of a generation carries
-    a finish reason, and the final tokens come with it."""
+    a finish reason, and the final tokens come with it.
+
+    `text` is the text these tokens add (when the runner has a tokenizer): it never
+    splits a multi-byte character and never holds any part of a stop string, so the
+    texts of a generation's updates concatenate to its final text.
+    """
 
     tokens: tuple[Token, ...]
     finish_reason: FinishReason | None = None
     error: str = ""
+    text: str = ""
 
 
 @dataclass(frozen=True)
 class GenConfig:
+    """One generation's settings.
+
+    `stop_tokens` None means the runner's own (the model's end-of-turn tokens, for a
+    runner made by an Engine); an explicit set replaces them (`frozenset()`: none).
+    `stop_strings` end the generation once its text contains one of them (the text
+    stops before it; the tokens stop at the token that completed it); they need a
+    runner with a tokenizer.
+    """
+
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_tokens: frozenset[Token] = frozenset()
+    stop_tokens: frozenset[Token] | None = None
+    stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """An executor's KV cells at one moment (read on the engine thread)."""
+
+    cells_in_use: int
+    free_cells: int
+    max_cells: int
+    pool_rows: int = 0
+    allocated_bytes: int = 0
+    growth_count: int = 0
+    bytes_per_cell: int = 0

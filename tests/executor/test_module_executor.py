@@ -17,7 +17,14 @@ import torch
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.transformer import PackedTransformer
-from cellbatch.types import BatchInput, Input, SamplingParams, SessionId
+from cellbatch.types import (
+    BatchInput,
+    Input,
+    InvalidArgumentError,
+    OutOfResourcesError,
+    SamplingParams,
+    SessionId,
+)
 
 VOCAB = 64
 CONFIG = ModelConfig(
@@ -86,7 +93,7 @@ def decode_input(executor: ModuleExecutor, sid: SessionId, token: int) -> Input:
 
 def run(executor: ModuleExecutor, inputs: Sequence[Input]) -> list[tuple[int, ...] | None]:
     out = executor.execute(BatchInput(tuple(inputs)))
-    assert out is not None, executor.last_error
+    assert out is not None
     assert len(out.outputs) == len(inputs)
     for item, output in zip(inputs, out.outputs, strict=True):
         assert output is None or output.sid == item.sid
@@ -160,8 +167,8 @@ def test_outputs_answer_exactly_the_inputs_that_ask(model) -> None:
 
 
 def test_a_slice_without_outputs_still_runs(model) -> None:
-    # max_step_tokens=8 puts the first, silent, input in a slice of its own.
-    executor = make_executor(model, max_step_tokens=8)
+    # max_batch_tokens=8 puts the first, silent, input in a slice of its own.
+    executor = make_executor(model, max_batch_tokens=8)
     a, b = executor.open_session(), executor.open_session()
     pa, pb = prompts(8, 6, seed=1)
     got = run(executor, [prompt_input(a, pa, produce=False), prompt_input(b, pb)])
@@ -177,8 +184,8 @@ def test_a_slice_without_outputs_still_runs(model) -> None:
 def test_tokens_do_not_depend_on_slicing_or_batch_mates(model) -> None:
     batch_prompts = prompts(3, 17, 30, 9, 41, seed=3)
     expected = [generate_alone(model, p, 6) for p in batch_prompts]
-    for max_step_tokens in (7, 544):  # slices cut across inputs, or one forward
-        executor = make_executor(model, max_step_tokens=max_step_tokens)
+    for max_batch_tokens in (7, 544):  # slices cut across inputs, or one forward
+        executor = make_executor(model, max_batch_tokens=max_batch_tokens)
         sids = [executor.open_session() for _ in batch_prompts]
         assert generate_together(executor, sids, batch_prompts, 6) == expected
 
@@ -240,13 +247,14 @@ def test_a_clone_shares_the_prefix_and_continues_like_a_fresh_session(model) -> 
     assert executor.cache.used_cells() == used  # no K/V copied
     got = run(executor, [Input(clone, True, 12, 8, prompt, 0)])
     assert got == [(generate_alone(model, prompt, 1)[0],)]
-    assert executor.clone(source, 21) is None and "[0, 20]" in executor.last_error
+    assert executor.clone(source, 21) is None
+    assert executor.cache.used_cells() == used + 8  # the refusal changed nothing
 
 
 # -- refusals -----------------------------------------------------------------------------
 
 
-def test_a_batch_refused_by_pack_returns_none_and_changes_nothing(model) -> None:
+def test_a_batch_refused_by_pack_raises_and_changes_nothing(model) -> None:
     executor = make_executor(model)
     a, b, c = (executor.open_session() for _ in range(3))
     pa, pb, pc = prompts(5, 4, 6, seed=6)
@@ -260,8 +268,8 @@ def test_a_batch_refused_by_pack_returns_none_and_changes_nothing(model) -> None
             Input(a, True, 0, 1, [1], 7),  # a gap: a holds 5 positions
         )
     )
-    assert executor.execute(batch) is None
-    assert "starts at 7" in executor.last_error and "holds 5" in executor.last_error
+    with pytest.raises(InvalidArgumentError, match=r"starts at 7.*holds 5"):
+        executor.execute(batch)
     assert cache_state(executor, (a, b, c)) == before
     assert torch.equal(executor.pool.k[0][: k_before.shape[0]], k_before)
     # The executor is still usable, and a's context is intact.
@@ -270,29 +278,30 @@ def test_a_batch_refused_by_pack_returns_none_and_changes_nothing(model) -> None
     ]
 
 
-def test_running_out_of_cells_returns_none_with_a_clear_message(model) -> None:
+def test_running_out_of_cells_raises_with_a_clear_message(model) -> None:
     executor = make_executor(model, max_cells=16)
     a, b = executor.open_session(), executor.open_session()
     pa, pb = prompts(10, 9, seed=7)
     run(executor, [prompt_input(a, pa)])
     before = cache_state(executor, (a, b))
-    assert executor.execute(BatchInput((prompt_input(b, pb),))) is None
-    message = executor.last_error
+    with pytest.raises(OutOfResourcesError) as refused:
+        executor.execute(BatchInput((prompt_input(b, pb),)))
+    message = str(refused.value)
     assert "9 free KV cells" in message and "6 are free" in message
     assert "max_cells" in message  # says what to change
     assert cache_state(executor, (a, b)) == before
     # What fits still runs.
     assert run(executor, [prompt_input(b, pb[:6])]) == [(generate_alone(model, pb[:6], 1)[0],)]
-    assert executor.free_cells() == 0
+    assert executor.kv_usage().free_cells == 0
 
 
 def test_a_batch_short_of_cells_in_a_later_slice_changes_nothing(model) -> None:
-    executor = make_executor(model, max_cells=16, max_step_tokens=8)
+    executor = make_executor(model, max_cells=16, max_batch_tokens=8)
     a, b = executor.open_session(), executor.open_session()
     pa, pb = prompts(8, 10, seed=8)
     before = cache_state(executor, (a, b))
-    assert executor.execute(BatchInput((prompt_input(a, pa), prompt_input(b, pb)))) is None
-    assert "free KV cells" in executor.last_error
+    with pytest.raises(OutOfResourcesError, match="free KV cells"):
+        executor.execute(BatchInput((prompt_input(a, pa), prompt_input(b, pb))))
     assert cache_state(executor, (a, b)) == before
 
 

@@ -21,7 +21,7 @@ def test_a_step_within_the_limit_is_one_wide_forward() -> None:
     assert plan_slices(33, 544, 2) == [Slice(0, 33, wide=True)]
 
 
-def test_a_long_step_is_cut_at_max_step_tokens() -> None:
+def test_a_long_step_is_cut_at_max_batch_tokens() -> None:
     assert plan_slices(600, 256, 2) == [
         Slice(0, 256, True),
         Slice(256, 256, True),
@@ -64,7 +64,7 @@ def test_slices_cover_the_step_within_the_limits(total: int, max_step: int, min_
 
 @pytest.mark.parametrize(
     ("args", "named"),
-    [((-1, 4, 2), "total"), ((4, 0, 2), "max_step_tokens"), ((4, 4, 0), "min_prefill_tokens")],
+    [((-1, 4, 2), "total"), ((4, 0, 2), "max_batch_tokens"), ((4, 4, 0), "min_prefill_tokens")],
 )
 def test_bad_arguments_are_refused(args: tuple[int, int, int], named: str) -> None:
     with pytest.raises(InvalidArgumentError, match=named):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from cellbatch.types import BatchInput, BatchOutput, SamplingParams, SessionId
+from cellbatch.types import BatchInput, BatchOutput, KVUsage, SamplingParams, SessionId
 
 
 @runtime_checkable
@@ -22,9 +22,8 @@ class Executor(Protocol):
     asks for no output, else the session's next token (several only for a
     speculative executor: the accepted run, already fed, plus its next
     prediction). An input starting below the session's committed length rewinds
-    the session to that start; one starting above it is an error. None (or an
-    exception) means the whole batch failed. An executor may also carry a
-    `last_error: str` attribute saying why its last batch failed.
+    the session to that start; one starting above it is an error. An exception
+    means the whole batch failed; its message says why.
     """
 
     def initialize(self) -> None:
@@ -39,14 +38,15 @@ class Executor(Protocol):
     def clone(self, source: SessionId, upto: int) -> SessionId | None:
         """A new session holding `source`'s positions [0, upto); None if refused."""
 
+    def truncate(self, sid: SessionId, length: int) -> None:
+        """Drop the session's positions >= length (0: all of them), freeing the cells
+        no other session shares; its sampling policy and random stream stay."""
+
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         """Install the policy of the session's next generation; None seeds randomly."""
 
-    def preferred_batch_tokens(self) -> int:
-        """The step width the executor runs best at (a hint for the scheduler)."""
+    def execute(self, batch: BatchInput) -> BatchOutput:
+        """Run one packed step; raises when the whole batch failed."""
 
-    def execute(self, batch: BatchInput) -> BatchOutput | None:
-        """Run one packed step; None (or an exception) fails the whole batch."""
-
-    def free_cells(self) -> int | None:
-        """KV cells free right now; None when there is no cell limit (admission off)."""
+    def kv_usage(self) -> KVUsage | None:
+        """The KV cells right now; None when there is no cell limit (admission off)."""

@@ -3,10 +3,10 @@
 Owns: the CellCache, the KVPool and the SessionTable of one model, and the model
 module itself.
 Promises: `execute` packs the batch, cuts it into slices of at most
-`max_step_tokens`, declares and places each slice on the cell cache, runs one
+`max_batch_tokens`, declares and places each slice on the cell cache, runs one
 forward per slice, and samples every wanted row with its own session's policy in
 one call; outputs[i] is None exactly when inputs[i] asks for none. A refused or
-failed batch returns None and says why in `last_error`. Every row's result is
+failed batch raises, its message saying why. Every row's result is
 independent of what else shares the step (the model pads its
 products to fixed shapes).
 Never: schedules, keeps generation state, or calls back into the runner.
@@ -14,7 +14,6 @@ Never: schedules, keeps generation state, or calls back into the runner.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +26,12 @@ from cellbatch.types import (
     BatchInput,
     BatchOutput,
     InvalidArgumentError,
+    KVUsage,
     OutOfResourcesError,
     Output,
     SamplingParams,
     SessionId,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class ExecutorShape:
     max_sessions: int = 64
     max_session_tokens: int = 4096
     max_cells: int = 65536
-    max_step_tokens: int = 544
+    max_batch_tokens: int = 544
     kv_dtype: torch.dtype = torch.float32
 
 
@@ -57,7 +55,6 @@ class ModuleExecutor:
         self.cache: CellCache | None = None
         self.pool: KVPool | None = None
         self.table: SessionTable | None = None
-        self.last_error = ""
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -74,19 +71,24 @@ class ModuleExecutor:
             self.cache, self.shape.max_sessions, self.shape.max_session_tokens
         )
 
-    def preferred_batch_tokens(self) -> int:
-        return self.shape.max_step_tokens
-
-    def free_cells(self) -> int | None:
-        return self.cache.free_cells()
+    def kv_usage(self) -> KVUsage:
+        pool = self.pool
+        return KVUsage(
+            cells_in_use=self.cache.used_cells(),
+            free_cells=self.cache.free_cells(),
+            max_cells=self.shape.max_cells,
+            pool_rows=pool.rows,
+            allocated_bytes=pool.allocated_bytes,
+            growth_count=pool.growth_count,
+            bytes_per_cell=pool.bytes_per_cell,
+        )
 
     # -- sessions ------------------------------------------------------------
 
     def open_session(self) -> SessionId | None:
         try:
             return self.table.open()
-        except OutOfResourcesError as error:
-            self.last_error = str(error)
+        except OutOfResourcesError:
             return None
 
     def close_session(self, sid: SessionId) -> None:
@@ -95,9 +97,11 @@ class ModuleExecutor:
     def clone(self, source: SessionId, upto: int) -> SessionId | None:
         try:
             return self.table.clone(source, upto)
-        except (InvalidArgumentError, OutOfResourcesError) as error:
-            self.last_error = str(error)
+        except (InvalidArgumentError, OutOfResourcesError):
             return None
+
+    def truncate(self, sid: SessionId, length: int) -> None:
+        self.table.truncate(sid, length)
 
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         self.table.set_sampling(sid, params, seed)
@@ -107,18 +111,8 @@ class ModuleExecutor:
 
     # -- steps ---------------------------------------------------------------
 
-    def execute(self, batch: BatchInput) -> BatchOutput | None:
-        try:
-            return self._execute(batch)
-        except (InvalidArgumentError, OutOfResourcesError) as error:
-            self.last_error = str(error)
-        except Exception as error:  # a broken forward must not take the engine down
-            log.exception("forward failed")
-            self.last_error = f"forward failed: {type(error).__name__}: {error}"
-        return None
-
     @torch.inference_mode()
-    def _execute(self, batch: BatchInput) -> BatchOutput:
+    def execute(self, batch: BatchInput) -> BatchOutput:
         step = self.table.pack(batch)
         tokens = torch.from_numpy(step.tokens)
         positions = torch.from_numpy(step.positions)
@@ -130,7 +124,7 @@ class ModuleExecutor:
                 f"a step of {step.num_tokens} tokens needs {step.num_tokens} free KV cells, "
                 f"{self.cache.free_cells()} are free; raise max_cells or run fewer sessions"
             )
-        for piece in plan_slices(step.num_tokens, self.shape.max_step_tokens, 1):
+        for piece in plan_slices(step.num_tokens, self.shape.max_batch_tokens, 1):
             start, end = piece.offset, piece.offset + piece.length
             seq_ids = step.seq_ids[start:end]
             if not self.cache.declare_step(seq_ids):

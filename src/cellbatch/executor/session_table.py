@@ -105,6 +105,18 @@ class SessionTable:
         self._check_capacity()
         return self._publish(self.cache.seq_clone(source.seq, upto))
 
+    def truncate(self, sid: SessionId, length: int) -> None:
+        """Drop the session's positions >= `length`; cells it shares stay with the other
+        owners. Its sampling policy (and the policy's random stream) stays."""
+        seq = self._session(sid).seq
+        held = self.cache.seq_length(seq)
+        if not 0 <= length <= held:
+            raise InvalidArgumentError(
+                f"truncate session {sid} to {length}: it holds {held} positions; the length "
+                f"must be in [0, {held}]"
+            )
+        self.cache.seq_rewind(seq, length)
+
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         """Install a generation's policy; its coins restart from `seed` (None: random)."""
         self._session(sid).sampler = SessionSampler(params, seed)

@@ -1,7 +1,7 @@
 """How a packed step is cut into forwards (DESIGN §6, step plan).
 
 Owns: `plan_slices`, which cuts a step's token axis into slices of at most
-`max_step_tokens`, each run by the wide (multi-token) method or as one-token
+`max_batch_tokens`, each run by the wide (multi-token) method or as one-token
 decode forwards, and `pick_width`, the narrowest static method width for a slice.
 Promises: slices cover [0, total) in order, without overlap; a wide slice is at
 least `min_prefill_tokens` long and longer than one token; a non-wide slice is
@@ -26,8 +26,8 @@ class Slice:
     wide: bool
 
 
-def plan_slices(total: int, max_step_tokens: int, min_prefill_tokens: int) -> list[Slice]:
-    """Cut `total` tokens into forwards of at most `max_step_tokens`.
+def plan_slices(total: int, max_batch_tokens: int, min_prefill_tokens: int) -> list[Slice]:
+    """Cut `total` tokens into forwards of at most `max_batch_tokens`.
 
     A piece at least `min_prefill_tokens` long (and longer than one token) runs wide;
     a shorter piece becomes one-token decode slices. When the tail piece would be too
@@ -36,9 +36,9 @@ def plan_slices(total: int, max_step_tokens: int, min_prefill_tokens: int) -> li
     """
     if total < 0:
         raise InvalidArgumentError(f"total must be >= 0 tokens, got {total}")
-    if max_step_tokens < 1:
+    if max_batch_tokens < 1:
         raise InvalidArgumentError(
-            f"max_step_tokens must be >= 1 (the widest forward), got {max_step_tokens}"
+            f"max_batch_tokens must be >= 1 (the widest forward), got {max_batch_tokens}"
         )
     if min_prefill_tokens < 1:
         raise InvalidArgumentError(
@@ -46,11 +46,11 @@ def plan_slices(total: int, max_step_tokens: int, min_prefill_tokens: int) -> li
             f"got {min_prefill_tokens}"
         )
     wide_from = max(min_prefill_tokens, 2)
-    lengths = [max_step_tokens] * (total // max_step_tokens)
-    tail = total % max_step_tokens
+    lengths = [max_batch_tokens] * (total // max_batch_tokens)
+    tail = total % max_batch_tokens
     if tail:
         lengths.append(tail)
-    if len(lengths) >= 2 and 0 < tail < wide_from <= max_step_tokens - (wide_from - tail):
+    if len(lengths) >= 2 and 0 < tail < wide_from <= max_batch_tokens - (wide_from - tail):
         lengths[-2] -= wide_from - tail
         lengths[-1] = wide_from
 

@@ -1,0 +1,27 @@
+"""The runner: one engine thread drives sessions, a scheduler and an executor (DESIGN §5).
+
+Modules, each with one job (imports only go down this list):
+- `commands`: the typed commands and the `Inbox` the faces post them to;
+- `handle`: `GenerationHandle`, a caller's view of one generation (threads, asyncio);
+- `generation`: engine-side session and generation state, and how a generation stops;
+- `session`: `Session`, a caller's face for one conversation;
+- `admission`: the waiting queue, admission and the choice of what to preempt;
+- `batch`: the check of an executor's answer to a batch;
+- `loop`: `Runner`, the engine thread that ties them together.
+"""
+
+from cellbatch.runner.admission import AdmissionPolicy
+from cellbatch.runner.generation import SettledCallback, UpdateCallback
+from cellbatch.runner.handle import GenerationHandle
+from cellbatch.runner.loop import InitializationState, Runner
+from cellbatch.runner.session import Session
+
+__all__ = [
+    "AdmissionPolicy",
+    "GenerationHandle",
+    "InitializationState",
+    "Runner",
+    "Session",
+    "SettledCallback",
+    "UpdateCallback",
+]

@@ -1,0 +1,251 @@
+"""Engine-side state of sessions and generations, and how a generation stops.
+
+Owns: `SessionState` (a session's whole context and how much of it the executor
+holds) and `Generation` (one turn: its settings, callbacks, handle, counters, text
+stream and stopping rules), plus the checks on a turn's input.
+Promises: written only by the engine thread (other threads read single attributes);
+`Generation.deliver` applies stop tokens, the token budget and stop strings to each
+new token, in that order per token, and never delivers a token past the one that
+ended the generation; every generation settles once, its outcome published before
+`on_settled` runs.
+Never: talks to the executor or the scheduler; the runner loop does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from time import perf_counter
+
+from cellbatch.metrics import GenerationMetrics
+from cellbatch.runner.handle import GenerationHandle
+from cellbatch.text_stream import Detokenizer, TextStream, check_stop_strings
+from cellbatch.types import (
+    MAX_POSITION,
+    FinishReason,
+    GenConfig,
+    GenerationUpdate,
+    InvalidArgumentError,
+    SessionId,
+    Token,
+)
+
+log = logging.getLogger(__name__)
+
+UpdateCallback = Callable[[GenerationUpdate], None]
+SettledCallback = Callable[[GenerationHandle], None]
+
+
+class SessionState:
+    """Engine-side truth about one session.
+
+    Invariant: `resident <= committed <= len(context)`. `context` is everything the
+    session holds: what it held before each turn, each turn's delta and exactly the
+    tokens delivered. `committed` of them have been fed to the model at some time;
+    `resident` of them are in the executor's cells now (fewer after the runner drops
+    the session's cells under KV pressure: they are fed again on the next turn).
+    """
+
+    __slots__ = (
+        "active",
+        "clone_waiters",
+        "close_requested",
+        "closed",
+        "committed",
+        "context",
+        "last_used",
+        "poisoned",
+        "resident",
+        "sid",
+    )
+
+    def __init__(self, sid: SessionId, context: Sequence[Token] = (), resident: int = 0) -> None:
+        self.sid = sid
+        self.context: list[Token] = list(context)
+        self.committed = resident
+        self.resident = resident
+        self.active: Generation | None = None
+        self.poisoned = ""  # why, once an executor failure hit this session
+        self.close_requested = False  # by its face; done once no waiting submission needs it
+        self.closed = False  # the executor session is gone
+        self.clone_waiters = 0  # waiting submissions that start from this session
+        self.last_used = 0  # engine step when its last turn ended: least recent drops first
+
+    def unfed(self) -> tuple[Token, ...]:
+        """Context the model has never consumed: the last generated token, or the
+        rest of a turn that ended early. The next turn feeds it first."""
+        return tuple(self.context[self.committed :])
+
+    def advance(self, end: int) -> None:
+        """The executor now holds positions [0, end)."""
+        self.resident = end
+        self.committed = max(self.committed, end)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStart:
+    """Where a submitted generation's session comes from: a new empty session, or
+    `source`'s first `upto` context tokens (its cells shared where it holds them)."""
+
+    source: SessionState | None = None
+    upto: int = 0
+
+
+class Generation:
+    """One generation (engine thread only, except `cancel_requested`, which any
+    thread may raise)."""
+
+    def __init__(
+        self,
+        config: GenConfig,
+        on_update: UpdateCallback | None,
+        on_settled: SettledCallback | None,
+        *,
+        state: SessionState | None = None,
+        start: SessionStart | None = None,
+        feed_only: bool = False,
+    ) -> None:
+        self.state = state
+        self.start = start  # a submission: it gets a session of its own, closed when it ends
+        self.config = config
+        self.feed_only = feed_only  # a prefill turn: feed the delta, generate nothing
+        self.on_update = on_update
+        self.on_settled = on_settled
+        self.handle = GenerationHandle()
+        self.metrics = GenerationMetrics(submit_time=perf_counter())
+        self.delta: tuple[Token, ...] = ()
+        self.input_error = ""
+        self.stop_tokens: frozenset[Token] = frozenset()
+        self.text: TextStream | None = None
+        self.cancel_requested = False
+        self.started = False  # admitted at least once: its delta is in the context
+        self.ended = False
+        self.admitted_order = 0  # larger: admitted later (preempted first)
+        self.deferred = False  # it once had to wait for cells
+        self.queued_on_source = False  # a waiting submission counted in its source's waiters
+        self.last_step = -1  # the last engine step that ran one of its inputs
+
+    def prepare(
+        self,
+        delta: Sequence[Token],
+        default_stop_tokens: frozenset[Token],
+        tokenizer: Detokenizer | None,
+    ) -> None:
+        """Check the input and settle the stopping rules; a problem is kept in
+        `input_error` and fails the generation on the engine thread."""
+        self.delta, self.input_error = read_delta(delta, self.config)
+        config = self.config
+        self.stop_tokens = default_stop_tokens if config.stop_tokens is None else config.stop_tokens
+        if self.input_error or self.feed_only:
+            return
+        try:
+            stop_strings = check_stop_strings(config.stop_strings)
+        except InvalidArgumentError as error:
+            self.input_error = str(error)
+            return
+        if tokenizer is not None:
+            self.text = TextStream(tokenizer, stop_strings)
+        elif stop_strings:
+            self.input_error = (
+                "stop strings need a runner with a tokenizer (Runner(..., tokenizer=...)); "
+                "use stop tokens instead"
+            )
+
+    def deliver(
+        self, tokens: Sequence[Token]
+    ) -> tuple[tuple[Token, ...], str, FinishReason | None]:
+        """Of an executor's `tokens`, those the generation keeps, the text they add,
+        and the finish reason if one of them ends it."""
+        room = self.config.max_new_tokens - self.metrics.generated_tokens
+        kept: list[Token] = []
+        texts: list[str] = []
+        reason: FinishReason | None = None
+        for token in tokens[:room]:
+            kept.append(token)
+            if token in self.stop_tokens:  # the stop token beats the budget and is delivered
+                reason = FinishReason.STOP_TOKEN
+            elif self.text is not None:
+                step = self.text.push(token)
+                texts.append(step.text)
+                if step.stopped:
+                    reason = FinishReason.STOP_STRING
+            if reason is not None:
+                break
+        if reason is None and len(kept) == room:
+            reason = FinishReason.TOKEN_LIMIT
+        if reason not in (None, FinishReason.STOP_STRING) and self.text is not None:
+            texts.append(self.text.finish())
+        return tuple(kept), "".join(texts), reason
+
+    def closing_text(self) -> str:
+        """Text still held back when the generation ends some other way."""
+        return self.text.finish() if self.text is not None else ""
+
+    def emit(self, tokens: tuple[Token, ...], text: str) -> str:
+        """Deliver a non-final update; returns why on_update failed, or ""."""
+        failure = self._call_on_update(GenerationUpdate(tokens, text=text))
+        self.handle._publish(tokens, text)
+        return failure
+
+    def settle(
+        self, reason: FinishReason, error: str, tokens: tuple[Token, ...], text: str
+    ) -> FinishReason:
+        """Deliver the final update, publish the outcome, then run on_settled once.
+        A raising on_update turns the outcome into `failed`. Returns the outcome."""
+        failure = self._call_on_update(GenerationUpdate(tokens, reason, error, text))
+        if failure:
+            reason, error = FinishReason.FAILED, failure
+        self.on_update = None
+        self.metrics.end_time = perf_counter()
+        self.handle._publish(tokens, text, reason, error)
+        # Dropped before the call so that its captures die with this frame.
+        on_settled, self.on_settled = self.on_settled, None
+        if on_settled is not None:
+            try:
+                on_settled(self.handle)
+            except Exception:
+                log.exception("on_settled raised after the generation had settled")
+        return reason
+
+    def _call_on_update(self, update: GenerationUpdate) -> str:
+        if self.on_update is None:
+            return ""
+        try:
+            self.on_update(update)
+        except Exception as exc:
+            self.on_update = None  # a callback that raised is never called again
+            return f"on_update raised {exc!r}; the generation was stopped"
+        return ""
+
+
+def read_delta(delta: Sequence[Token], config: GenConfig) -> tuple[tuple[Token, ...], str]:
+    """The delta as a tuple of token ids, or () and why it cannot run. Checks only
+    what does not depend on the session; lengths first, so that a huge delta is
+    refused without being copied."""
+    max_new = config.max_new_tokens
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new <= 0:
+        return (), f"max_new_tokens must be a positive integer, got {max_new!r}"
+    try:
+        size = len(delta)
+    except TypeError:
+        return (), f"delta must be a sequence of token ids, got {type(delta).__name__}"
+    if size + max_new - 2 > MAX_POSITION:
+        return (), overflow_message(0, size, max_new)
+    try:
+        tokens = tuple(map(operator.index, delta))
+    except TypeError:
+        return (), "delta must hold integer token ids"
+    if tokens and (lowest := min(tokens)) < 0:
+        return (), f"token ids must be >= 0; got {lowest} at index {tokens.index(lowest)}"
+    return tokens, ""
+
+
+def overflow_message(context: int, feed: int, max_new: int) -> str:
+    return (
+        f"the turn overflows the position range: {context} tokens of context + {feed} to feed "
+        f"+ max_new_tokens {max_new} would need positions up to "
+        f"{context + feed + max_new - 2}, above {MAX_POSITION}; shorten the delta or lower "
+        "max_new_tokens"
+    )

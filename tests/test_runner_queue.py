@@ -1,0 +1,343 @@
+"""The runner owns every queue: submissions wait for sessions and cells, preemption
+under KV pressure, stop strings and text in the core, and the contract fixes of
+Runner v2 (awaiting a running handle, a cancel landing in a fresh session's prompt).
+
+Against the deterministic fake executor: a token taking position p is 1000 + p.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from cellbatch import GenerationHandle, Runner
+from cellbatch.scheduler import DecodeFirstScheduler
+from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, SamplingParams
+from fake_executor import WAIT_S, FakeExecutor, make_tokens, open_session, wait_until
+
+
+class LetterTokenizer:
+    """Token t decodes to one letter, 'a' + t % 26; token 2 decodes to nothing."""
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return "".join("" if t == 2 else chr(ord("a") + t % 26) for t in tokens)
+
+
+@pytest.fixture
+def runners() -> Iterator[list[tuple[Runner, FakeExecutor]]]:
+    made: list[tuple[Runner, FakeExecutor]] = []
+    yield made
+    for runner, fake in made:
+        fake.release()
+        runner.shutdown()
+        assert fake.wrong_thread_calls == 0
+        assert fake.open_count == 0
+
+
+def make(
+    made: list[tuple[Runner, FakeExecutor]], fake: FakeExecutor | None = None, **options: object
+) -> tuple[Runner, FakeExecutor]:
+    fake = fake if fake is not None else FakeExecutor()
+    runner = Runner(fake, DecodeFirstScheduler.create(64, 8, 16), **options)
+    made.append((runner, fake))
+    return runner, fake
+
+
+def settle(handle: GenerationHandle) -> GenerationHandle:
+    assert handle.wait(WAIT_S)
+    return handle
+
+
+def expected_tokens(prompt_length: int, count: int) -> list[int]:
+    return [1000 + prompt_length + i for i in range(count)]
+
+
+# -- submissions wait in the runner ----------------------------------------------------------
+
+
+def test_submissions_beyond_the_session_limit_wait_and_all_complete(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(max_sessions=3))
+    handles = [runner.submit(make_tokens(5 + i), GenConfig(max_new_tokens=4)) for i in range(10)]
+    for i, handle in enumerate(handles):
+        assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT
+        assert handle.tokens() == expected_tokens(5 + i, 4)
+    assert runner.metrics().peak_concurrent_generations == 3
+    assert wait_until(lambda: fake.open_count == 0)  # each submission closed its session
+
+
+def test_submissions_start_in_arrival_order(runners) -> None:
+    runner, _ = make(runners, FakeExecutor(max_sessions=1))
+    order: list[int] = []
+    handles = [
+        runner.submit(
+            make_tokens(3), GenConfig(max_new_tokens=1), on_settled=lambda h, i=i: order.append(i)
+        )
+        for i in range(6)
+    ]
+    for handle in handles:
+        settle(handle)
+    assert order == list(range(6))
+
+
+def test_submissions_from_a_closed_source_share_it_and_the_last_takes_it_over(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(max_sessions=3))
+    root = open_session(runner)
+    prefix = make_tokens(8)
+    assert settle(root.prefill_async(prefix)).finish_reason() == FinishReason.TOKEN_LIMIT
+    handles = [
+        runner.submit([50 + i], GenConfig(max_new_tokens=3), source=root, upto=8) for i in range(5)
+    ]
+    root_sid = root.id
+    root.close()  # queued submissions still start from it
+    for handle in handles:
+        assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT
+        assert handle.tokens() == expected_tokens(9, 3)
+    assert all(call == (root_sid, 8) for call in fake.clone_calls)
+    # The root and four copies: the fifth submission took the root itself over.
+    assert runner.metrics().sessions_opened == 1 + 4
+    assert any(inp.sid == root_sid and list(inp.tokens) == [54] for inp in fake.inputs_of(root_sid))
+    assert wait_until(lambda: fake.open_count == 0)
+
+
+def test_a_submission_with_an_empty_prompt_and_no_source_fails_alone(runners) -> None:
+    runner, _ = make(runners)
+    bad = settle(runner.submit([], GenConfig(max_new_tokens=2)))
+    good = settle(runner.submit(make_tokens(3), GenConfig(max_new_tokens=2)))
+    assert bad.finish_reason() == FinishReason.FAILED and "prompt is empty" in bad.error()
+    assert good.finish_reason() == FinishReason.TOKEN_LIMIT
+
+
+def test_cancelling_a_waiting_submission_releases_its_place(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(max_sessions=1))
+    fake.hold()
+    first = runner.submit(make_tokens(3), GenConfig(max_new_tokens=2))
+    assert fake.wait_held()
+    waiting = runner.submit(make_tokens(3), GenConfig(max_new_tokens=2))
+    waiting.cancel()
+    fake.release()
+    assert settle(waiting).finish_reason() == FinishReason.CANCELLED
+    assert settle(first).finish_reason() == FinishReason.TOKEN_LIMIT
+    assert waiting.tokens() == []
+
+
+# -- the runner's defaults --------------------------------------------------------------------
+
+
+def test_sessions_default_to_the_runners_stop_tokens(runners) -> None:
+    runner, _ = make(runners, FakeExecutor(stop_after=2, stop_token=7), stop_tokens=[7])
+    session = open_session(runner)
+    handle = settle(session.generate_async(make_tokens(3), GenConfig(max_new_tokens=10)))
+    assert handle.finish_reason() == FinishReason.STOP_TOKEN and handle.tokens()[-1] == 7
+    # An explicit set replaces the default: here, none at all.
+    config = GenConfig(max_new_tokens=4, stop_tokens=frozenset())
+    assert settle(session.generate_async([9], config)).finish_reason() == FinishReason.TOKEN_LIMIT
+
+
+def test_generate_after_a_prefill_turn_with_an_empty_delta(runners) -> None:
+    runner, _ = make(runners)
+    session = open_session(runner)
+    settle(session.prefill_async(make_tokens(6)))
+    clone = session.clone_async(session.position()).result(WAIT_S)
+    assert clone is not None
+    for target in (session, clone):
+        handle = settle(target.generate_async([], GenConfig(max_new_tokens=2)))
+        assert handle.finish_reason() == FinishReason.TOKEN_LIMIT
+        assert handle.tokens() == expected_tokens(6, 2)  # same as one 6-token prompt
+    assert runner.metrics().recomputed_tokens == 2  # each replayed the last prompt token
+
+
+def test_an_empty_delta_on_an_empty_session_fails(runners) -> None:
+    runner, _ = make(runners)
+    handle = settle(open_session(runner).generate_async([], GenConfig(max_new_tokens=2)))
+    assert handle.finish_reason() == FinishReason.FAILED and "delta is empty" in handle.error()
+
+
+# -- text and stop strings in the core ---------------------------------------------------------
+
+
+def test_updates_carry_text_and_a_stop_string_ends_the_generation(runners) -> None:
+    runner, fake = make(runners, tokenizer=LetterTokenizer())
+    session = open_session(runner)
+    # Prompt of 4 tokens: generated tokens 1004, 1005, ... decode to q, r, s, t, ...
+    updates: list[GenerationUpdate] = []
+    handle = settle(
+        session.generate_async(
+            make_tokens(4), GenConfig(max_new_tokens=20, stop_strings=("st",)), updates.append
+        )
+    )
+    assert handle.finish_reason() == FinishReason.STOP_STRING and handle.error() == ""
+    assert handle.tokens() == [1004, 1005, 1006, 1007]  # 1007 ("t") completed "st"
+    assert handle.text() == "qr"
+    assert "".join(update.text for update in updates) == "qr"
+    assert all("s" not in update.text for update in updates)  # never a part of the stop
+    assert len(fake.batches) == 4  # nothing ran past the stop
+    # The session holds exactly the delivered tokens; no cancel was involved.
+    assert session.unfed() == (1007,)
+    assert runner.metrics().finished["stop_string"] == 1
+    assert runner.metrics().finished["cancelled"] == 0
+
+
+def test_stop_strings_without_a_tokenizer_fail_clearly(runners) -> None:
+    runner, _ = make(runners)
+    config = GenConfig(max_new_tokens=3, stop_strings=("x",))
+    handle = settle(open_session(runner).generate_async(make_tokens(3), config))
+    assert handle.finish_reason() == FinishReason.FAILED and "tokenizer" in handle.error()
+
+
+# -- contract fixes ----------------------------------------------------------------------------
+
+
+def test_awaiting_a_running_generation_waits_for_its_end(runners) -> None:
+    runner, _ = make(runners)
+    session = open_session(runner)
+    handle = session.generate_async(list(range(10, 30)), GenConfig(max_new_tokens=50))
+
+    async def main() -> GenerationUpdate:
+        return await handle
+
+    result = asyncio.run(main())
+    assert result.finish_reason == FinishReason.TOKEN_LIMIT and len(result.tokens) == 50
+
+
+def test_a_cancel_in_the_step_that_consumes_a_fresh_prompt_harms_no_one(runners) -> None:
+    runner, _ = make(runners)
+    a, b, c = open_session(runner), open_session(runner), open_session(runner)
+    handles: dict[str, GenerationHandle] = {}
+
+    def a_update(update: GenerationUpdate) -> None:
+        if "b" in handles:
+            handles["b"].cancel()
+
+    def c_update(update: GenerationUpdate) -> None:
+        if "a" not in handles:
+            handles["a"] = a.generate_async(make_tokens(20), GenConfig(max_new_tokens=5), a_update)
+            handles["b"] = b.generate_async(make_tokens(20, 40), GenConfig(max_new_tokens=5))
+
+    handles["c"] = c.generate_async(make_tokens(10), GenConfig(max_new_tokens=30), c_update)
+    for name in ("a", "b", "c"):
+        assert wait_until(lambda name=name: name in handles)
+        settle(handles[name])
+    assert handles["b"].finish_reason() == FinishReason.CANCELLED
+    # Both sessions take new turns; nothing failed.
+    for session in (c, b):
+        handle = settle(session.generate_async([7], GenConfig(max_new_tokens=2)))
+        assert handle.finish_reason() == FinishReason.TOKEN_LIMIT, handle.error()
+    assert runner.metrics().failed_steps == 0
+    assert b.position() + len(b.unfed()) == 20 + 1 + 2  # its prompt, [7], two tokens
+
+
+# -- preemption under KV pressure ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_generations_over_a_small_pool_are_preempted_and_give_the_same_tokens(
+    runners, seeded: bool
+) -> None:
+    sampling = SamplingParams(temperature=0.8) if seeded else SamplingParams()
+    prompts = [make_tokens(6 + i % 5, start=10 + i) for i in range(24)]
+
+    def run_all(fake: FakeExecutor) -> tuple[list[list[int]], Runner]:
+        runner, _ = make(runners, fake)
+        handles = [
+            runner.submit(p, GenConfig(max_new_tokens=24, sampling=sampling, seed=i))
+            for i, p in enumerate(prompts)
+        ]
+        for handle in handles:
+            assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT, handle.error()
+        return [handle.tokens() for handle in handles], runner
+
+    free, _ = run_all(FakeExecutor())
+    pressed_fake = FakeExecutor(cell_limit=6 * (10 + 24))  # about 6 full contexts
+    pressed, runner = run_all(pressed_fake)
+    assert pressed == free
+    metrics = runner.metrics()
+    assert metrics.preemptions > 0 and metrics.recomputed_tokens > 0
+    assert wait_until(lambda: pressed_fake.used_cells() == 0)
+
+
+def test_a_preempted_generation_keeps_its_random_stream(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(cell_limit=60))
+    session = open_session(runner)
+    # Hold the second step so that others join and force a preemption.
+    handle = session.generate_async(
+        make_tokens(10), GenConfig(max_new_tokens=30, sampling=SamplingParams(0.5), seed=3)
+    )
+    others = [runner.submit(make_tokens(10), GenConfig(max_new_tokens=30)) for _ in range(2)]
+    for h in [handle, *others]:
+        assert settle(h).finish_reason() == FinishReason.TOKEN_LIMIT, h.error()
+    # set_sampling ran once per generation: a resumed generation is not re-seeded.
+    assert sum(1 for sid, _, _ in fake.sampling if sid == session.id) == 1
+
+
+def test_idle_sessions_give_their_cells_back_and_recompute_on_their_next_turn(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(cell_limit=50))
+    idle = open_session(runner)
+    first = settle(idle.generate_async(make_tokens(20), GenConfig(max_new_tokens=5)))
+    busy = settle(runner.submit(make_tokens(30), GenConfig(max_new_tokens=10)))
+    assert busy.finish_reason() == FinishReason.TOKEN_LIMIT, busy.error()
+    assert runner.metrics().sessions_reclaimed >= 1
+    # The idle session's next turn continues its context as if nothing happened.
+    second = settle(idle.generate_async([9], GenConfig(max_new_tokens=3)))
+    assert second.finish_reason() == FinishReason.TOKEN_LIMIT
+    assert first.tokens() == expected_tokens(20, 5)
+    assert second.tokens() == expected_tokens(20 + 5 + 1, 3)
+    assert fake.contexts[idle.id][:26] == [*make_tokens(20), *expected_tokens(20, 5), 9]
+
+
+def test_clones_sharing_a_prefix_keep_it_when_another_is_preempted(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(cell_limit=70))
+    root = open_session(runner)
+    settle(root.prefill_async(make_tokens(16)))
+    handles = [
+        runner.submit([60 + i], GenConfig(max_new_tokens=20), source=root, upto=16)
+        for i in range(4)
+    ]
+    for handle in handles:
+        assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT, handle.error()
+        assert handle.tokens() == expected_tokens(17, 20)
+    root.close()
+    assert wait_until(lambda: fake.used_cells() == 0)
+
+
+def test_a_context_too_big_for_the_whole_pool_fails_alone_with_the_numbers(runners) -> None:
+    runner, _ = make(runners, FakeExecutor(cell_limit=30))
+    small = runner.submit(make_tokens(5), GenConfig(max_new_tokens=5))
+    big = runner.submit(make_tokens(40), GenConfig(max_new_tokens=5))
+    assert settle(big).finish_reason() == FinishReason.FAILED
+    assert "not enough KV cells" in big.error() and "30" in big.error()
+    assert settle(small).finish_reason() == FinishReason.TOKEN_LIMIT
+
+
+def test_a_generation_that_outgrows_the_pool_fails_with_the_numbers(runners) -> None:
+    runner, _ = make(runners, FakeExecutor(cell_limit=20))
+    handle = settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=30)))
+    assert handle.finish_reason() == FinishReason.FAILED
+    assert "pool has 20" in handle.error()
+    assert len(handle.tokens()) == 11  # everything up to the last cell was delivered
+
+
+def test_reserve_admission_never_preempts(runners) -> None:
+    runner, _ = make(runners, FakeExecutor(cell_limit=6 * 34), admission="reserve")
+    handles = [runner.submit(make_tokens(10), GenConfig(max_new_tokens=24)) for _ in range(16)]
+    for handle in handles:
+        assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT
+    assert runner.metrics().preemptions == 0
+    assert runner.metrics().peak_concurrent_generations <= 6
+
+
+def test_a_raising_callback_during_pressure_fails_only_its_generation(runners) -> None:
+    runner, _ = make(runners, FakeExecutor(cell_limit=80))
+    calls = threading.Event()
+
+    def boom(update: GenerationUpdate) -> None:
+        calls.set()
+        raise ValueError("boom")
+
+    bad = runner.submit(make_tokens(10), GenConfig(max_new_tokens=20), boom)
+    good = [runner.submit(make_tokens(10), GenConfig(max_new_tokens=20)) for _ in range(5)]
+    assert settle(bad).finish_reason() == FinishReason.FAILED and calls.is_set()
+    for handle in good:
+        assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT
