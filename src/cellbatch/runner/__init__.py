@@ -7,13 +7,17 @@ Modules, each with one job (imports only go down this list):
 - `session`: `Session`, a caller's face for one conversation;
 - `admission`: the waiting queue, admission and the choice of what to preempt;
 - `batch`: the check of an executor's answer to a batch;
-- `loop`: `Runner`, the engine thread that ties them together.
+- `sessions`, `tasks`, `pressure`: the engine thread's books of sessions and tasks, and
+  what it does when KV cells run short;
+- `loop`: `EngineLoop`, what the engine thread does, tying them together;
+- `runner`: `Runner`, the face that starts the engine thread and posts to its inbox.
 """
 
 from cellbatch.runner.admission import AdmissionPolicy
 from cellbatch.runner.generation import SettledCallback, UpdateCallback
 from cellbatch.runner.handle import GenerationHandle
-from cellbatch.runner.loop import InitializationState, Runner
+from cellbatch.runner.loop import InitializationState
+from cellbatch.runner.runner import Runner
 from cellbatch.runner.session import Session
 
 __all__ = [

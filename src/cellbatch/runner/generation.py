@@ -153,6 +153,62 @@ class Generation:
                 "use stop tokens instead"
             )
 
+    def refusal(self) -> str:
+        """Why the generation cannot be queued, or ""."""
+        state = self.state
+        if state is None:
+            return self._submission_refusal()
+        if state.closed or state.close_requested:
+            return "session is closed"
+        if state.poisoned:
+            return (
+                f"session {state.sid} is poisoned by an earlier executor failure "
+                f"({state.poisoned}); close it and open a new session"
+            )
+        if state.active is not None:
+            return "the session already has an active generation; wait for it or cancel it"
+        if not self.delta and not state.context:
+            return "delta is empty: a turn must feed at least one new token"
+        if self.feed_only and not self.delta and not state.unfed():
+            return "delta is empty: a prefill turn must feed at least one new token"
+        feed = len(state.unfed()) + len(self.delta)
+        if state.committed + feed + self.config.max_new_tokens - 2 > MAX_POSITION:
+            return overflow_message(state.committed, feed, self.config.max_new_tokens)
+        return ""
+
+    def _submission_refusal(self) -> str:
+        assert self.start is not None
+        source, upto = self.start.source, self.start.upto
+        if source is None:
+            if not self.delta:
+                return "the prompt is empty: a generation must feed at least one token"
+            return ""
+        if source.closed or source.close_requested:
+            return "the source session is closed; submit before closing it"
+        if source.poisoned:
+            return f"the source session is poisoned ({source.poisoned})"
+        if upto > len(source.context) or (upto == 0 and not self.delta):
+            return (
+                f"cannot start from {upto} tokens of a session holding "
+                f"{len(source.context)}, with {len(self.delta)} more to feed; "
+                "upto must be within the source's context and something must be fed"
+            )
+        return ""
+
+    def count_step(self, decode: bool, tokens: int, start: float, step: int) -> None:
+        """One of its inputs ran in engine step `step`, which started at `start`."""
+        metrics = self.metrics
+        if metrics.first_step_time is None:
+            metrics.first_step_time = start
+        if not decode:
+            metrics.prefilled_tokens += tokens
+        if self.last_step != step:
+            self.last_step = step
+            if decode:
+                metrics.decode_steps += 1
+            else:
+                metrics.prefill_steps += 1
+
     def deliver(
         self, tokens: Sequence[Token]
     ) -> tuple[tuple[Token, ...], str, FinishReason | None]:

@@ -1,0 +1,176 @@
+"""Runner: the face of the engine for callers on any thread (DESIGN §5).
+
+Owns: the engine thread, the inbox it drains and the `EngineLoop` it runs.
+Promises: construction checks the executor and the options, then starts the
+engine thread, which initialises the executor first; every request (a session, a
+submission) is a command posted to the inbox, answered through a future or a
+handle; `shutdown()` is idempotent, from any thread (also a callback), and waits
+for the full stop except on the engine thread itself.
+Never: touches engine state; it reads only the loop's published counters.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+
+from cellbatch.executor import Executor
+from cellbatch.metrics import EngineMetrics
+from cellbatch.runner.admission import AdmissionPolicy
+from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture
+from cellbatch.runner.generation import (
+    Generation,
+    SessionStart,
+    SettledCallback,
+    UpdateCallback,
+)
+from cellbatch.runner.handle import GenerationHandle
+from cellbatch.runner.loop import EngineLoop, InitializationState
+from cellbatch.runner.session import Session, TurnDefaults, start_generation
+from cellbatch.scheduler import DecodeFirstScheduler, Scheduler
+from cellbatch.text_stream import Detokenizer
+from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError, KVUsage, Token
+
+_EXECUTOR_METHODS = (
+    "initialize",
+    "open_session",
+    "close_session",
+    "clone",
+    "truncate",
+    "set_sampling",
+    "execute",
+    "kv_usage",
+)
+
+
+class Runner:
+    """Runs every generation of one executor on one engine thread.
+
+    `Runner(executor, scheduler=None, tokenizer=None, stop_tokens=(),
+    admission="optimistic")` starts the engine thread at once; it initialises the
+    executor first (see `initialization_state()`). `stop_tokens` serve every
+    generation whose config leaves them None; `tokenizer` (anything with
+    `decode(tokens) -> str`) gives updates their text and enables stop strings;
+    `admission` is "optimistic" (start what fits now, preempt under pressure) or
+    "reserve" (start only what fits at its worst case, never preempt). Use it as a
+    context manager, or call `shutdown()`.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        scheduler: Scheduler | None = None,
+        *,
+        tokenizer: Detokenizer | None = None,
+        stop_tokens: Sequence[Token] = (),
+        admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
+    ) -> None:
+        missing = [
+            name for name in _EXECUTOR_METHODS if not callable(getattr(executor, name, None))
+        ]
+        if missing:
+            raise InvalidArgumentError(
+                f"{type(executor).__name__} lacks {', '.join(missing)}: a runner needs an "
+                "executor implementing cellbatch.executor.Executor"
+            )
+        try:
+            policy = AdmissionPolicy(admission)
+        except ValueError:
+            choices = [p.value for p in AdmissionPolicy]
+            raise InvalidArgumentError(
+                f"unknown admission {admission!r}; use one of {choices}"
+            ) from None
+        self._defaults = TurnDefaults(frozenset(stop_tokens), tokenizer)
+        self._inbox = Inbox()
+        self._loop = EngineLoop(
+            executor,
+            scheduler if scheduler is not None else DecodeFirstScheduler.create(),
+            self._inbox,
+            self._defaults,
+            policy,
+        )
+        self._thread = threading.Thread(target=self._loop.run, name="cellbatch-engine", daemon=True)
+        self._thread.start()
+
+    def open_session_async(self) -> concurrent.futures.Future[Session | None]:
+        """A new empty session, or None when the executor has no room (counted as
+        refused) or the runner is not running."""
+        future: SessionFuture = concurrent.futures.Future()
+        if not self._inbox.post(OpenSession(future)):
+            self._loop.count_refused_session()
+            future.set_result(None)
+        return future
+
+    def submit(
+        self,
+        prompt: Sequence[Token],
+        config: GenConfig | None = None,
+        on_update: UpdateCallback | None = None,
+        on_settled: SettledCallback | None = None,
+        *,
+        source: Session | None = None,
+        upto: int = 0,
+    ) -> GenerationHandle:
+        """A generation on a session of its own, closed when it settles.
+
+        It waits in arrival order until a session and the KV cells it needs are
+        free. With `source`, the session starts as a copy of `source`'s first `upto`
+        context tokens (sharing their cells) and `prompt` is what follows them; a
+        submission queued before `source` is closed still starts from it (the last
+        one takes `source`'s session over instead of copying it). Errors come back
+        as a `failed` generation, as for `Session.generate_async`.
+        """
+        config = config if config is not None else GenConfig()
+        source_state = source._state if source is not None else None
+        generation = Generation(
+            config, on_update, on_settled, start=SessionStart(source_state, upto)
+        )
+        if source is not None and (source_state is None or not isinstance(upto, int) or upto < 0):
+            generation.handle._bind(generation, None)
+            generation.settle(
+                FinishReason.FAILED,
+                f"source must be an opened session and upto an integer >= 0, got {upto!r}",
+                (),
+                "",
+            )
+            return generation.handle
+        return start_generation(generation, prompt, self._inbox, self._defaults)
+
+    def shutdown(self) -> None:
+        """Cancel everything live, close every session once, stop the engine.
+        Idempotent; from any thread. Waits for the full stop, except when called
+        on the engine thread itself (from a callback), where it only asks."""
+        self._loop.stop_requested = True
+        self._inbox.wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def stopping(self) -> bool:
+        """True once shutdown was asked for (or the engine stopped by itself)."""
+        return self._loop.stop_requested
+
+    def initialization_state(self) -> InitializationState:
+        return self._loop.init_state
+
+    def initialization_error(self) -> str:
+        return self._loop.init_error
+
+    def wait_initialized(self, timeout: float | None = None) -> InitializationState:
+        """Block until executor initialisation has finished (or `timeout` ran out)."""
+        self._loop.initialized.wait(timeout)
+        return self._loop.init_state
+
+    def metrics(self) -> EngineMetrics:
+        """A consistent copy of the engine counters."""
+        return self._loop.metrics()
+
+    def kv_usage(self) -> KVUsage | None:
+        """The executor's KV cells as of the end of the last step (None: no limit)."""
+        return self._loop.kv_usage()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

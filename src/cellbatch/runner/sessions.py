@@ -1,0 +1,162 @@
+"""The runner's book of open sessions (engine thread only).
+
+Owns: the engine-side state of every session open on the executor, and the
+executor calls that open, copy, truncate and close sessions.
+Promises: a state is in the book iff its executor session is open; a copy shares
+the source's cells for the tokens the source holds and feeds the rest later; a
+session whose face closed it stays open while waiting submissions still start from
+it, and the last of them takes it over instead of copying it; every session opened
+is counted once, and every refused request from a caller (a submission that waits
+for a session is not refused).
+Never: ends generations or touches the scheduler; the runner loop does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from cellbatch.executor import Executor
+from cellbatch.metrics import EngineMetrics
+from cellbatch.runner.generation import Generation, SessionStart, SessionState
+from cellbatch.types import SessionId
+
+log = logging.getLogger(__name__)
+
+
+class SessionBook:
+    def __init__(
+        self, executor: Executor, metrics: EngineMetrics, metrics_lock: threading.Lock
+    ) -> None:
+        self._executor = executor
+        self._metrics = metrics
+        self._metrics_lock = metrics_lock
+        self._states: dict[SessionId, SessionState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, sid: SessionId) -> SessionState | None:
+        return self._states.get(sid)
+
+    def states(self) -> Iterable[SessionState]:
+        return list(self._states.values())
+
+    def open(self) -> SessionState | None:
+        """A new empty session; None when the executor has no room."""
+        return self._add(self._executor.open_session(), 0, ())
+
+    def copy(self, source: SessionState, upto: int) -> SessionState | None:
+        """A new session holding `source`'s first `upto` context tokens, sharing the
+        cells `source` has for them; None when the executor refuses."""
+        shared = min(upto, source.resident)
+        state = self._add(self._executor.clone(source.sid, shared), shared, source.context[:upto])
+        if state is not None:
+            state.committed = min(upto, source.committed)
+        return state
+
+    def count(self, state: SessionState | None) -> SessionState | None:
+        """Count a caller's request for a session as granted or refused."""
+        with self._metrics_lock:
+            if state is None:
+                self._metrics.sessions_refused += 1
+            else:
+                self._metrics.sessions_opened += 1
+        return state
+
+    def for_submission(self, generation: Generation) -> SessionState | None:
+        """The session a submission runs on (opened, copied from its source, or its
+        closed source taken over); None when the executor has no session free."""
+        start = generation.start
+        assert start is not None
+        source = start.source
+        if source is None:
+            state = self.open()
+        elif source.close_requested and source.clone_waiters == 1 and source.active is None:
+            state = self._take_over(source, start.upto)
+        else:
+            state = self.copy(source, start.upto)
+        if state is not None:
+            if state is not source:
+                self.count(state)
+            self.release_source(generation)
+        return state
+
+    def hold_source(self, generation: Generation) -> None:
+        """A waiting submission needs its source until it has its own session."""
+        start = generation.start
+        if start is not None and start.source is not None:
+            start.source.clone_waiters += 1
+            generation.queued_on_source = True
+
+    def release_source(self, generation: Generation) -> None:
+        """The submission no longer needs its source: the source closes if its face
+        asked for that and no other submission waits on it."""
+        if not generation.queued_on_source:
+            return
+        generation.queued_on_source = False
+        source = _source_of(generation.start)
+        source.clone_waiters -= 1
+        if source.clone_waiters == 0 and source.close_requested:
+            self.close(source)
+
+    def close_when_free(self, state: SessionState) -> None:
+        """The face closed the session: close it now, or once no waiting submission
+        starts from it."""
+        state.close_requested = True
+        if state.clone_waiters == 0:
+            self.close(state)
+
+    def close(self, state: SessionState) -> None:
+        if state.closed:
+            return
+        state.closed = True
+        self._states.pop(state.sid, None)
+        try:
+            self._executor.close_session(state.sid)
+        except Exception:
+            log.exception("executor.close_session(%d) raised", state.sid)
+
+    def drop_cells(self, state: SessionState, length: int = 0) -> None:
+        """Keep only the session's first `length` positions in cells (cells it shares
+        stay with the other owners); its next turn feeds the rest again."""
+        self._executor.truncate(state.sid, length)
+        state.resident = length
+
+    def idle_victim(
+        self, is_running: Callable[[Generation], bool], exclude: SessionState | None
+    ) -> SessionState | None:
+        """The least recently used session whose cells can be dropped: one holding
+        cells with no running generation, that no waiting submission starts from."""
+        candidates = [
+            state
+            for state in self._states.values()
+            if state.resident > 0
+            and state is not exclude
+            and state.clone_waiters == 0
+            and (state.active is None or not is_running(state.active))
+        ]
+        return min(candidates, key=lambda state: state.last_used, default=None)
+
+    def _take_over(self, source: SessionState, upto: int) -> SessionState:
+        if upto < source.resident:
+            self.drop_cells(source, upto)
+        del source.context[upto:]
+        source.committed = min(source.committed, upto)
+        source.close_requested = False
+        return source
+
+    def _add(
+        self, sid: SessionId | None, resident: int, context: Iterable[int]
+    ) -> SessionState | None:
+        if sid is None:
+            return None
+        state = SessionState(sid, list(context), resident)
+        self._states[sid] = state
+        return state
+
+
+def _source_of(start: SessionStart | None) -> SessionState:
+    assert start is not None and start.source is not None
+    return start.source
