@@ -15,7 +15,13 @@ import pytest
 
 from cellbatch import GenerationHandle, Runner
 from cellbatch.scheduler import DecodeFirstScheduler
-from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, SamplingParams
+from cellbatch.types import (
+    FinishReason,
+    GenConfig,
+    GenerationUpdate,
+    InvalidArgumentError,
+    SamplingParams,
+)
 from fake_executor import WAIT_S, FakeExecutor, make_tokens, open_session, wait_until
 
 
@@ -341,3 +347,56 @@ def test_a_raising_callback_during_pressure_fails_only_its_generation(runners) -
     assert settle(bad).finish_reason() == FinishReason.FAILED and calls.is_set()
     for handle in good:
         assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT
+
+
+# -- the runner's prefix cache ----------------------------------------------------------------
+
+
+def test_a_submission_sharing_a_prefix_starts_from_a_kept_snapshot(runners) -> None:
+    runner, fake = make(runners, prefix_cache_entries=4)
+    first = settle(runner.submit(make_tokens(20), GenConfig(max_new_tokens=3)))
+    # A longer prompt that begins with the first's prompt and answer (a chat's next turn).
+    follow_up = [*make_tokens(20), *first.tokens()[:-1], 77, 78]
+    second = settle(runner.submit(follow_up, GenConfig(max_new_tokens=3)))
+    assert second.finish_reason() == FinishReason.TOKEN_LIMIT
+    assert second.metrics().cached_tokens == 22  # prompt + the two answer tokens it fed
+    assert second.metrics().prompt_tokens == len(follow_up) - 22
+    assert second.tokens() == expected_tokens(len(follow_up), 3)
+    metrics = runner.metrics()
+    assert (metrics.prefix_cache_hits, metrics.prefix_cache_tokens) == (1, 22)
+    assert fake.open_count == 2  # both kept as snapshots
+
+
+def test_a_prompt_always_feeds_its_last_token_even_when_all_of_it_is_cached(runners) -> None:
+    runner, _ = make(runners, prefix_cache_entries=4)
+    settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=2)))
+    again = settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=2)))
+    assert again.metrics().cached_tokens == 9
+    assert again.tokens() == expected_tokens(10, 2)
+
+
+def test_snapshots_give_way_to_live_work_for_sessions_and_cells(runners) -> None:
+    runner, fake = make(
+        runners, FakeExecutor(max_sessions=2, cell_limit=40), prefix_cache_entries=8
+    )
+    for start in (10, 40):
+        settle(runner.submit(make_tokens(12, start), GenConfig(max_new_tokens=2)))
+    assert fake.open_count == 2  # both slots held by snapshots
+    fresh = settle(runner.submit(make_tokens(30, 70), GenConfig(max_new_tokens=5)))
+    assert fresh.finish_reason() == FinishReason.TOKEN_LIMIT, fresh.error()
+    assert fresh.metrics().cached_tokens == 0
+
+
+def test_failed_submissions_are_not_kept(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(fail_steps={2}), prefix_cache_entries=4)
+    failed = settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=3)))
+    assert failed.finish_reason() == FinishReason.FAILED
+    assert wait_until(lambda: fake.open_count == 0)
+
+
+def test_the_prefix_cache_is_off_by_default_and_refuses_bad_sizes(runners) -> None:
+    runner, fake = make(runners)
+    settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=2)))
+    assert wait_until(lambda: fake.open_count == 0)
+    with pytest.raises(InvalidArgumentError):
+        Runner(FakeExecutor(), prefix_cache_entries=-1)

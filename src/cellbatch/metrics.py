@@ -37,6 +37,7 @@ class GenerationMetrics:
     last_token_time: float | None = None
     end_time: float | None = None  # when the outcome was published
     prompt_tokens: int = 0  # tokens this turn feeds: the carried pending token(s) + the delta
+    cached_tokens: int = 0  # prompt tokens found in the runner's prefix cache, not fed
     prefilled_tokens: int = 0  # of those, how many the model has consumed
     generated_tokens: int = 0  # tokens delivered
     prefill_steps: int = 0
@@ -161,6 +162,8 @@ class EngineMetrics:
     preemptions: int = 0  # running generations sent back to wait, their cells dropped
     sessions_reclaimed: int = 0  # idle or waiting sessions whose cells were dropped for others
     recomputed_tokens: int = 0  # context fed again after its cells had been dropped
+    prefix_cache_hits: int = 0  # submissions that started from a kept snapshot's cells
+    prefix_cache_tokens: int = 0  # prompt tokens those submissions did not feed
     finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     ttft_count: int = 0
     ttft_sum: float = 0.0
@@ -314,6 +317,8 @@ class EngineMetrics:
                 f"sessions      {self.sessions_opened} opened, {self.sessions_refused} refused",
                 f"kv pressure   {self.preemptions} preemptions, {self.sessions_reclaimed} idle "
                 f"sessions' cells dropped, {self.recomputed_tokens} tokens recomputed",
+                f"prefix cache  {self.prefix_cache_hits} hits, {self.prefix_cache_tokens} "
+                "prompt tokens reused",
                 f"ttft          n={self.ttft_count}, mean {_ms(self.ttft_mean)}, "
                 f"min {_ms(self.ttft_min)}, max {_ms(self.ttft_max)}",
                 f"tokens        {self.prompt_tokens} prompt, {self.generated_tokens} generated",

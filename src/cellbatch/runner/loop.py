@@ -90,6 +90,7 @@ class EngineLoop:
         inbox: Inbox,
         defaults: TurnDefaults,
         policy: AdmissionPolicy,
+        prefix_cache_entries: int = 0,
     ) -> None:
         self._executor = executor
         self._scheduler = scheduler
@@ -104,7 +105,9 @@ class EngineLoop:
         self._metrics_lock = threading.Lock()
         # Invariant: a generation is in _admission iff it is live and has passed its
         # checks; the books' invariants are in their modules.
-        self._sessions = SessionBook(executor, self._metrics, self._metrics_lock)
+        self._sessions = SessionBook(
+            executor, self._metrics, self._metrics_lock, prefix_cache_entries
+        )
         self._admission = Admission(policy)
         self._tasks = TaskBook(scheduler)
         self._pressure = KVPressure(
@@ -498,7 +501,8 @@ class EngineLoop:
             state.last_used = self._step_index
         outcome = generation.settle(reason, error, tokens, text + generation.closing_text())
         if generation.start is not None and state is not None:
-            self._sessions.close(state)  # a submission's session lives as long as it does
+            # A submission's session lives as long as it does, or on as a snapshot.
+            self._sessions.finished(state, reusable=outcome is not FinishReason.FAILED)
         if generation.feed_only:
             return  # a prefill turn: counted when it started, it has no outcome to record
         ttft = generation.metrics.ttft

@@ -124,6 +124,6 @@ class KVPressure:
             self._metrics.preemptions += 1
 
     def _reclaim(self, state: SessionState) -> None:
-        self._sessions.drop_cells(state)
+        self._sessions.reclaim(state)
         with self._metrics_lock:
             self._metrics.sessions_reclaimed += 1

@@ -53,8 +53,11 @@ class Runner:
     generation whose config leaves them None; `tokenizer` (anything with
     `decode(tokens) -> str`) gives updates their text and enables stop strings;
     `admission` is "optimistic" (start what fits now, preempt under pressure) or
-    "reserve" (start only what fits at its worst case, never preempt). Use it as a
-    context manager, or call `shutdown()`.
+    "reserve" (start only what fits at its worst case, never preempt);
+    `prefix_cache_entries` > 0 keeps that many finished submissions' sessions as
+    snapshots, so that a later submission sharing a prefix with one starts from its
+    cells (they give way first under pressure). Use it as a context manager, or
+    call `shutdown()`.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Runner:
         tokenizer: Detokenizer | None = None,
         stop_tokens: Sequence[Token] = (),
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
+        prefix_cache_entries: int = 0,
     ) -> None:
         missing = [
             name for name in _EXECUTOR_METHODS if not callable(getattr(executor, name, None))
@@ -81,6 +85,13 @@ class Runner:
             raise InvalidArgumentError(
                 f"unknown admission {admission!r}; use one of {choices}"
             ) from None
+        if isinstance(prefix_cache_entries, bool) or not (
+            isinstance(prefix_cache_entries, int) and prefix_cache_entries >= 0
+        ):
+            raise InvalidArgumentError(
+                f"prefix_cache_entries must be an integer >= 0 (0: off), got "
+                f"{prefix_cache_entries!r}"
+            )
         self._defaults = TurnDefaults(frozenset(stop_tokens), tokenizer)
         self._inbox = Inbox()
         self._loop = EngineLoop(
@@ -89,6 +100,7 @@ class Runner:
             self._inbox,
             self._defaults,
             policy,
+            prefix_cache_entries,
         )
         self._thread = threading.Thread(target=self._loop.run, name="cellbatch-engine", daemon=True)
         self._thread.start()

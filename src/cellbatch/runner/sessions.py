@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from cellbatch.executor import Executor
 from cellbatch.metrics import EngineMetrics
 from cellbatch.runner.generation import Generation, SessionStart, SessionState
+from cellbatch.runner.snapshots import SnapshotCache
 from cellbatch.types import SessionId
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,18 @@ log = logging.getLogger(__name__)
 
 class SessionBook:
     def __init__(
-        self, executor: Executor, metrics: EngineMetrics, metrics_lock: threading.Lock
+        self,
+        executor: Executor,
+        metrics: EngineMetrics,
+        metrics_lock: threading.Lock,
+        snapshots: int = 0,
     ) -> None:
         self._executor = executor
         self._metrics = metrics
         self._metrics_lock = metrics_lock
         self._states: dict[SessionId, SessionState] = {}
+        # Finished submissions kept for their prefix; 0 entries: the cache is off.
+        self._snapshots = SnapshotCache(snapshots)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -72,7 +79,10 @@ class SessionBook:
         assert start is not None
         source = start.source
         if source is None:
-            state = self.open()
+            state = self._from_snapshot(generation) or self.open()
+            while state is None and (oldest := self._snapshots.pop_oldest()) is not None:
+                self.close(oldest)  # a snapshot gives its session slot to live work
+                state = self.open()
         elif source.close_requested and source.clone_waiters == 1 and source.active is None:
             state = self._take_over(source, start.upto)
         else:
@@ -81,6 +91,35 @@ class SessionBook:
             if state is not source:
                 self.count(state)
             self.release_source(generation)
+        return state
+
+    def finished(self, state: SessionState, reusable: bool) -> None:
+        """A submission's session after its generation: kept as a snapshot of what its
+        cells hold when the cache is on and the session is `reusable`, else closed."""
+        if not reusable or self._snapshots.capacity == 0 or state.resident == 0:
+            self.close(state)
+            return
+        del state.context[state.resident :]
+        state.committed = state.resident
+        for evicted in self._snapshots.keep(state):
+            self.close(evicted)
+
+    def _from_snapshot(self, generation: Generation) -> SessionState | None:
+        """A copy of the snapshot sharing the longest prefix with the prompt; the
+        generation then feeds only the rest."""
+        if getattr(generation.config.sampling, "prompt_logprobs", None) is not None:
+            return None  # every prompt token must run through the model to be scored
+        found = self._snapshots.longest_prefix(generation.delta)
+        if found is None:
+            return None
+        snapshot, matched = found
+        state = self.copy(snapshot, matched)
+        if state is not None:
+            generation.delta = generation.delta[matched:]
+            generation.metrics.cached_tokens = matched
+            with self._metrics_lock:
+                self._metrics.prefix_cache_hits += 1
+                self._metrics.prefix_cache_tokens += matched
         return state
 
     def hold_source(self, generation: Generation) -> None:
@@ -111,12 +150,21 @@ class SessionBook:
     def close(self, state: SessionState) -> None:
         if state.closed:
             return
+        self._snapshots.remove(state)
         state.closed = True
         self._states.pop(state.sid, None)
         try:
             self._executor.close_session(state.sid)
         except Exception:
             log.exception("executor.close_session(%d) raised", state.sid)
+
+    def reclaim(self, state: SessionState) -> None:
+        """Free an idle session's cells for others: a snapshot goes (it exists only
+        for its cells), any other session keeps its context to feed again later."""
+        if state in self._snapshots:
+            self.close(state)
+        else:
+            self.drop_cells(state)
 
     def drop_cells(self, state: SessionState, length: int = 0) -> None:
         """Keep only the session's first `length` positions in cells (cells it shares
@@ -127,8 +175,12 @@ class SessionBook:
     def idle_victim(
         self, is_running: Callable[[Generation], bool], exclude: SessionState | None
     ) -> SessionState | None:
-        """The least recently used session whose cells can be dropped: one holding
-        cells with no running generation, that no waiting submission starts from."""
+        """The session whose cells go first: the least recently used snapshot, else the
+        least recently used session holding cells with no running generation, that no
+        waiting submission starts from."""
+        oldest = self._snapshots.oldest()
+        if oldest is not None and oldest is not exclude:
+            return oldest
         candidates = [
             state
             for state in self._states.values()

@@ -1,0 +1,90 @@
+"""The runner's automatic prefix cache: finished submissions kept as snapshots.
+
+Owns: a least-recently-used table of idle sessions, each keyed by exactly the
+tokens its cells hold (a finished submission's prompt and answer).
+Promises: `longest_prefix` finds the snapshot sharing the longest prefix with a
+prompt (ties: the most recently used), capped one token short of the prompt so
+that its last token always runs through the model (its logits give the first new
+token), and only when the match is at least `MIN_MATCH` tokens; a key is held by at
+most one snapshot; the table never holds more than its capacity (what it lets go
+is handed back for the caller to close).
+Never: opens, copies or closes sessions itself (the session book does).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from cellbatch.runner.generation import SessionState
+from cellbatch.types import Token
+
+# A shorter match saves less than the copy and bookkeeping cost.
+MIN_MATCH = 4
+
+
+class SnapshotCache:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[Token, ...], SessionState] = OrderedDict()
+        self._arrays: dict[tuple[Token, ...], np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, state: SessionState) -> bool:
+        return any(entry is state for entry in self._entries.values())
+
+    def keep(self, state: SessionState) -> list[SessionState]:
+        """Add an idle session holding exactly `state.context[:state.resident]`; returns
+        the sessions to close: the new one if its key is held already (that entry is
+        refreshed instead), or the least recently used beyond capacity."""
+        key = tuple(state.context[: state.resident])
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return [state]
+        self._entries[key] = state
+        self._arrays[key] = np.asarray(key, dtype=np.int64)
+        evicted = []
+        while len(self._entries) > self.capacity:
+            evicted.append(self._pop_oldest())
+        return evicted
+
+    def longest_prefix(self, prompt: Sequence[Token]) -> tuple[SessionState, int] | None:
+        """The snapshot sharing the longest prefix with `prompt`, and that length."""
+        if not self._entries or len(prompt) <= MIN_MATCH:
+            return None
+        query = np.asarray(prompt, dtype=np.int64)
+        best: tuple[tuple[Token, ...], int] | None = None
+        for key in reversed(self._entries):  # most recent first: it wins ties
+            array = self._arrays[key]
+            n = min(len(array), len(query) - 1)
+            differ = np.flatnonzero(array[:n] != query[:n])
+            matched = int(differ[0]) if differ.size else n
+            if matched >= MIN_MATCH and (best is None or matched > best[1]):
+                best = (key, matched)
+        if best is None:
+            return None
+        self._entries.move_to_end(best[0])
+        return self._entries[best[0]], best[1]
+
+    def remove(self, state: SessionState) -> bool:
+        for key, entry in self._entries.items():
+            if entry is state:
+                del self._entries[key]
+                del self._arrays[key]
+                return True
+        return False
+
+    def pop_oldest(self) -> SessionState | None:
+        return self._pop_oldest() if self._entries else None
+
+    def oldest(self) -> SessionState | None:
+        return next(iter(self._entries.values()), None)
+
+    def _pop_oldest(self) -> SessionState:
+        key, state = self._entries.popitem(last=False)
+        del self._arrays[key]
+        return state
