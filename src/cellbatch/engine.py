@@ -107,6 +107,7 @@ class Engine:
         kv_dtype: torch.dtype = torch.float32,
         model_path: Path | None = None,
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
+        prefix_cache_entries: int = 0,
     ) -> None:
         self.model = model
         self.config = config
@@ -142,6 +143,7 @@ class Engine:
             tokenizer=tokenizer,
             stop_tokens=sorted(self.stop_tokens),
             admission=self.admission,
+            prefix_cache_entries=prefix_cache_entries,
         )
         self._closed = False
 
@@ -155,6 +157,7 @@ class Engine:
         threads: int | None = None,
         kernels: str = "auto",
         admission: str = "optimistic",
+        prefix_cache_entries: int = 0,
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder or a GGUF file (default: the embedded
@@ -179,6 +182,7 @@ class Engine:
             tokenizer,
             shape=EngineShape(**shape),
             admission=admission,
+            prefix_cache_entries=prefix_cache_entries,
             kv_dtype=resolved_kv,
             model_path=path,
         )
@@ -416,6 +420,11 @@ class GenerationBatch:
 
     def track(self, result: GenerationResult, handle: GenerationHandle) -> None:
         self._handles.append((result, handle))
+
+    def handles(self) -> list[GenerationHandle]:
+        """The handles of the prompts that passed their checks, in prompt order (for
+        streaming; failed prompts have none)."""
+        return [handle for _, handle in self._handles]
 
     def cancel(self) -> None:
         """End every generation still running `cancelled`; finished ones keep their

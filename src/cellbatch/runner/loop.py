@@ -102,6 +102,7 @@ class EngineLoop:
         self.initialized = threading.Event()
         self._metrics = EngineMetrics()
         self._kv: KVUsage | None = None
+        self._load = (0, 0)  # running and waiting generations, as of the last refresh
         self._metrics_lock = threading.Lock()
         # Invariant: a generation is in _admission iff it is live and has passed its
         # checks; the books' invariants are in their modules.
@@ -133,6 +134,11 @@ class EngineLoop:
         """The executor's KV cells as of the end of the last step (None: no limit)."""
         with self._metrics_lock:
             return self._kv
+
+    def load(self) -> tuple[int, int]:
+        """Generations running and waiting, as of the end of the last step."""
+        with self._metrics_lock:
+            return self._load
 
     def count_refused_session(self) -> None:
         with self._metrics_lock:
@@ -518,3 +524,4 @@ class EngineLoop:
         usage = self._pressure.usage()
         with self._metrics_lock:
             self._kv = usage
+            self._load = (self._admission.running_count(), len(self._admission.waiting))

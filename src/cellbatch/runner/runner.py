@@ -181,6 +181,10 @@ class Runner:
         """The executor's KV cells as of the end of the last step (None: no limit)."""
         return self._loop.kv_usage()
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) generations as of the engine's last step."""
+        return self._loop.load()
+
     def __enter__(self) -> Runner:
         return self
 
