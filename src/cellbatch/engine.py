@@ -115,7 +115,7 @@ class Engine:
         self.model_path = model_path
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_dtype
-        self.kernels = "torch" if model.ops is None else "compiled"
+        self.kernels = model.ops.kind  # "compiled" or "torch"
         self.stop_tokens = frozenset(
             tokenizer.stop_tokens if tokenizer is not None else config.eos_token_ids
         )

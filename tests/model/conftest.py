@@ -11,21 +11,26 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache, KVPool
-from cellbatch.model import kernels
+from cellbatch.model import kernels, ops
 from cellbatch.model.transformer import PackedTransformer
 from tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
-def compiled_ops():
-    """torch.ops.cellbatch. On the project's machines the kernels must build: a missing
-    compiler fails the test (not a skip), so a broken build cannot hide behind the
+def compiled_ops() -> ops.Ops:
+    """The compiled ops' table. On the project's machines the kernels must be there: a
+    missing library fails the test (not a skip), so a broken build cannot hide behind the
     fallback; CELLBATCH_KERNELS=0 is the one way to skip."""
     if kernels.disabled():
         pytest.skip("CELLBATCH_KERNELS=0")
-    ops = kernels.compiled_ops()
-    assert ops is not None, kernels.unavailable_reason()
-    return ops
+    assert kernels.load(), kernels.unavailable_reason()
+    return ops.table(ops.NAMESPACE)
+
+
+@pytest.fixture(scope="session")
+def torch_ops() -> ops.Ops:
+    """The pure-torch ops' table."""
+    return ops.table(ops.TORCH_NAMESPACE)
 
 
 @pytest.fixture

@@ -1,20 +1,26 @@
-"""The compiled per-layer ops (`cellbatch.model.kernels`: rms_norm, rope_store, silu_mul)
-against the torch chains they replace, row by row."""
+"""The model's custom ops (`cellbatch.model.ops`): the compiled kernels against the torch
+implementations, op by op and through a whole model, and torch.library's own checks
+(schema, fake implementation, tracing) on both."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from cellbatch.model.transformer import RMSNorm, _rotate
+from cellbatch.cache import CellCache
+from cellbatch.model import ops as model_ops
+from cellbatch.model.attention import CellAttention, HeadShape
+from cellbatch.model.loading import load_model
+from cellbatch.model.ops import rotate
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture
-def ops(compiled_ops):
-    return compiled_ops
+@pytest.fixture(params=["compiled", "torch"])
+def table(request) -> model_ops.Ops:
+    """Each ops table in turn."""
+    return request.getfixturevalue("compiled_ops" if request.param == "compiled" else "torch_ops")
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -24,41 +30,49 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_the_torch_module_to_two_ulps(ops, dtype) -> None:
+def test_rms_norm_matches_the_torch_implementation_to_two_ulps(
+    compiled_ops, torch_ops, dtype
+) -> None:
     generator = torch.Generator().manual_seed(0)
-    norm = RMSNorm(96, 1e-5, dtype, "cpu", None)
-    norm.weight.data = torch.randn(96, generator=generator).to(dtype)
+    weight = torch.randn(96, generator=generator).to(dtype)
     x = (torch.randn(37, 96, generator=generator) * 3).to(dtype)
-    got = ops.rms_norm(x, norm.weight, 1e-5)
-    expected = norm(x)
+    got = compiled_ops.rms_norm(x, weight, 1e-5)
+    expected = torch_ops.rms_norm(x, weight, 1e-5)
     assert got.dtype == dtype and got.shape == x.shape
     # The mean of squares is summed in another order than torch's reduction.
     assert ulps_apart(got, expected).max() <= 2.0
     # A strided view of heads (as q/k norms get) and a row alone give the same bits.
     heads = torch.randn(5, 40, generator=generator).to(dtype)[:, :32].unflatten(1, (2, 16))
-    weight = torch.randn(16, generator=generator).to(dtype)
-    whole = ops.rms_norm(heads, weight, 1e-6)
+    head_weight = torch.randn(16, generator=generator).to(dtype)
+    whole = compiled_ops.rms_norm(heads, head_weight, 1e-6)
     assert whole.shape == heads.shape
-    assert torch.equal(ops.rms_norm(heads[3:4], weight, 1e-6), whole[3:4])
-    assert torch.equal(ops.rms_norm(x[5:6], norm.weight, 1e-5), got[5:6])
+    assert torch.equal(compiled_ops.rms_norm(heads[3:4], head_weight, 1e-6), whole[3:4])
+    assert torch.equal(compiled_ops.rms_norm(x[5:6], weight, 1e-5), got[5:6])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_rotates_q_and_stores_k_v_like_the_torch_chain(ops, dtype, cache_dtype) -> None:
+def rope_inputs(dtype: torch.dtype, cache_dtype: torch.dtype):
+    """q, k, v (strided views of one qkv row block), cos, sin, cells, k_cache, v_cache: six
+    tokens, the last two padding (not stored)."""
     generator = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, dim = 6, 4, 2, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = (t.view(tokens, -1, dim) for t in (q, k, v))
     angles = torch.rand(tokens, dim // 2, generator=generator) * 50
-    cos, sin = angles.cos(), angles.sin()
-    cells = torch.tensor([7, 3, 9, 1])  # the last two tokens are padding: not stored
-    expected_q = _rotate(q, cos.to(dtype)[:, None], sin.to(dtype)[:, None])
-    expected_k = _rotate(k, cos.to(dtype)[:, None], sin.to(dtype)[:, None])
     k_cache = torch.full((10, kv_heads, dim), -7.0, dtype=cache_dtype)
-    v_cache = k_cache.clone()
-    ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
+    cells = torch.tensor([7, 3, 9, 1])
+    return q, k, v, angles.cos(), angles.sin(), cells, k_cache, k_cache.clone()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_q_and_stores_k_v_like_the_torch_chain(
+    table, dtype, cache_dtype
+) -> None:
+    q, k, v, cos, sin, cells, k_cache, v_cache = rope_inputs(dtype, cache_dtype)
+    expected_q = rotate(q, cos.to(dtype)[:, None], sin.to(dtype)[:, None])
+    expected_k = rotate(k, cos.to(dtype)[:, None], sin.to(dtype)[:, None])
+    table.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
     assert torch.equal(q, expected_q)  # rotated in place, through the strided view
     assert torch.equal(k_cache[cells], expected_k[:4].to(cache_dtype))
     assert torch.equal(v_cache[cells], v[:4].to(cache_dtype))
@@ -67,21 +81,131 @@ def test_rope_store_rotates_q_and_stores_k_v_like_the_torch_chain(ops, dtype, ca
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_silu_times_up(ops, dtype) -> None:
+def test_silu_mul_matches_the_torch_implementation(compiled_ops, torch_ops, dtype) -> None:
     generator = torch.Generator().manual_seed(2)
     gate_up = (torch.randn(9, 2 * 72, generator=generator) * 4).to(dtype)  # 72: a ragged tail
-    gate, up = gate_up.chunk(2, dim=-1)
-    got = ops.silu_mul(gate_up)
-    expected = F.silu(gate) * up
+    got = compiled_ops.silu_mul(gate_up)
+    expected = torch_ops.silu_mul(gate_up)
     assert got.dtype == dtype and got.shape == (9, 72)
     assert ulps_apart(got, expected).max() <= 1.0
-    assert torch.equal(ops.silu_mul(gate_up[4:5]), got[4:5])
+    assert torch.equal(compiled_ops.silu_mul(gate_up[4:5]), got[4:5])
 
 
-def test_the_ops_refuse_bad_shapes_with_a_message(ops) -> None:
+def test_the_compiled_ops_refuse_bad_shapes_with_a_message(compiled_ops) -> None:
     with pytest.raises(RuntimeError, match="weight must be"):
-        ops.rms_norm(torch.ones(2, 8), torch.ones(4), 1e-6)
+        compiled_ops.rms_norm(torch.ones(2, 8), torch.ones(4), 1e-6)
     with pytest.raises(RuntimeError, match="gate_up must be"):
-        ops.silu_mul(torch.ones(2, 7))
+        compiled_ops.silu_mul(torch.ones(2, 7))
     with pytest.raises(RuntimeError, match="unsupported dtype"):
-        ops.silu_mul(torch.ones(2, 8, dtype=torch.float64))
+        compiled_ops.silu_mul(torch.ones(2, 8, dtype=torch.float64))
+
+
+# -- torch.library's checks ------------------------------------------------------------
+
+
+def attention_inputs(dtype: torch.dtype) -> tuple:
+    """The op's arguments for a step of a 5-token prompt chunk beside a decode."""
+    heads = HeadShape(num_heads=4, num_kv_heads=2, head_dim=16)
+    cache = CellCache(64)
+    first, second = cache.seq_alloc(), cache.seq_alloc()
+    for seq_ids, positions in (([second] * 3, [0, 1, 2]), ([first] * 5 + [second], [*range(5), 3])):
+        ids, pos = np.array(seq_ids), np.array(positions)
+        assert cache.declare_step(ids)
+        cells = cache.place_step(ids, pos)
+    args = CellAttention(heads, None).prepare(cache.attention_plan(ids, pos, cells))
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(8, heads.num_heads, heads.head_dim, generator=generator).to(dtype)
+    k_cache, v_cache = torch.randn(2, 65, heads.num_kv_heads, heads.head_dim, generator=generator)
+    out = torch.zeros(8, heads.num_heads * heads.head_dim, dtype=dtype)
+    return (
+        q,
+        k_cache,
+        v_cache,
+        args.cells,
+        args.rows,
+        args.positions,
+        args.cell_offsets,
+        args.block_starts,
+        0,
+        heads.scale,
+        out,
+    )
+
+
+def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, cos, sin, cells, k_cache, v_cache = rope_inputs(dtype, torch.float32)
+    return {
+        "rms_norm": (
+            torch.randn(5, 32, generator=generator).to(dtype),
+            torch.ones(32, dtype=dtype),
+            1e-6,
+        ),
+        "rope_store": (
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            cos,
+            sin,
+            cells,
+            k_cache,
+            v_cache,
+        ),
+        "silu_mul": (torch.randn(5, 48, generator=generator).to(dtype),),
+        "cell_attention": attention_inputs(dtype),
+    }
+
+
+@pytest.mark.parametrize("name", list(model_ops.SCHEMAS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_passes_for_each_op(table, name, dtype) -> None:
+    """Schema (declared mutations), fake implementation and AOT tracing agree with the
+    real op, for the compiled kernels and the torch implementations alike."""
+    torch.library.opcheck(getattr(table, name), op_cases(dtype)[name])
+
+
+def test_the_compiled_and_torch_attention_agree_through_the_op(compiled_ops, torch_ops) -> None:
+    compiled_args, torch_args = attention_inputs(torch.float32), attention_inputs(torch.float32)
+    compiled_ops.cell_attention(*compiled_args)
+    torch_ops.cell_attention(*torch_args)
+    assert compiled_args[-1][:6].abs().sum() > 0
+    assert (compiled_args[-1] - torch_args[-1]).abs().max() < 1e-5
+
+
+def test_torch_export_traces_the_ops(table) -> None:
+    """Each op appears in an exported graph as itself, with the fake implementation's
+    shapes, and the exported program runs it."""
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, weight, gate_up, q, k, v, cos, sin, cells, k_cache, v_cache):
+            table.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
+            return table.rms_norm(x, weight, 1e-6), table.silu_mul(gate_up), q * 1
+
+    def layer_args() -> tuple:
+        cases = op_cases(torch.float32)
+        return (*cases["rms_norm"][:2], *cases["silu_mul"], *cases["rope_store"])
+
+    exported = torch.export.export(Layer(), layer_args())
+    namespace = model_ops.NAMESPACE if table.kind == "compiled" else model_ops.TORCH_NAMESPACE
+    graph = str(exported.graph)
+    for name in ("rms_norm", "silu_mul", "rope_store"):
+        assert f"{namespace}.{name}" in graph, name
+    for ours, eager in zip(exported.module()(*layer_args()), Layer()(*layer_args()), strict=True):
+        assert torch.equal(ours, eager)
+
+
+# -- a whole model ---------------------------------------------------------------------
+
+
+def test_a_model_gives_the_same_tokens_with_compiled_and_torch_ops(
+    compiled_ops, tiny_checkpoint, packed_steps
+) -> None:
+    _, folder = tiny_checkpoint("qwen3")
+    steps = [[(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12])], [(1, [70]), (0, [4])]]
+    logits = {}
+    for kernels in ("compiled", "torch"):
+        _, model = load_model(folder, "float32", kernels)
+        assert model.ops.kind == kernels
+        logits[kernels] = torch.cat(packed_steps(model, steps, 2))
+    assert (logits["compiled"] - logits["torch"]).abs().max() < 1e-4
+    assert torch.equal(logits["compiled"].argmax(-1), logits["torch"].argmax(-1))

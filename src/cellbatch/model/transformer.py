@@ -10,7 +10,7 @@ logits for `logit_rows` only. Numerics follow transformers' eager attention: com
 the weight dtype, RMSNorm and softmax in float32, RoPE from float32 angles. A token's
 logits are bit-identical whatever else shares its step (see PackedTransformer).
 Never: owns cells or sequences (`cellbatch.cache` does), samples, or loops in Python over
-tokens; the only loops run over layers (and, on the gather path, the plan groups).
+tokens; the only loops run over layers (and, in the torch attention, the plan groups).
 
 Positions index a precomputed cos/sin table, so they must lie in [0, max_positions)
 (by default the model's `max_position_embeddings`). A table lookup, unlike computing
@@ -22,16 +22,15 @@ padded key length, i.e. on the other sequences of the group.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cellbatch.cache import AttentionPlan, KVPool
-from cellbatch.model import kernels as compiled
-from cellbatch.model.attention import CellAttention, GatherAttention, HeadShape, KernelAttention
+from cellbatch.model.attention import MIN_GEMM_ROWS, AttentionArgs, CellAttention, HeadShape
 from cellbatch.model.config import ModelConfig
+from cellbatch.model.ops import Ops, resolve
 from cellbatch.types import InvalidArgumentError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -40,10 +39,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# Fewest rows per GEMM call for which a row's result does not depend on the row count
-# (measured on the development CPU). torch's own GEMMs: fp32 rounds calls of < 12 rows
-# differently, bf16 only 1-row calls; fp16 is not measured, so it gets fp32's margin.
-MIN_GEMM_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 2, torch.float16: 16}
 # oneDNN's products on reordered weights (PackedLinear) round only 1-row calls differently,
 # in fp32 and bf16 alike.
 PACKED_MIN_GEMM_ROWS = 2
@@ -137,11 +132,11 @@ def can_pack_linears(dtype: torch.dtype, device: str | torch.device) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype (one
-    compiled op when `ops` is given)."""
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype (the op
+    `rms_norm` of the model's table)."""
 
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, device: str | torch.device, ops: Any
+        self, size: int, eps: float, dtype: torch.dtype, device: str | torch.device, ops: Ops
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
@@ -149,11 +144,7 @@ class RMSNorm(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -165,7 +156,7 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: str | torch.device,
         attention: CellAttention,
-        ops: Any,
+        ops: Ops,
     ) -> None:
         super().__init__()
         c = config
@@ -201,7 +192,7 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cells: torch.Tensor,
-        prepared: object,
+        prepared: AttentionArgs,
         window: int | None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -214,29 +205,10 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # Rows past len(cells) are padding (PackedTransformer.min_rows): never stored.
-        if self.ops is not None:
-            self.ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
-        else:
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            real = cells.shape[0]
-            k_cache.index_copy_(0, cells, k[:real].to(k_cache.dtype))
-            v_cache.index_copy_(0, cells, v[:real].to(v_cache.dtype))
+        self.ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
         attended = self.attention.attend(q, k_cache, v_cache, prepared, window)
         hidden = hidden + self.o_proj(attended)
-        gate_up = self.gate_up(self.post_norm(hidden))
-        if self.ops is not None:
-            activated = self.ops.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            activated = F.silu(gate) * up
-        return hidden + self.down(activated)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the half-split layout: x * cos + rotate_half(x) * sin, cos/sin [T, 1, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return hidden + self.down(self.ops.silu_mul(self.gate_up(self.post_norm(hidden))))
 
 
 class PackedTransformer(nn.Module):
@@ -250,9 +222,10 @@ class PackedTransformer(nn.Module):
     elementwise steps keep the same promise (`cellbatch.model.attention`, `kernels`).
 
     `kernels` picks the implementation of attention and of the per-layer elementwise steps
-    (RMSNorm, RoPE with the K/V store, SiLU-times-up): "compiled" (the ops of
-    `cellbatch.model.kernels`, built on first use), "torch", or "auto" (compiled on the CPU
-    where they build). The two agree to rounding, not bit for bit.
+    (RMSNorm, RoPE with the K/V store, SiLU-times-up), which the model calls as the custom
+    ops of one table (`cellbatch.model.ops`, kept as `ops`): "compiled" (the CPU kernels
+    built when the package was installed), "torch", or "auto" (compiled on the CPU where
+    they were built). The two agree to rounding, not bit for bit.
     """
 
     def __init__(
@@ -270,13 +243,9 @@ class PackedTransformer(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.min_rows = MIN_GEMM_ROWS.get(dtype, 16) if min_rows is None else min_rows
         self._min_rows_given = min_rows is not None
-        self.ops = compiled.resolve(kernels, device)
+        self.ops = resolve(kernels, device)
         heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
-        self.attention: CellAttention = (
-            KernelAttention(heads, self.ops)
-            if self.ops is not None
-            else GatherAttention(heads, dtype, self.min_rows)
-        )
+        self.attention = CellAttention(heads, self.ops.cell_attention)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, self.attention, self.ops)
@@ -305,17 +274,20 @@ class PackedTransformer(nn.Module):
     def pack_linears(self) -> None:
         """Swaps every projection and the LM head for a PackedLinear where that is faster
         (see can_pack_linears); a tied head gets its own packed copy of the embedding.
+        Quantised ones (cellbatch.model.quantized) stay as they are.
         Unless min_rows was given, products then pad only to PACKED_MIN_GEMM_ROWS."""
-        if not can_pack_linears(self.dtype, self.embed.weight.device):
+        if not can_pack_linears(self.dtype, self.norm.weight.device):
             return
         if not self._min_rows_given:
             self.min_rows = PACKED_MIN_GEMM_ROWS
         for layer in self.layers:
             for name in ("qkv", "o_proj", "gate_up", "down"):
                 linear = getattr(layer, name)
-                setattr(layer, name, PackedLinear(linear.weight, linear.bias))
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head = PackedLinear(head, None)
+                if isinstance(linear, nn.Linear):
+                    setattr(layer, name, PackedLinear(linear.weight, linear.bias))
+        if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
+            head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head = PackedLinear(head, None)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
@@ -342,9 +314,7 @@ class PackedTransformer(nn.Module):
             # stored in the pool nor attended to.
             tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if self.ops is None:  # _rotate's layout; the compiled op takes float32 [T, D/2]
-            cos, sin = cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
-        prepared = self.attention.prepare(plan, kv.scratch_cell)
+        prepared = self.attention.prepare(plan)
         hidden = self.embed(tokens)
         for index, layer in enumerate(self.layers):
             window = self.config.layer_windows[index]

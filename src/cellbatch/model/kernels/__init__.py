@@ -1,14 +1,13 @@
 """Compiled CPU kernels: built on this machine on first use, then loaded from torch's cache.
 
-Owns: building and loading the ops `torch.ops.cellbatch.*` (`cell_attention.cpp`:
-cell_attention; `fused_ops.cpp`: rms_norm, rope_store, silu_mul) with torch's C++
-extension tools, for this CPU's vector width; `resolve`, which turns a user's choice
-("auto", "compiled", "torch") into the ops or None.
-Promises: `compiled_ops()` returns the op namespace, or None (with the reason in
-`unavailable_reason()`, and one warning in the log) when the ops cannot be built here: no
-compiler, no ninja, or `CELLBATCH_KERNELS=0`. The first build takes about 20 s; later
+Owns: building and loading the library of CPU kernels for the ops of `cellbatch.model.ops`
+(`cell_attention.cpp`: cell_attention; `fused_ops.cpp`: rms_norm, rope_store, silu_mul)
+with torch's C++ extension tools, for this CPU's vector width.
+Promises: `load()` says whether the kernels are loaded; when they cannot be built here (no
+compiler, no ninja, or `CELLBATCH_KERNELS=0`) it returns False, with the reason in
+`unavailable_reason()` and one warning in the log. The first build takes about 20 s; later
 processes load the cached library in well under a second.
-Never: raises for a missing toolchain under "auto" (the model then runs pure torch), or
+Never: raises for a missing toolchain (the model then runs the torch implementations), or
 builds twice in one process.
 """
 
@@ -19,15 +18,11 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from cellbatch.types import InvalidArgumentError
-
 log = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "compiled", "torch")
 _SOURCES = [Path(__file__).with_name(name) for name in ("cell_attention.cpp", "fused_ops.cpp")]
 _HEADERS = [Path(__file__).with_name("common.h")]
 # Per torch CPU capability: the instruction sets to compile for, and the matching macro
@@ -56,7 +51,7 @@ def _cpu_capability() -> str:
     return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"
 
 
-def _build() -> Any:
+def _build() -> None:
     from torch.utils.cpp_extension import load
 
     capability = _cpu_capability()
@@ -79,7 +74,6 @@ def _build() -> Any:
         is_python_module=False,
         verbose=False,
     )
-    return torch.ops.cellbatch
 
 
 def _summary(error: Exception) -> str:
@@ -94,16 +88,17 @@ def disabled() -> bool:
     return os.environ.get("CELLBATCH_KERNELS", "1") == "0"
 
 
-def compiled_ops() -> Any:
-    """torch.ops.cellbatch, built on first call; None if it cannot be."""
+def load() -> bool:
+    """Builds (first call only) and loads the compiled kernels; False if they cannot be."""
     with _lock:
-        if "op" not in _state:
-            op, reason = None, ""
+        if "loaded" not in _state:
+            loaded, reason = False, ""
             if disabled():
                 reason = "disabled by CELLBATCH_KERNELS=0"
             else:
                 try:
-                    op = _build()
+                    _build()
+                    loaded = True
                 except Exception as error:  # any toolchain failure means "not here"
                     reason = _summary(error)
                     log.warning(
@@ -111,32 +106,10 @@ def compiled_ops() -> Any:
                         "pure-torch path. Install a C++ compiler and ninja to enable them.",
                         reason,
                     )
-            _state["op"], _state["reason"] = op, reason
-        return _state["op"]  # type: ignore[return-value]
+            _state["loaded"], _state["reason"] = loaded, reason
+        return bool(_state["loaded"])
 
 
 def unavailable_reason() -> str:
-    """Why compiled_ops() returned None ("" when it did not, or was not yet asked)."""
+    """Why load() returned False ("" when it did not, or was not yet asked)."""
     return str(_state.get("reason", ""))
-
-
-def resolve(choice: str, device: str | torch.device) -> Any:
-    """The ops a model on `device` should use for `choice`: "auto" takes them on the CPU
-    where they build, "compiled" insists (and says why they are missing), "torch" never
-    builds them. None means pure torch."""
-    if choice not in KERNEL_CHOICES:
-        raise InvalidArgumentError(f"unknown kernels {choice!r}; use one of {KERNEL_CHOICES}")
-    on_cpu = torch.device(device).type in ("cpu", "meta")
-    if choice == "torch" or not on_cpu:
-        if choice == "compiled":
-            raise InvalidArgumentError(
-                "the compiled kernels run on the CPU only; use kernels='auto' or 'torch'"
-            )
-        return None
-    ops = compiled_ops()
-    if ops is None and choice == "compiled":
-        raise InvalidArgumentError(
-            f"the compiled kernels are not available ({unavailable_reason()}); "
-            "use kernels='torch' or 'auto'"
-        )
-    return ops

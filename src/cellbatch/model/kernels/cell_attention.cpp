@@ -286,10 +286,5 @@ void cell_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cellbatch, m) {
-  m.def(
-      "cell_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cells, Tensor rows, "
-      "Tensor pos, Tensor cell_offsets, Tensor block_starts, int window, float scale, "
-      "Tensor(a!) out) -> ()");
-  m.impl("cell_attention", c10::DispatchKey::CPU, &cell_attention);
-}
+// The schema is defined in Python (cellbatch/model/ops.py), with the torch implementation.
+TORCH_LIBRARY_IMPL(cellbatch, CPU, m) { m.impl("cell_attention", &cell_attention); }

@@ -176,13 +176,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cellbatch, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def(
-      "rope_store(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor cells, "
-      "Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.impl("rope_store", c10::DispatchKey::CPU, &rope_store);
-  m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
+// The schemas are defined in Python (cellbatch/model/ops.py), with the torch implementations.
+TORCH_LIBRARY_IMPL(cellbatch, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_store", &rope_store);
+  m.impl("silu_mul", &silu_mul);
 }

@@ -1,0 +1,185 @@
+"""The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store` and
+`silu_mul`, and the table of them a model calls.
+
+Owns: the ops' schemas; their pure-torch implementations (attention's is
+`cellbatch.model.attention.cell_attention_torch`); their fake implementations (shapes
+only, so that torch.export and torch.compile can trace a model through them); `Ops`, one
+table of the four; and `resolve`, which turns a user's choice ("auto", "compiled",
+"torch") into a table.
+Promises: two namespaces with the same schemas, defined on import. `cellbatch::` runs the
+compiled CPU kernels once `cellbatch.model.kernels` has loaded the library built at
+install, and the torch implementations elsewhere (other devices, or no library);
+`cellbatch_torch::` always runs the torch implementations. A table holds the ops of one
+namespace, so a model has one code path whichever it got; `Ops.kind` says which
+("compiled" or "torch"). The torch implementations follow transformers' roundings: RMSNorm
+normalises in float32 and scales in the compute dtype, RoPE multiplies and adds in the
+compute dtype with cos/sin rounded to it, SiLU runs in the compute dtype.
+Never: compiles anything, or loads the compiled library unless a choice asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cellbatch.model import kernels
+from cellbatch.model.attention import cell_attention_torch
+from cellbatch.types import InvalidArgumentError
+
+NAMESPACE = "cellbatch"
+TORCH_NAMESPACE = "cellbatch_torch"
+KERNEL_CHOICES = ("auto", "compiled", "torch")
+
+# The compiled kernels (kernels/*.cpp) implement these for the CPU under NAMESPACE.
+SCHEMAS: dict[str, str] = {
+    "cell_attention": (
+        "cell_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cells, Tensor rows, "
+        "Tensor pos, Tensor cell_offsets, Tensor block_starts, int window, float scale, "
+        "Tensor(a!) out) -> ()"
+    ),
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "rope_store": (
+        "rope_store(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor cells, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()"
+    ),
+    "silu_mul": "silu_mul(Tensor gate_up) -> Tensor",
+}
+
+
+# -- the pure-torch implementations -----------------------------------------------------
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm over the last dimension of x."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the half-split layout: x * cos + rotate_half(x) * sin, cos/sin [T, 1, D/2]
+    in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_store_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cells: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Rotates q [T, H, D] in place and stores the rotated k and v [T, KVH, D] of the first
+    len(cells) tokens in their cells (later rows are padding); cos, sin float32 [>= T, D/2]."""
+    tokens, stored = q.shape[0], cells.shape[0]
+    cos = cos[:tokens].to(q.dtype)[:, None, :]
+    sin = sin[:tokens].to(q.dtype)[:, None, :]
+    q.copy_(rotate(q, cos, sin))
+    rotated = rotate(k[:stored], cos[:stored], sin[:stored])
+    k_cache.index_copy_(0, cells, rotated.to(k_cache.dtype))
+    v_cache.index_copy_(0, cells, v[:stored].to(v_cache.dtype))
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+_TORCH_IMPLS: dict[str, Callable[..., Any]] = {
+    "cell_attention": cell_attention_torch,
+    "rms_norm": rms_norm_torch,
+    "rope_store": rope_store_torch,
+    "silu_mul": silu_mul_torch,
+}
+
+
+# -- fake implementations: output shapes for tracing --------------------------------------
+
+
+def _returns_nothing(*args: Any) -> None:
+    """The ops that only write their mutable arguments."""
+
+
+def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _silu_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+_FAKES: dict[str, Callable[..., Any]] = {
+    "cell_attention": _returns_nothing,
+    "rms_norm": _rms_norm_fake,
+    "rope_store": _returns_nothing,
+    "silu_mul": _silu_mul_fake,
+}
+
+
+def _define(namespace: str) -> torch.library.Library:
+    """Defines every op under `namespace` with its torch implementation for any device
+    (a backend kernel registered later, such as the compiled CPU one, takes precedence)."""
+    library = torch.library.Library(namespace, "FRAGMENT")
+    for name, schema in SCHEMAS.items():
+        library.define(schema)
+        library.impl(name, _TORCH_IMPLS[name], "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{namespace}::{name}", _FAKES[name], lib=library)
+    return library
+
+
+# Registrations live as long as their Library objects: these stay for the process.
+_LIBRARIES = [_define(NAMESPACE), _define(TORCH_NAMESPACE)]
+
+
+# -- the table a model calls ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One namespace's ops; every field takes the arguments of its schema."""
+
+    kind: str  # "compiled" or "torch"
+    cell_attention: Callable[..., None]
+    rms_norm: Callable[..., torch.Tensor]
+    rope_store: Callable[..., None]
+    silu_mul: Callable[..., torch.Tensor]
+
+
+def table(namespace: str) -> Ops:
+    """The ops of `namespace` (NAMESPACE: "compiled", TORCH_NAMESPACE: "torch")."""
+    ops = getattr(torch.ops, namespace)
+    kind = "compiled" if namespace == NAMESPACE else "torch"
+    return Ops(kind, **{name: getattr(ops, name).default for name in SCHEMAS})
+
+
+def resolve(choice: str, device: str | torch.device) -> Ops:
+    """The ops a model on `device` should call for `choice`: "auto" takes the compiled
+    ones on the CPU where their library loads (else, with one warning, torch's),
+    "compiled" insists on them (and says why they are missing), "torch" never loads them."""
+    if choice not in KERNEL_CHOICES:
+        raise InvalidArgumentError(f"unknown kernels {choice!r}; use one of {KERNEL_CHOICES}")
+    on_cpu = torch.device(device).type in ("cpu", "meta")
+    if choice == "compiled" and not on_cpu:
+        raise InvalidArgumentError(
+            "the compiled kernels run on the CPU only; use kernels='auto' or 'torch'"
+        )
+    if choice == "torch" or not on_cpu:
+        return table(TORCH_NAMESPACE)
+    if kernels.load():
+        return table(NAMESPACE)
+    if choice == "compiled":
+        raise InvalidArgumentError(
+            f"the compiled kernels are not available ({kernels.unavailable_reason()}); "
+            "use kernels='torch' or 'auto'"
+        )
+    return table(TORCH_NAMESPACE)
