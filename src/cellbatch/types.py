@@ -9,6 +9,7 @@ Never: holds engine state; these objects are values.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,16 +29,36 @@ class OutOfResourcesError(RuntimeError):
     """The request is well formed but does not fit (sessions, cells, tokens)."""
 
 
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one generation picks its tokens.
+    """How one generation picks its tokens, and what it reports about them.
 
-    temperature 0 is greedy; top_k 0 and top_p 1 are "off"; top_k wins over top_p.
+    temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 are "off"; top_k wins over
+    top_p. min_p drops the tokens whose probability after temperature is below min_p
+    times the most likely token's. Penalties change the logits before anything else
+    (greedy rows take the argmax of the penalised logits): repetition_penalty (1 is
+    off; Hugging Face's and vLLM's) divides a positive logit by it and multiplies a
+    negative one, for every token of the session's context, prompt included;
+    frequency_penalty and presence_penalty (0 is off; OpenAI's) subtract penalty x
+    count and penalty x (count > 0), counting the tokens this generation generated.
+    `logprobs` k reports each generated token's log-probability and the k most likely
+    ones; `prompt_logprobs` k the same for every prompt token the generation feeds
+    (None: not asked). Log-probabilities are those of the raw model distribution
+    (float32 log-softmax of the logits, before temperature, penalties and filters).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -48,10 +69,52 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1] (1 is off), got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgumentError(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidArgumentError(f"{name} must be in [-2, 2] (0 is off), got {value}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidArgumentError(
+                "repetition_penalty must be a finite number > 0 (1 is off; above 1 "
+                f"discourages repeats), got {self.repetition_penalty}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise InvalidArgumentError(
+                    f"{name} must be None (not asked) or an integer in [0, {MAX_LOGPROBS}] "
+                    f"(how many most likely tokens to report besides the chosen one), "
+                    f"got {value!r}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the raw model distribution, and the most likely
+    tokens' (`top`, most likely first) at the same place."""
+
+    token: Token
+    logprob: float
+    top: tuple[tuple[Token, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +148,13 @@ class Output:
 
     sid: SessionId
     tokens: tuple[Token, ...]
+    # One per token of `tokens` when the session's params ask for logprobs.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # On the output of a generation's last prompt chunk when its params ask: one per
+    # token its prompt chunks fed, in order; entry i scores token i given everything
+    # before it (None where the generation never computed the logits before it: the
+    # first token of a fresh session, or the first after a cloned prefix).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,12 +203,18 @@ class GenerationUpdate:
     `text` is the text these tokens add (when the runner has a tokenizer): it never
     splits a multi-byte character and never holds any part of a stop string, so the
     texts of a generation's updates concatenate to its final text.
+
+    `logprobs` align with `tokens` when the generation's sampling params ask for them
+    (else empty); `prompt_logprobs` (see `Output`) come once, on the generation's
+    first update that carries tokens.
     """
 
     tokens: tuple[Token, ...]
     finish_reason: FinishReason | None = None
     error: str = ""
     text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ LOGITS = PROBS.log()
 DRAWS = 4000
 
 
-def _params(rows: list[tuple[float, float, float, float]]) -> torch.Tensor:
+def _params(rows: list[tuple[float, float, float, float, float]]) -> torch.Tensor:
+    """Rows of (temperature, top_p, top_k, min_p, coin)."""
     return torch.tensor(rows, dtype=torch.float32)
 
 
@@ -23,8 +24,9 @@ def _frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(tokens, minlength=vocab).float() / tokens.numel()
 
 
-def _draw_many(params_row: tuple[float, float, float], logits: torch.Tensor = LOGITS):
-    """DRAWS samples of one policy, all in one call (one row per draw)."""
+def _draw_many(params_row: tuple[float, float, float, float], logits: torch.Tensor = LOGITS):
+    """DRAWS samples of one policy (temperature, top_p, top_k, min_p), all in one call
+    (one row per draw)."""
     coins = torch.from_numpy(np.random.default_rng(7).random(DRAWS)).float()
     params = torch.tensor(params_row).repeat(DRAWS, 1)
     params = torch.cat([params, coins.unsqueeze(1)], dim=1)
@@ -33,32 +35,32 @@ def _draw_many(params_row: tuple[float, float, float], logits: torch.Tensor = LO
 
 def test_temperature_zero_is_argmax_whatever_the_coin() -> None:
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
-    params = _params([(0.0, 0.5, 3.0, coin) for coin in (0.0, 0.2, 0.5, 0.9, 0.999)])
+    params = _params([(0.0, 0.5, 3.0, 0.0, coin) for coin in (0.0, 0.2, 0.5, 0.9, 0.999)])
     assert sample_rows(logits, params).tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_full_distribution_samples_in_token_order() -> None:
     # Token order cumulative: 0.05, 0.35, 0.45, 0.70, 0.90, 1.00.
     coins = [0.0, 0.04, 0.06, 0.34, 0.36, 0.5, 0.71, 0.95, 0.9999]
-    params = _params([(1.0, 1.0, 0.0, coin) for coin in coins])
+    params = _params([(1.0, 1.0, 0.0, 0.0, coin) for coin in coins])
     tokens = sample_rows(LOGITS.repeat(len(coins), 1), params)
     assert tokens.tolist() == [0, 0, 1, 1, 2, 3, 4, 5, 5]
 
 
 def test_empirical_frequencies_match_the_distribution() -> None:
-    frequencies = _frequencies(_draw_many((1.0, 1.0, 0.0)), 6)
+    frequencies = _frequencies(_draw_many((1.0, 1.0, 0.0, 0.0)), 6)
     assert torch.allclose(frequencies, PROBS, atol=0.03)
 
 
 def test_temperature_flattens_the_distribution() -> None:
     expected = torch.softmax(LOGITS / 2.0, dim=-1)
-    frequencies = _frequencies(_draw_many((2.0, 1.0, 0.0)), 6)
+    frequencies = _frequencies(_draw_many((2.0, 1.0, 0.0, 0.0)), 6)
     assert torch.allclose(frequencies, expected, atol=0.03)
 
 
 def test_top_k_keeps_only_the_k_most_likely_tokens() -> None:
     # Top 2: tokens 1 (0.30) and 3 (0.25), renormalised.
-    frequencies = _frequencies(_draw_many((1.0, 1.0, 2.0)), 6)
+    frequencies = _frequencies(_draw_many((1.0, 1.0, 2.0, 0.0)), 6)
     expected = torch.zeros(6)
     expected[1], expected[3] = 0.30 / 0.55, 0.25 / 0.55
     assert torch.allclose(frequencies, expected, atol=0.03)
@@ -66,7 +68,7 @@ def test_top_k_keeps_only_the_k_most_likely_tokens() -> None:
 
 def test_top_k_wins_over_top_p() -> None:
     # top_p 0.3 alone would keep only token 1; top_k 3 keeps tokens 1, 3, 4.
-    frequencies = _frequencies(_draw_many((1.0, 0.3, 3.0)), 6)
+    frequencies = _frequencies(_draw_many((1.0, 0.3, 3.0, 0.0)), 6)
     expected = torch.zeros(6)
     expected[[1, 3, 4]] = torch.tensor([0.30, 0.25, 0.20]) / 0.75
     assert torch.allclose(frequencies, expected, atol=0.03)
@@ -74,14 +76,14 @@ def test_top_k_wins_over_top_p() -> None:
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     # Descending: 1 (0.30), 3 (0.55), 4 (0.75): p = 0.6 needs tokens 1, 3 and 4.
-    frequencies = _frequencies(_draw_many((1.0, 0.6, 0.0)), 6)
+    frequencies = _frequencies(_draw_many((1.0, 0.6, 0.0, 0.0)), 6)
     expected = torch.zeros(6)
     expected[[1, 3, 4]] = torch.tensor([0.30, 0.25, 0.20]) / 0.75
     assert torch.allclose(frequencies, expected, atol=0.03)
 
 
 def test_top_k_at_or_above_vocab_keeps_everything() -> None:
-    frequencies = _frequencies(_draw_many((1.0, 0.3, 6.0)), 6)
+    frequencies = _frequencies(_draw_many((1.0, 0.3, 6.0, 0.0)), 6)
     assert torch.allclose(frequencies, PROBS, atol=0.03)
 
 
@@ -89,10 +91,10 @@ def test_each_row_is_sampled_with_its_own_policy() -> None:
     # One call, four policies; coin 0.99 picks the last kept token in token order.
     params = _params(
         [
-            (0.0, 1.0, 0.0, 0.99),  # greedy: token 1
-            (1.0, 1.0, 0.0, 0.99),  # full distribution: token 5
-            (1.0, 1.0, 2.0, 0.99),  # top-2 {1, 3}: token 3
-            (1.0, 0.3, 0.0, 0.99),  # top-p 0.3 {1}: token 1
+            (0.0, 1.0, 0.0, 0.0, 0.99),  # greedy: token 1
+            (1.0, 1.0, 0.0, 0.0, 0.99),  # full distribution: token 5
+            (1.0, 1.0, 2.0, 0.0, 0.99),  # top-2 {1, 3}: token 3
+            (1.0, 0.3, 0.0, 0.0, 0.99),  # top-p 0.3 {1}: token 1
         ]
     )
     assert sample_rows(LOGITS.repeat(4, 1), params).tolist() == [1, 5, 3, 1]
@@ -106,6 +108,7 @@ def test_rows_do_not_depend_on_their_neighbours() -> None:
             torch.tensor([0.0, 0.7, 1.3, 1.0] * 2),  # temperature
             torch.tensor([1.0, 0.9] * 4),  # top_p
             torch.tensor([0.0, 0.0, 5.0, 0.0, 40.0, 0.0, 0.0, 2.0]),  # top_k
+            torch.tensor([0.0, 0.1, 0.0, 0.3] * 2),  # min_p
             torch.rand(8, generator=generator),  # coin
         ],
         dim=1,
@@ -116,13 +119,16 @@ def test_rows_do_not_depend_on_their_neighbours() -> None:
 
 
 def _reference_token(
-    logits: np.ndarray, temperature: float, top_p: float, top_k: int, coin: float
+    logits: np.ndarray, temperature: float, top_p: float, top_k: int, min_p: float, coin: float
 ) -> int:
-    """One row by the book, in float64: sort for the kept set, then walk token order."""
+    """One row by the book, in float64: min_p first, then a sort for the kept set among
+    what is left (renormalised), then walk token order."""
     if temperature == 0.0:
         return int(np.argmax(logits))
     scaled = (logits - logits.max()) / temperature
     probabilities = np.exp(scaled) / np.exp(scaled).sum()
+    probabilities = np.where(probabilities >= min_p * probabilities.max(), probabilities, 0.0)
+    probabilities /= probabilities.sum()
     by_rank = np.argsort(-probabilities, kind="stable")
     kept = np.ones(len(logits), dtype=bool)
     if 0 < top_k < len(logits):
@@ -141,46 +147,80 @@ def test_matches_a_per_row_reference_including_wide_nuclei() -> None:
     rng = np.random.default_rng(5)
     vocab = 3000
     policies = [
-        (0.0, 1.0, 0),
-        (1.0, 1.0, 0),
-        (0.7, 1.0, 1),
-        (1.0, 0.9, 5),
-        (1.5, 1.0, 300),
-        (1.0, 1.0, vocab),
-        (1.0, 0.5, 0),
-        (0.8, 0.9, 0),
-        (2.0, 0.99, 0),
+        (0.0, 1.0, 0, 0.0),
+        (1.0, 1.0, 0, 0.0),
+        (0.7, 1.0, 1, 0.0),
+        (1.0, 0.9, 5, 0.0),
+        (1.5, 1.0, 300, 0.0),
+        (1.0, 1.0, vocab, 0.0),
+        (1.0, 0.5, 0, 0.0),
+        (0.8, 0.9, 0, 0.0),
+        (2.0, 0.99, 0, 0.0),
+        (1.0, 1.0, 0, 0.5),
+        (1.0, 0.8, 0, 0.2),
+        (1.3, 1.0, 40, 0.1),
+        (0.0, 1.0, 0, 0.9),
     ]
     rows, params = [], []
     for scale in (0.05, 1.0, 4.0):
-        for temperature, top_p, top_k in policies:
+        for temperature, top_p, top_k, min_p in policies:
             rows.append(rng.standard_normal(vocab) * scale)
-            params.append((temperature, top_p, float(top_k), rng.random()))
+            params.append((temperature, top_p, float(top_k), min_p, rng.random()))
     logits = np.stack(rows).astype(np.float32)
     tokens = sample_rows(torch.from_numpy(logits), torch.tensor(params)).tolist()
     expected = [
-        _reference_token(row.astype(np.float64), t, p, int(k), float(np.float32(c)))
-        for row, (t, p, k, c) in zip(logits, params, strict=True)
+        _reference_token(row.astype(np.float64), t, p, int(k), m, float(np.float32(c)))
+        for row, (t, p, k, m, c) in zip(logits, params, strict=True)
     ]
     assert tokens == expected
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability() -> None:
+    # Top probability 0.30; min_p 0.5 keeps p >= 0.15: tokens 1, 3 and 4, renormalised.
+    frequencies = _frequencies(_draw_many((1.0, 1.0, 0.0, 0.5)), 6)
+    expected = torch.zeros(6)
+    expected[[1, 3, 4]] = torch.tensor([0.30, 0.25, 0.20]) / 0.75
+    assert torch.allclose(frequencies, expected, atol=0.03)
+    # In token order the kept mass is 0.30 | 0.25 | 0.20: each coin lands where it says.
+    coins = [0.0, 0.39, 0.41, 0.72, 0.74, 0.9999]
+    params = _params([(1.0, 1.0, 0.0, 0.5, coin) for coin in coins])
+    assert sample_rows(LOGITS.repeat(len(coins), 1), params).tolist() == [1, 1, 3, 3, 4, 4]
+
+
+def test_min_p_applies_after_temperature_and_before_top_p() -> None:
+    # Temperature 2 flattens the row: p ~ sqrt(PROBS), top sqrt(0.30); min_p 0.5 then keeps
+    # tokens with sqrt(p_i / 0.30) >= 0.5, i.e. PROBS >= 0.075: all but token 0.
+    flat = torch.softmax(LOGITS / 2.0, dim=-1)
+    expected = torch.where(PROBS >= 0.075, flat, 0.0)
+    frequencies = _frequencies(_draw_many((2.0, 1.0, 0.0, 0.5)), 6)
+    assert torch.allclose(frequencies, expected / expected.sum(), atol=0.03)
+    # min_p 0.75 at temperature 1 keeps tokens 1 and 3 (0.30, 0.25); top_p 0.5 of that
+    # renormalised pair (0.545, 0.455) keeps only token 1, which alone reaches 0.5.
+    frequencies = _frequencies(_draw_many((1.0, 0.5, 0.0, 0.75)), 6)
+    assert frequencies[1].item() == 1.0
+
+
+def test_min_p_one_keeps_only_the_most_likely_and_greedy_ignores_it() -> None:
+    params = _params([(1.0, 1.0, 0.0, 1.0, 0.99), (0.0, 1.0, 0.0, 0.9, 0.5)])
+    assert sample_rows(LOGITS.repeat(2, 1), params).tolist() == [1, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_logits_work(dtype: torch.dtype) -> None:
     logits = LOGITS.to(dtype)
     assert sample_rows(logits.repeat(2, 1), _params([GREEDY_ROW, GREEDY_ROW])).tolist() == [1, 1]
-    frequencies = _frequencies(_draw_many((1.0, 1.0, 0.0), logits), 6)
+    frequencies = _frequencies(_draw_many((1.0, 1.0, 0.0, 0.0), logits), 6)
     assert torch.allclose(frequencies, PROBS, atol=0.03)
 
 
 def test_coin_rounded_to_one_stays_on_a_kept_token() -> None:
     # 1 - 1e-9 is 1.0 in float32; the draw must still be the last kept token, not past it.
-    params = torch.tensor([[1.0, 1.0, 2.0, 1.0 - 1e-9], [1.0, 1.0, 0.0, 1.0 - 1e-9]])
+    params = torch.tensor([[1.0, 1.0, 2.0, 0.0, 1.0 - 1e-9], [1.0, 1.0, 0.0, 0.0, 1.0 - 1e-9]])
     assert sample_rows(LOGITS.repeat(2, 1), params).tolist() == [3, 5]
 
 
 def test_tiny_temperature_is_near_greedy_not_nan() -> None:
-    params = _params([(1e-6, 1.0, 0.0, 0.5), (1e-6, 0.5, 0.0, 0.5)])
+    params = _params([(1e-6, 1.0, 0.0, 0.0, 0.5), (1e-6, 0.5, 0.0, 0.0, 0.5)])
     assert sample_rows(LOGITS.repeat(2, 1), params).tolist() == [1, 1]
 
 
@@ -188,7 +228,7 @@ def test_malformed_shapes_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="params must be"):
         sample_rows(torch.zeros(2, 5), torch.zeros(2, 3))
     with pytest.raises(InvalidArgumentError, match="logits must be"):
-        sample_rows(torch.zeros(5), torch.zeros(1, 4))
+        sample_rows(torch.zeros(5), torch.zeros(1, 5))
 
 
 def test_a_fixed_seed_repeats_its_coins_and_tokens() -> None:
@@ -209,8 +249,10 @@ def test_no_seed_is_nondeterministic() -> None:
 
 
 def test_row_carries_the_policy_and_coin() -> None:
-    sampler = SessionSampler(SamplingParams(temperature=0.7, top_p=0.8, top_k=12), seed=0)
-    assert sampler.row(0.25) == pytest.approx((0.7, 0.8, 12.0, 0.25))
+    sampler = SessionSampler(
+        SamplingParams(temperature=0.7, top_p=0.8, top_k=12, min_p=0.05), seed=0
+    )
+    assert sampler.row(0.25) == pytest.approx((0.7, 0.8, 12.0, 0.05, 0.25))
     assert sampler.params.top_k == 12
 
 

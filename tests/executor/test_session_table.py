@@ -272,6 +272,13 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
+def _draw(table: SessionTable, sids: list[int], logits: torch.Tensor) -> list[int]:
+    """The tokens `table.sample` draws (one per output)."""
+    outputs = table.sample(sids, logits)
+    assert [output.sid for output in outputs] == sids
+    return [output.tokens[0] for output in outputs]
+
+
 def test_each_session_row_is_sampled_with_its_own_policy() -> None:
     table = _table()
     greedy, top2, unset = table.open(), table.open(), table.open()
@@ -279,7 +286,7 @@ def test_each_session_row_is_sampled_with_its_own_policy() -> None:
     table.set_sampling(top2, SamplingParams(temperature=5.0, top_k=2), seed=1)
     row = _logits(1)
     top_two = set(row[0].topk(2).indices.tolist())
-    drawn = [table.sample([greedy, top2, unset], row.repeat(3, 1)) for _ in range(60)]
+    drawn = [_draw(table, [greedy, top2, unset], row.repeat(3, 1)) for _ in range(60)]
     argmax = int(row.argmax())
     assert all(tokens[0] == argmax and tokens[2] == argmax for tokens in drawn)
     assert {tokens[1] for tokens in drawn} == top_two
@@ -294,7 +301,7 @@ def test_session_draws_follow_its_seeded_coins() -> None:
     reference = SessionSampler(params, seed=11)
     for _ in range(10):
         expected = sample_rows(logits, torch.tensor([reference.next_row()]))
-        assert table.sample([sid], logits) == expected.tolist()
+        assert _draw(table, [sid], logits) == expected.tolist()
 
 
 def test_a_fixed_seed_gives_the_same_tokens_whatever_shares_the_batch() -> None:
@@ -304,7 +311,7 @@ def test_a_fixed_seed_gives_the_same_tokens_whatever_shares_the_batch() -> None:
     alone = _table()
     sid = alone.open()
     alone.set_sampling(sid, params, seed=2024)
-    solo = [alone.sample([sid], logits)[0] for _ in range(30)]
+    solo = [_draw(alone, [sid], logits)[0] for _ in range(30)]
 
     crowded = _table()
     others = [crowded.open() for _ in range(3)]
@@ -317,7 +324,7 @@ def test_a_fixed_seed_gives_the_same_tokens_whatever_shares_the_batch() -> None:
         sids = [*others[: step % 4], sid, *others[step % 4 :]]
         batch_logits = _logits(len(sids), seed=step + 100)
         batch_logits[sids.index(sid)] = logits[0]
-        shared.append(crowded.sample(sids, batch_logits)[sids.index(sid)])
+        shared.append(_draw(crowded, sids, batch_logits)[sids.index(sid)])
     assert shared == solo
     assert len(set(solo)) > 1  # really sampled, not greedy
 
@@ -328,18 +335,18 @@ def test_set_sampling_reseeds_each_generation() -> None:
     params = SamplingParams(temperature=1.0)
     logits = _logits(1)
     table.set_sampling(sid, params, seed=5)
-    first = [table.sample([sid], logits)[0] for _ in range(20)]
+    first = [_draw(table, [sid], logits)[0] for _ in range(20)]
     table.set_sampling(sid, params, seed=5)
-    assert [table.sample([sid], logits)[0] for _ in range(20)] == first
+    assert [_draw(table, [sid], logits)[0] for _ in range(20)] == first
 
 
 def test_sample_refuses_unknown_sessions_and_mismatched_logits() -> None:
     table = _table()
     sid = table.open()
     with pytest.raises(InvalidArgumentError, match="not open"):
-        table.sample([sid + 1], _logits(1))
+        _draw(table, [sid + 1], _logits(1))
     with pytest.raises(InvalidArgumentError, match=r"shape \[2, vocab\]"):
-        table.sample([sid, sid], _logits(1))
+        _draw(table, [sid, sid], _logits(1))
     with pytest.raises(InvalidArgumentError, match="not open"):
         table.set_sampling(sid + 1, SamplingParams(), seed=None)
 
@@ -354,19 +361,21 @@ def _step_with_rows(logit_indices: list[int], tokens: int) -> PackedStep:
 
 def test_select_rows_keeps_only_the_slice_rows_relative_to_it() -> None:
     step = _step_with_rows([-1, 3, 9, -1, 12, 15], tokens=16)
-    rows, inputs = select_rows(step, 8, 8)
+    rows, inputs, scored = select_rows(step, 8, 8)
     assert rows.tolist() == [1, 4, 7]
     assert inputs.tolist() == [2, 4, 5]
-    rows, inputs = select_rows(step, 0, 4)
+    assert not scored.any()
+    rows, inputs, _ = select_rows(step, 0, 4)
     assert rows.tolist() == [3]
     assert inputs.tolist() == [1]
 
 
 def test_select_rows_without_wanted_rows_returns_the_slice_last_row() -> None:
     step = _step_with_rows([-1, 3, 15], tokens=16)
-    rows, inputs = select_rows(step, 4, 6)
+    rows, inputs, scored = select_rows(step, 4, 6)
     assert rows.tolist() == [5]
     assert inputs.tolist() == [-1]
+    assert scored.tolist() == [False]
 
 
 def test_select_rows_over_a_packed_batch() -> None:

@@ -5,10 +5,12 @@ module itself.
 Promises: `execute` packs the batch, cuts it into slices of at most
 `max_batch_tokens`, declares and places each slice on the cell cache, runs one
 forward per slice, and samples every wanted row with its own session's policy in
-one call; outputs[i] is None exactly when inputs[i] asks for none. A refused or
-failed batch raises, its message saying why. Every row's result is
-independent of what else shares the step (the model pads its
-products to fixed shapes).
+one call; outputs[i] is None exactly when inputs[i] asks for none. The forward
+returns logits only for the output rows, plus the rows of a session whose prompt
+logprobs are asked (so at most `max_batch_tokens` rows a slice). A refused or
+failed batch raises, its message saying why. Every row's result (token, logprobs)
+is independent of what else shares the step (the model pads its products to
+fixed shapes).
 Never: schedules, keeps generation state, or calls back into the runner.
 """
 
@@ -132,22 +134,25 @@ class ModuleExecutor:
             cells = self.cache.place_step(seq_ids, step.positions[start:end])
             self.pool.ensure(self.cache.high_water())
             plan = self.cache.attention_plan(seq_ids, step.positions[start:end], cells)
-            rows, input_indices = select_rows(step, start, piece.length)
+            picked = select_rows(step, start, piece.length)
             logits = self.model(
                 tokens[start:end],
                 positions[start:end],
                 plan,
                 self.pool,
                 torch.from_numpy(cells),
-                torch.from_numpy(rows),
+                torch.from_numpy(picked.rows),
             )
-            wanted = input_indices >= 0
+            if picked.scored.any():  # before sampling, which ends a prompt's scoring
+                scored = torch.from_numpy(picked.scored)
+                self.table.score(step, picked.rows[picked.scored] + start, logits[scored])
+            wanted = picked.inputs >= 0
             if not wanted.any():
                 continue
-            sids = [batch.inputs[i].sid for i in input_indices[wanted]]
-            sampled = self.table.sample(sids, logits[torch.from_numpy(wanted)])
-            for index, sid, token in zip(
-                input_indices[wanted].tolist(), sids, sampled, strict=True
-            ):
-                outputs[index] = Output(sid, (int(token),))
+            indices = picked.inputs[wanted].tolist()
+            sampled = self.table.sample(
+                [batch.inputs[i].sid for i in indices], logits[torch.from_numpy(wanted)]
+            )
+            for index, output in zip(indices, sampled, strict=True):
+                outputs[index] = output
         return BatchOutput(tuple(outputs))

@@ -1,44 +1,58 @@
 """Per-row token sampling for a packed step (DESIGN §6).
 
 Owns: `sample_rows`, which draws one token per logits row with that row's own
-policy in a single vectorised call, and `SessionSampler`, one generation's
-policy plus its private random generator.
-Promises: greedy rows (temperature 0) are the exact argmax of the raw logits;
-other rows sample softmax(logits / temperature) in float32, restricted by top-k
-(when top_k > 0, which wins over top-p) or else by top-p (when top_p < 1), by
-inverse CDF with the row's coin over the kept tokens *in token order*. A row's
-token depends only on its own logits and its own params, so a seeded session
-gets the same tokens whatever else shares the batch.
-Never: draws randomness itself (coins are inputs), loops over rows in Python.
+policy in a single vectorised call; `apply_penalties`, the repetition, presence
+and frequency penalties on logits rows; `token_logprobs`, the raw log-probabilities
+reported for chosen tokens; and `SessionSampler`, one generation's policy plus its
+private random generator.
+Promises: greedy rows (temperature 0) are the exact argmax of the logits they are
+given; other rows sample softmax(logits / temperature) in float32, first without
+the tokens min_p drops (probability below min_p times the most likely token's),
+then restricted by top-k (when top_k > 0, which wins over top-p) or else by top-p
+(when top_p < 1) among what is left, by inverse CDF with the row's coin over the
+kept tokens *in token order*. A row's token, penalised logits and logprobs depend
+only on its own logits and its own params, so a seeded session gets the same
+tokens whatever else shares the batch.
+Never: draws randomness itself (coins are inputs), loops over rows in Python
+(except to build the reported logprob values).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from cellbatch.types import InvalidArgumentError, SamplingParams
+from cellbatch.types import MAX_LOGPROBS, InvalidArgumentError, SamplingParams, TokenLogprob
 
 PARAM_TEMPERATURE = 0
 PARAM_TOP_P = 1
 PARAM_TOP_K = 2
-PARAM_COIN = 3
-NUM_PARAMS = 4
+PARAM_MIN_P = 3
+PARAM_COIN = 4
+NUM_PARAMS = 5
 
 # Top-p looks for its nucleus among this many most likely tokens first, then a
 # widening factor more each round until the whole vocabulary.
 _NUCLEUS_CANDIDATES = 256
 _NUCLEUS_WIDENING = 16
 
-# The params row of a session without a policy: greedy (the coin is unused).
-GREEDY_ROW: tuple[float, float, float, float] = (0.0, 1.0, 0.0, 0.0)
+# log_softmax runs over this many rows at a time: each slice is a [rows, vocab] float32 copy.
+_LOGPROB_ROWS = 64
+
+ParamsRow = tuple[float, float, float, float, float]
+
+# The params row of a session without a policy: greedy (min_p and the coin are unused).
+GREEDY_ROW: ParamsRow = (0.0, 1.0, 0.0, 0.0, 0.0)
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Draw one token per row of `logits` [R, V]; returns int64 [R].
 
-    `params` [R, 4] holds each row's (temperature, top_p, top_k, coin), coin in [0, 1).
-    Any float logits dtype works (bf16/fp16 are widened to float32).
+    `params` [R, 5] holds each row's (temperature, top_p, top_k, min_p, coin), coin in
+    [0, 1). Any float logits dtype works (bf16/fp16 are widened to float32). Penalties
+    are not applied here: pass logits that `apply_penalties` already changed.
     """
     if logits.dim() != 2:
         raise InvalidArgumentError(
@@ -47,8 +61,8 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         )
     if tuple(params.shape) != (logits.shape[0], NUM_PARAMS):
         raise InvalidArgumentError(
-            f"params must be [{logits.shape[0]}, {NUM_PARAMS}] (temperature, top_p, top_k, coin) "
-            f"for {logits.shape[0]} logits rows, got shape {tuple(params.shape)}"
+            f"params must be [{logits.shape[0]}, {NUM_PARAMS}] (temperature, top_p, top_k, min_p, "
+            f"coin) for {logits.shape[0]} logits rows, got shape {tuple(params.shape)}"
         )
     logits = logits.float()
     params = params.to(device=logits.device, dtype=torch.float32)
@@ -70,12 +84,17 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """log-probabilities up to a constant: (logits - row max) / temperature, max 0.
+    """log-probabilities up to a constant: (logits - row max) / temperature, max 0, with
+    the tokens min_p drops at -inf.
 
-    Shifting first keeps a tiny temperature from overflowing to inf.
+    Shifting first keeps a tiny temperature from overflowing to inf. A token's
+    probability relative to the most likely one is exp(scaled), so min_p drops
+    scaled < log(min_p); min_p 0 gives log 0 = -inf, which drops nothing.
     """
     temperature = params[:, PARAM_TEMPERATURE : PARAM_TEMPERATURE + 1]
-    return (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature)
+    floor = params[:, PARAM_MIN_P : PARAM_MIN_P + 1].log()
+    return scaled.masked_fill_(scaled < floor, float("-inf"))
 
 
 def _draw_full(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -144,6 +163,70 @@ def _inverse_cdf(cumulative: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cumulative, target, right=True).squeeze(1)
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    counts: torch.Tensor,
+    penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Penalised float32 copy of `logits` [P, V].
+
+    `context` [P, V] bool marks the tokens of each row's session context (prompt
+    included); `counts` [P, V] counts the tokens its generation generated; `penalties`
+    [P, 3] holds (repetition, presence, frequency). A context token's logit l becomes
+    l / repetition if l > 0 else l * repetition; then every logit loses
+    frequency * count + presence * (count > 0). Tokens in neither are unchanged.
+    """
+    logits = logits.float()
+    repetition = torch.where(context, penalties[:, 0:1], 1.0)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    penalised -= penalties[:, 2:3] * counts
+    penalised -= penalties[:, 1:2] * (counts > 0)
+    return penalised
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]
+) -> list[TokenLogprob]:
+    """Row i's raw log-probability of `tokens[i]`, with its `tops[i]` most likely tokens.
+
+    The log-probabilities are float32 log_softmax of the logits as given, computed
+    `_LOGPROB_ROWS` rows at a time to bound the copy. The candidates always come from a
+    top-`MAX_LOGPROBS` of the row, cut to `tops[i]`, so ties break the same way whatever
+    the other rows ask.
+    """
+    if logits.dim() != 2 or not len(tokens) == len(tops) == logits.shape[0]:
+        raise InvalidArgumentError(
+            f"token_logprobs: {len(tokens)} tokens and {len(tops)} top counts for logits of "
+            f"shape {tuple(logits.shape)}; give one token and one count per logits row"
+        )
+    width = min(MAX_LOGPROBS, logits.shape[1])
+    found: list[TokenLogprob] = []
+    for begin in range(0, logits.shape[0], _LOGPROB_ROWS):
+        end = begin + _LOGPROB_ROWS
+        logprobs = logits[begin:end].float().log_softmax(dim=-1)
+        chosen = torch.as_tensor(tokens[begin:end], dtype=torch.long, device=logprobs.device)
+        values = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        wanted = tops[begin:end]
+        if max(wanted) > 0:
+            top_values, top_tokens = logprobs.topk(width, dim=-1)
+            top_pairs = [
+                list(zip(row_tokens, row_values, strict=True))
+                for row_tokens, row_values in zip(
+                    top_tokens.tolist(), top_values.tolist(), strict=True
+                )
+            ]
+        else:
+            top_pairs = [[] for _ in wanted]
+        found.extend(
+            TokenLogprob(int(token), value, tuple(pairs[:top]))
+            for token, value, pairs, top in zip(
+                chosen.tolist(), values, top_pairs, wanted, strict=True
+            )
+        )
+    return found
+
+
 class SessionSampler:
     """One generation's sampling policy and its own coin generator.
 
@@ -162,15 +245,24 @@ class SessionSampler:
         """The generation's next uniform draw in [0, 1)."""
         return float(self._generator.random())
 
-    def row(self, coin: float) -> tuple[float, float, float, float]:
+    def row(self, coin: float) -> ParamsRow:
         """The `sample_rows` params row for this policy with the given coin."""
         return (
             float(self.params.temperature),
             float(self.params.top_p),
             float(self.params.top_k),
+            float(self.params.min_p),
             coin,
         )
 
-    def next_row(self) -> tuple[float, float, float, float]:
+    def next_row(self) -> ParamsRow:
         """`row(next_coin())`: the params row of the generation's next token."""
         return self.row(self.next_coin())
+
+    def penalty_row(self) -> tuple[float, float, float]:
+        """The `apply_penalties` row of this policy: (repetition, presence, frequency)."""
+        return (
+            float(self.params.repetition_penalty),
+            float(self.params.presence_penalty),
+            float(self.params.frequency_penalty),
+        )

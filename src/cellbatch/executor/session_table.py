@@ -1,34 +1,51 @@
 """Sessions over cache sequences: what every executor shares (DESIGN §6).
 
-Owns: the map from session ids to `CellCache` sequences and each session's
-sampling policy; `pack`, which lays a batch onto one token axis; `select_rows`,
-the logits rows a forward over one slice of that axis must return; `sample`,
-which draws every output row with its own session's policy in one call.
+Owns: the map from session ids to `CellCache` sequences, each session's sampling
+policy and the token ids it was fed; `pack`, which lays a batch onto one token
+axis; `select_rows`, the logits rows a forward over one slice of that axis must
+return; `sample`, which draws every output row with its own session's policy in
+one call (penalties first, logprobs where asked); `score`, which gathers a
+generation's prompt logprobs across its chunks.
 Promises: session ids are issued monotonically and never reused (cache sequence
 ids may be); sessions are bounded by `max_sessions` (clones count) and each by
-`max_session_tokens`; `pack` either succeeds or raises having changed nothing.
+`max_session_tokens`; `pack` either succeeds or raises having changed nothing but
+its record of the tokens past the session's cells. Penalties see exactly the
+tokens the session's cells hold (a clone its prefix, a truncated or rewound
+session what is left), plus what the step feeds. A row's token and logprobs depend
+only on its own session, never on the rest of the step.
 Never: places cells or runs the model (the executor declares and places each
-slice); keeps tokens, which live in the cache as K/V.
+slice); keeps vocabulary-sized state between steps, except one logits row per
+session whose prompt is being scored across chunks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from cellbatch.cache import CellCache
-from cellbatch.executor.sampling import GREEDY_ROW, NUM_PARAMS, SessionSampler, sample_rows
+from cellbatch.executor.sampling import (
+    GREEDY_ROW,
+    NUM_PARAMS,
+    SessionSampler,
+    apply_penalties,
+    sample_rows,
+    token_logprobs,
+)
 from cellbatch.types import (
     MAX_POSITION,
     BatchInput,
     InvalidArgumentError,
     OutOfResourcesError,
+    Output,
     SamplingParams,
     SessionId,
     Token,
+    TokenLogprob,
 )
 
 
@@ -38,26 +55,114 @@ class PackedStep:
 
     tokens/positions/seq_ids have one entry per token; logit_indices has one per
     input: the token-axis row of its last token where it produces output, else -1.
+    score_ranges [inputs, 2], when some session scores its prompt, holds each input's
+    token-axis rows [from, to) whose logits score that prompt (from == to: none); it
+    never holds an output row. None: no input scores.
     """
 
     tokens: np.ndarray
     positions: np.ndarray
     seq_ids: np.ndarray
     logit_indices: np.ndarray
+    score_ranges: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
 
+class SliceRows(NamedTuple):
+    """The logits rows one forward returns (see `select_rows`)."""
+
+    rows: np.ndarray  # int64, relative to the slice, ascending
+    inputs: np.ndarray  # int64 per row: the input whose output it samples; -1: none
+    scored: np.ndarray  # bool per row: its logits score its session's prompt
+
+
+class _PromptScores:
+    """One generation's prompt logprobs, gathered across its prompt chunks.
+
+    `entries[i]` scores the token at position `start + i` (the first is None: the
+    generation never computed the logits before it). The logits of position q score
+    the token at q + 1, which the next chunk may feed only in a later step: until
+    then that row waits in `pending`. A replay (preemption, rewind) feeds the same
+    tokens again; their entries are kept, not recomputed.
+    """
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.start: int | None = None
+        self.entries: list[TokenLogprob | None] = []
+        self.pending: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def covered(self) -> int:
+        """One past the last position with an entry (start + len(entries))."""
+        assert self.start is not None
+        return self.start + len(self.entries)
+
+    def planned(self, input_start: int) -> int:
+        """One past the last position whose entry exists or will come from a row already
+        computed (the pending one); rows scoring from here on are new. Before the first
+        input (starting at `input_start`), that input's start."""
+        if self.start is None:
+            return input_start
+        return self.covered + (self.pending is not None)
+
+    def reach(self, position: int, history: np.ndarray) -> None:
+        """Give the token at `position` its entry if it is next and has none yet."""
+        if self.start is None:
+            self.start = position
+            self.entries.append(None)
+        elif self.covered == position and self.pending is not None:
+            before, row = self.pending
+            if before == position - 1:
+                self.entries.extend(token_logprobs(row[None], [int(history[position])], [self.top]))
+                self.pending = None
+
+    def add(
+        self, positions: np.ndarray, logits: torch.Tensor, history: np.ndarray, fed: int
+    ) -> None:
+        """Score the tokens after `positions` (ascending, contiguous, planned by
+        `SessionTable.pack` so that the first new entry is the next one) from their
+        logits rows; the last row, when its next token is not fed yet, waits in
+        `pending`."""
+        self.reach(int(positions[0]), history)
+        known = positions + 1 < fed
+        count = int(known.sum())
+        if count:
+            nexts = positions[:count] + 1
+            first = int(nexts[0])
+            scored = token_logprobs(logits[:count], history[nexts].tolist(), [self.top] * count)
+            self.entries.extend(scored[self.covered - first :])
+        if count < len(positions):
+            self.pending = (int(positions[-1]), logits[-1].clone())
+
+
 @dataclass
 class _Session:
     seq: int
     sampler: SessionSampler | None = None  # None: no generation installed yet; samples greedily
+    # history[:fed]: the token ids of the positions the session's cells hold, plus what
+    # the step being run feeds: the context penalties count over, and the next tokens
+    # prompt logprobs score.
+    history: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    fed: int = 0
+    generated_from: int | None = None  # the position of the generation's first sampled token
+    prompt: _PromptScores | None = None  # while the generation's prompt is being scored
+
+    def record(self, start: int, tokens: np.ndarray, capacity: int) -> None:
+        end = start + len(tokens)
+        if end > len(self.history):
+            grown = np.zeros(min(max(end, 2 * len(self.history), 64), capacity), dtype=np.int64)
+            grown[:start] = self.history[:start]
+            self.history = grown
+        self.history[start:end] = tokens
+        self.fed = end
 
 
 class SessionTable:
-    """Sessions, their cache sequences and sampling policies; packs batches."""
+    """Sessions, their cache sequences, sampling policies and fed tokens; packs batches."""
 
     def __init__(self, cache: CellCache, max_sessions: int, max_session_tokens: int) -> None:
         if max_sessions < 1:
@@ -94,7 +199,8 @@ class SessionTable:
             self.cache.seq_release(session.seq)
 
     def clone(self, sid: SessionId, upto: int) -> SessionId:
-        """A new session sharing `sid`'s positions [0, upto), with no sampling policy."""
+        """A new session sharing `sid`'s positions [0, upto), with no sampling policy
+        (penalties then see that prefix as its context)."""
         source = self._session(sid)
         length = self.cache.seq_length(source.seq)
         if not 0 <= upto <= length:
@@ -103,12 +209,17 @@ class SessionTable:
                 "(only positions the source already holds can be shared)"
             )
         self._check_capacity()
-        return self._publish(self.cache.seq_clone(source.seq, upto))
+        clone = self._publish(self.cache.seq_clone(source.seq, upto))
+        self._sessions[clone].record(0, source.history[:upto], self.max_session_tokens)
+        return clone
 
     def truncate(self, sid: SessionId, length: int) -> None:
         """Drop the session's positions >= `length`; cells it shares stay with the other
-        owners. Its sampling policy (and the policy's random stream) stays."""
-        seq = self._session(sid).seq
+        owners. Its sampling policy (and the policy's random stream) stays, and so does
+        what its generation has gathered (tokens generated, prompt logprobs): a replay
+        feeds the same tokens again."""
+        session = self._session(sid)
+        seq = session.seq
         held = self.cache.seq_length(seq)
         if not 0 <= length <= held:
             raise InvalidArgumentError(
@@ -116,10 +227,18 @@ class SessionTable:
                 f"must be in [0, {held}]"
             )
         self.cache.seq_rewind(seq, length)
+        session.fed = min(session.fed, length)
 
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
-        """Install a generation's policy; its coins restart from `seed` (None: random)."""
-        self._session(sid).sampler = SessionSampler(params, seed)
+        """Install a generation's policy; its coins restart from `seed` (None: random).
+        Its presence and frequency penalties count from its first sampled token; its
+        prompt logprobs (when asked) gather from its next input on."""
+        session = self._session(sid)
+        session.sampler = SessionSampler(params, seed)
+        session.generated_from = None
+        session.prompt = (
+            None if params.prompt_logprobs is None else _PromptScores(params.prompt_logprobs)
+        )
 
     def position(self, sid: SessionId) -> int:
         """The session's committed length: the next position it would write."""
@@ -135,6 +254,8 @@ class SessionTable:
         A start below the session's committed length rewinds it to that start (the
         first input of that session in the batch only; never to 0 of a non-empty one);
         a start above it is a gap. Later inputs of a session must abut the earlier.
+        A session scoring its prompt gets `score_ranges` for the rows whose logits
+        give entries it lacks.
         """
         if not batch.inputs:
             raise InvalidArgumentError("pack: the batch has no inputs")
@@ -142,7 +263,7 @@ class SessionTable:
         # before this step, so the batch's own writes are tracked here.
         cursor: dict[int, int] = {}
         rewinds: list[tuple[int, int]] = []
-        seqs: list[int] = []
+        sessions: list[_Session] = []
         starts: list[int] = []
         sizes: list[int] = []
         pieces: list[Sequence[Token]] = []
@@ -189,7 +310,7 @@ class SessionTable:
                     f"max_session_tokens={self.max_session_tokens}"
                 )
             cursor[session.seq] = end
-            seqs.append(session.seq)
+            sessions.append(session)
             starts.append(start)
             sizes.append(item.size)
             pieces.append(item.tokens)
@@ -206,28 +327,136 @@ class SessionTable:
 
         for seq, start in rewinds:
             self.cache.seq_rewind(seq, start)
+        for session, start, size, end in zip(sessions, starts, sizes, ends.tolist(), strict=True):
+            session.record(start, tokens[end - size : end], self.max_session_tokens)
         return PackedStep(
             tokens=tokens,
             positions=positions,
-            seq_ids=np.repeat(np.asarray(seqs, dtype=np.int64), size_array),
+            seq_ids=np.repeat(np.asarray([s.seq for s in sessions], dtype=np.int64), size_array),
             logit_indices=np.where(produces, ends - 1, -1),
+            score_ranges=self._score_ranges(sessions, starts, sizes, produces, ends),
         )
 
-    def sample(self, sids: Sequence[SessionId], logits: torch.Tensor) -> list[Token]:
-        """Draw row i of `logits` [R, V] with session `sids[i]`'s policy, all in one call.
+    def sample(self, sids: Sequence[SessionId], logits: torch.Tensor) -> list[Output]:
+        """Draw row i of `logits` [R, V] with session `sids[i]`'s policy, all in one call;
+        row i must be the logits of the last token the session fed in this step.
 
-        A session without an installed policy samples greedily.
+        Penalties change the rows of the sessions that use them first; the logprobs
+        (where a policy asks) come from the raw rows. A generation's first output
+        carries its prompt logprobs when its policy asks. A session without an
+        installed policy samples greedily.
         """
         if logits.dim() != 2 or logits.shape[0] != len(sids):
             raise InvalidArgumentError(
                 f"sample: {len(sids)} sessions need logits of shape [{len(sids)}, vocab], "
                 f"got {tuple(logits.shape)}"
             )
+        sessions = [self._session(sid) for sid in sids]
         params = np.empty((len(sids), NUM_PARAMS), dtype=np.float32)
-        for row, sid in enumerate(sids):
-            sampler = self._session(sid).sampler
+        policies: list[SamplingParams | None] = []
+        for row, session in enumerate(sessions):
+            sampler = session.sampler
             params[row] = GREEDY_ROW if sampler is None else sampler.next_row()
-        return sample_rows(logits, torch.from_numpy(params)).tolist()
+            policies.append(None if sampler is None else sampler.params)
+            if session.generated_from is None:
+                session.generated_from = session.fed  # where this draw's token goes
+        penalised = [row for row, policy in enumerate(policies) if policy and policy.penalised]
+        asking = [
+            row for row, policy in enumerate(policies) if policy and policy.logprobs is not None
+        ]
+        drawn = self._penalise(logits, sessions, penalised) if penalised else logits
+        tokens = sample_rows(drawn, torch.from_numpy(params)).tolist()
+        logprobs: dict[int, TokenLogprob] = {}
+        if asking:
+            found = token_logprobs(
+                logits.index_select(0, torch.tensor(asking, device=logits.device)),
+                [tokens[row] for row in asking],
+                [policies[row].logprobs for row in asking],  # type: ignore[union-attr]
+            )
+            logprobs = dict(zip(asking, found, strict=True))
+        outputs = []
+        for row, (sid, session, token) in enumerate(zip(sids, sessions, tokens, strict=True)):
+            prompt: tuple[TokenLogprob | None, ...] = ()
+            if session.prompt is not None:
+                session.prompt.reach(session.fed - 1, session.history)
+                prompt, session.prompt = tuple(session.prompt.entries), None
+            chosen = logprobs.get(row)
+            outputs.append(Output(sid, (int(token),), () if chosen is None else (chosen,), prompt))
+        return outputs
+
+    def score(self, step: PackedStep, rows: np.ndarray, logits: torch.Tensor) -> None:
+        """Gather prompt logprobs from the logits [len(rows), V] of `step`'s token-axis
+        `rows` (ascending, within its score_ranges): the logits of a session's position
+        q score its token at q + 1. An executor calls it for each slice's scored rows
+        before sampling that slice."""
+        seqs = step.seq_ids[rows]
+        scoring = {s.seq: s for s in self._sessions.values() if s.prompt is not None}
+        for seq in dict.fromkeys(seqs.tolist()):
+            session = scoring.get(seq)
+            if session is None or session.prompt is None:
+                raise InvalidArgumentError(
+                    f"score: rows of cache sequence {seq}, whose session scores no prompt; "
+                    "pass only the rows select_rows marks as scored"
+                )
+            mine = np.flatnonzero(seqs == seq)
+            session.prompt.add(
+                step.positions[rows[mine]],
+                logits[torch.from_numpy(mine).to(logits.device)],
+                session.history,
+                session.fed,
+            )
+
+    def _penalise(
+        self, logits: torch.Tensor, sessions: Sequence[_Session], rows: Sequence[int]
+    ) -> torch.Tensor:
+        """A float32 copy of `logits` whose `rows` carry their sessions' penalties over
+        their context and their generation's tokens (the raw rows stay for logprobs)."""
+        device = logits.device
+        shape = (len(rows), logits.shape[1])
+        context = torch.zeros(shape, dtype=torch.bool, device=device)
+        context[_bag([sessions[r].history[: sessions[r].fed] for r in rows], device)] = True
+        generated = [
+            sessions[r].history[sessions[r].generated_from : sessions[r].fed] for r in rows
+        ]
+        counts = torch.zeros(shape, dtype=torch.float32, device=device)
+        where = _bag(generated, device)
+        counts.index_put_(where, torch.ones(len(where[0]), device=device), accumulate=True)
+        penalties = torch.tensor(
+            [sessions[r].sampler.penalty_row() for r in rows],  # type: ignore[union-attr]
+            dtype=torch.float32,
+            device=device,
+        )
+        picked = torch.tensor(rows, device=device)
+        penalised = apply_penalties(logits.index_select(0, picked), context, counts, penalties)
+        return logits.float().index_copy(0, picked, penalised)
+
+    def _score_ranges(
+        self,
+        sessions: Sequence[_Session],
+        starts: Sequence[int],
+        sizes: Sequence[int],
+        produces: np.ndarray,
+        ends: np.ndarray,
+    ) -> np.ndarray | None:
+        """Per input, the token-axis rows [from, to) whose logits give entries its
+        session's prompt lacks and no earlier row gives; None when none scores."""
+        if all(session.prompt is None for session in sessions):
+            return None
+        ranges = np.zeros((len(sessions), 2), dtype=np.int64)
+        reach: dict[int, int] = {}  # per sequence: planned() as the batch advances
+        for index, session in enumerate(sessions):
+            if session.prompt is None:
+                continue
+            start, end = starts[index], starts[index] + sizes[index]
+            planned = reach.get(session.seq, session.prompt.planned(start))
+            first = max(start, planned - 1)  # position q scores q + 1
+            last = end - 1 if produces[index] else end  # the output row samples
+            if first < last:
+                to_axis = int(ends[index]) - end
+                ranges[index] = (first + to_axis, last + to_axis)
+                planned = last + 1
+            reach[session.seq] = planned
+        return ranges
 
     def _session(self, sid: SessionId) -> _Session:
         session = self._sessions.get(sid)
@@ -249,21 +478,49 @@ class SessionTable:
         return sid
 
 
-def select_rows(step: PackedStep, offset: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+def _bag(pieces: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs putting piece i's tokens on row i."""
+    lengths = torch.tensor([len(piece) for piece in pieces])
+    rows = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
+    return rows.to(device), torch.from_numpy(np.concatenate(pieces)).to(device)
+
+
+def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
     """The logits rows a forward over step tokens [offset, offset + length) must return.
 
-    Returns (rows, input_indices), int64 arrays of equal length: rows are relative to
-    the slice (what the forward indexes its own hidden states with), in input order,
-    and input_indices says which input each belongs to. A slice with no wanted row
-    returns its last row with input index -1, so every forward yields some logits.
+    Rows are relative to the slice (what the forward indexes its own hidden states
+    with), ascending: each output row (its input in `inputs`) and each row of the
+    slice in the step's score_ranges (`scored`). A slice with no wanted row returns
+    its last row with input index -1, so every forward yields some logits.
     """
     if offset < 0 or length < 1 or offset + length > step.num_tokens:
         raise InvalidArgumentError(
             f"select_rows: slice [{offset}, {offset + length}) is not a non-empty part of a "
             f"{step.num_tokens}-token step"
         )
-    wanted = (step.logit_indices >= offset) & (step.logit_indices < offset + length)
-    inputs = np.flatnonzero(wanted)
-    if inputs.size == 0:
-        return np.array([length - 1], dtype=np.int64), np.array([-1], dtype=np.int64)
-    return step.logit_indices[inputs] - offset, inputs.astype(np.int64)
+    end = offset + length
+    wanted = (step.logit_indices >= offset) & (step.logit_indices < end)
+    inputs = np.flatnonzero(wanted).astype(np.int64)
+    rows = step.logit_indices[inputs]
+    scored_rows = np.zeros(0, dtype=np.int64)
+    if step.score_ranges is not None:
+        low = np.clip(step.score_ranges[:, 0], offset, end)
+        high = np.clip(step.score_ranges[:, 1], offset, end)
+        spans = np.flatnonzero(high > low)
+        counts = high[spans] - low[spans]
+        # Each span's rows: its low, then one more per row (a ramp restarted per span).
+        firsts = np.repeat(low[spans] - (np.cumsum(counts) - counts), counts)
+        scored_rows = firsts + np.arange(int(counts.sum()), dtype=np.int64)
+    if rows.size == 0 and scored_rows.size == 0:
+        return SliceRows(
+            np.array([length - 1], dtype=np.int64),
+            np.array([-1], dtype=np.int64),
+            np.zeros(1, dtype=bool),
+        )
+    all_rows = np.concatenate([rows, scored_rows])
+    order = np.argsort(all_rows, kind="stable")
+    return SliceRows(
+        all_rows[order] - offset,
+        np.concatenate([inputs, np.full(scored_rows.size, -1, dtype=np.int64)])[order],
+        np.concatenate([np.zeros(rows.size, bool), np.ones(scored_rows.size, bool)])[order],
+    )
