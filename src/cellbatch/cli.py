@@ -83,7 +83,6 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="generate for a list of prompts and print a report")
     run.add_argument("prompts", nargs="*", help="prompts, each like a --prompts-file line")
-    run.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
     source = run.add_mutually_exclusive_group()
     source.add_argument("--prompt-file", type=Path, help="one prompt, used verbatim")
     source.add_argument("--prompts-file", type=Path, help="one prompt per line (\\n = newline)")
@@ -97,24 +96,36 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--seed", type=int, default=42, help="per-prompt seeds derive from it")
     run.add_argument("--stop", action="append", default=[], help="a text stop string")
-    run.add_argument("--max-sessions", type=int)
-    run.add_argument("--max-session-tokens", type=int)
-    run.add_argument("--max-batch-tokens", type=int, help="tokens per forward (W)")
-    run.add_argument("--max-decode-sequences", type=int)
-    run.add_argument("--max-prefill-chunk", type=int)
-    run.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    run.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    add_engine_options(run)
     run.add_argument(
-        "--kernels",
+        "--quantize",
         default="auto",
-        choices=("auto", "compiled", "torch"),
-        help="attention and per-layer ops: compiled for this CPU (built on first use), "
-        "pure torch, or auto (compiled where they build)",
+        choices=("auto", "none", "int8", "int4"),
+        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
+        "other models stay float), none (float), int8 or int4",
     )
-    run.add_argument("--threads", type=int, help="torch threads")
     run.add_argument("--report-json", type=Path, help="write the whole report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=run_command)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine")
+    add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the model name clients use (default: file)")
+    serve.add_argument(
+        "--api-key", help="require Authorization: Bearer KEY (default: $CELLBATCH_API_KEY)"
+    )
+    serve.add_argument("--max-queued-requests", type=int, default=256)
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    serve.add_argument(
+        "--prefix-cache-entries", type=int, default=64, help="finished prompts kept for reuse"
+    )
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=10.0, help="seconds for running requests"
+    )
+    serve.add_argument("--quiet", action="store_true", help="no startup lines")
+    serve.set_defaults(func=_serve_command)
 
     # Listed for --help only: main() hands `bench` and its arguments to the benchmark.
     commands.add_parser(
@@ -233,6 +244,56 @@ def _check_options(args: argparse.Namespace) -> None:
             )
 
 
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The model and engine-shape options `run` and `serve` share."""
+    parser.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
+    parser.add_argument("--max-sessions", type=int)
+    parser.add_argument("--max-session-tokens", type=int)
+    parser.add_argument("--max-batch-tokens", type=int, help="tokens per forward (W)")
+    parser.add_argument("--max-decode-sequences", type=int)
+    parser.add_argument("--max-prefill-chunk", type=int)
+    parser.add_argument("--max-cells", type=int, help="KV cells at most (default: a 4 GiB pool)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "compiled", "torch"),
+        help="attention and per-layer ops: compiled for this CPU (built on first use), "
+        "pure torch, or auto (compiled where they build)",
+    )
+    parser.add_argument("--threads", type=int, help="torch threads")
+    parser.add_argument(
+        "--admission",
+        default="optimistic",
+        choices=("optimistic", "reserve"),
+        help="optimistic: start what fits now, preempt under KV pressure; reserve: start "
+        "only what fits at its worst case",
+    )
+
+
+def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str, int]:
+    """The EngineShape fields the user set."""
+    return {
+        name: value
+        for name, value in (
+            ("max_sessions", max_sessions),
+            ("max_session_tokens", args.max_session_tokens),
+            ("max_batch_tokens", args.max_batch_tokens),
+            ("max_decode_sequences", args.max_decode_sequences),
+            ("max_prefill_chunk", args.max_prefill_chunk),
+            ("max_cells", args.max_cells),
+        )
+        if value is not None
+    }
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    from cellbatch.server.command import serve_command
+
+    return serve_command(args)
+
+
 def run_command(args: argparse.Namespace) -> int:
     _check_options(args)
     prompts = read_prompts(args)
@@ -255,17 +316,7 @@ def run_command(args: argparse.Namespace) -> int:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     except InvalidArgumentError as error:
         raise UsageError(str(error)) from error
-    shape = {
-        name: value
-        for name, value in (
-            ("max_sessions", max_sessions),
-            ("max_session_tokens", args.max_session_tokens),
-            ("max_batch_tokens", args.max_batch_tokens),
-            ("max_decode_sequences", args.max_decode_sequences),
-            ("max_prefill_chunk", args.max_prefill_chunk),
-        )
-        if value is not None
-    }
+    shape = engine_shape(args, max_sessions)
 
     memory = {"before_load": memory_snapshot()}
     load_started = time.perf_counter()
@@ -276,6 +327,8 @@ def run_command(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype,
             threads=args.threads,
             kernels=args.kernels,
+            quantize=args.quantize,
+            admission=args.admission,
             **shape,
         )
     except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
@@ -439,6 +492,11 @@ def _report(
             "dtype": str(engine.dtype).removeprefix("torch."),
             "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "kernels": engine.kernels,
+            "weight_format": engine.weights.format,
+            "weight_formats": engine.weights.formats,
+            "weight_kernel": engine.weights.kernel,
+            "weights_bytes_by_format": engine.weights.bytes_by_format,
+            "admission": engine.admission.value,
             "threads": _threads(),
             "max_new_tokens": config.max_new_tokens,
             "temperature": config.sampling.temperature,
@@ -518,7 +576,12 @@ def _print_report(report: dict[str, Any], engine_text: str) -> None:
             else ""
         )
         print(f"{stage.replace('_', ' '):>15}: RSS {_mib(snapshot['rss_bytes'])}{extra}")
-    print(f"{'weights':>15}: {_mib(report['weights_bytes'])}")
+    by_format = report["config"]["weights_bytes_by_format"]
+    parts = ", ".join(f"{name} {_mib(count)}" for name, count in by_format.items())
+    print(
+        f"{'weights':>15}: {_mib(report['weights_bytes'])} ({parts}; "
+        f"{report['config']['weight_format']})"
+    )
     timing = report["timing"]
     print("=== throughput ===")
     print(

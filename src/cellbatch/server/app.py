@@ -1,0 +1,283 @@
+"""`cellbatch serve`: the OpenAI-compatible HTTP app on FastAPI and uvicorn.
+
+Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
+`/health`, `/metrics`), authentication by API key, the request-size and queue
+limits, the mapping of every error onto OpenAI's error shape, and the server's
+life: the engine is closed when the app stops, and on SIGINT/SIGTERM running
+requests get `shutdown_timeout` seconds to finish before they are cancelled (their
+streams still end with a finish chunk).
+Promises: a bad request (bad JSON, wrong types, a prompt too long, n or top_logprobs
+too large) is a 400 that harms no other request; a body over the limit is a 413;
+beyond `max_queued_requests` waiting requests, a 429 with Retry-After; a missing or
+wrong key, a 401 (except `/health`); an unexpected exception, a 500 for that request
+alone; a client that disconnects cancels its generations within a step.
+Never: parses HTTP or frames server-sent events by hand (FastAPI/Starlette and
+`fastapi.sse` do), or touches the engine's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from cellbatch.engine import Engine
+from cellbatch.server.observability import ServerMetrics
+from cellbatch.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from cellbatch.server.responses import Responses
+from cellbatch.server.service import ApiError, EngineService, Job, until_disconnected
+from cellbatch.types import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    max_request_bytes: int = 1 << 20
+    shutdown_timeout: float = 10.0
+
+
+def create_app(
+    engine: Engine,
+    settings: ServerSettings,
+    stopping: Callable[[], bool] = lambda: False,
+) -> FastAPI:
+    """The app serving `engine`. `stopping()` turns True once the process was asked to
+    stop (uvicorn's signal handling); running requests then have `shutdown_timeout`
+    seconds before they are cancelled."""
+    metrics = ServerMetrics(engine)
+    service = EngineService(
+        engine, settings.served_model_name, metrics, settings.max_queued_requests
+    )
+    metrics.watch(service.load)
+    responses = Responses(engine, settings.served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(_cancel_after_grace(service, stopping, settings))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            service.cancel_all()
+            await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="cellbatch", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("request %s %s failed", request.method, request.url.path)
+        return _error_response(ApiError(500, f"internal error: {error!r}", kind="server_error"))
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if settings.api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                return _error_response(
+                    ApiError(
+                        401,
+                        "missing or wrong API key: send Authorization: Bearer <key>",
+                        kind="authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.runner.stopping():
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=settings.served_model_name, max_model_len=service.context_limit)
+        return ModelList(data=[card]).model_dump(mode="json")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = _parse(CompletionRequest, await _read_body(request, settings))
+        service.admit()
+        job = await service.start(service.plan_completion(parsed))
+        if parsed.stream:
+            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            return EventSourceResponse(
+                _stream(service, responses, job, "completions", include_usage)
+            )
+        return await _collect(service, responses, job, request, "completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        parsed = _parse(ChatCompletionRequest, await _read_body(request, settings))
+        service.admit()
+        job = await service.start(service.plan_chat(parsed))
+        if parsed.stream:
+            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            return EventSourceResponse(
+                _stream(service, responses, job, "chat/completions", include_usage)
+            )
+        return await _collect(service, responses, job, request, "chat/completions", chat=True)
+
+    return app
+
+
+async def _collect(
+    service: EngineService,
+    responses: Responses,
+    job: Job,
+    request: Request,
+    endpoint: str,
+    chat: bool,
+) -> Response:
+    async def drain() -> None:
+        async for _ in service.follow(job):
+            pass
+
+    work = asyncio.ensure_future(drain())
+    try:
+        if await until_disconnected(work, request.is_disconnected):
+            job.cancel()
+            with contextlib.suppress(Exception):
+                await work
+            return Response(status_code=499)
+        await work
+    finally:
+        service.finish(job, endpoint)
+    failure = responses.failure(job)
+    if failure is not None:
+        raise failure
+    body = responses.chat_body(job) if chat else responses.completion_body(job)
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def _stream(
+    service: EngineService,
+    responses: Responses,
+    job: Job,
+    endpoint: str,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """The OpenAI event stream: (chat: a role chunk per choice,) content chunks as
+    text comes, a finish chunk per choice, the usage chunk when asked, `[DONE]`. A
+    dropped connection cancels the generations (the generator is closed)."""
+    chat = endpoint == "chat/completions"
+    stream_id, created = responses.new_stream_id(chat), int(time.time())
+    try:
+        if chat:
+            for choice in job.choices:
+                yield _event(responses.chat_chunk(stream_id, created, choice, None, job.plan))
+        async for choice, update in service.follow(job):
+            if update.finish_reason is FinishReason.FAILED:
+                continue  # told once, as an error event, after the others
+            chunk = (
+                responses.chat_chunk(stream_id, created, choice, update, job.plan)
+                if chat
+                else responses.completion_chunk(job, stream_id, choice, update)
+            )
+            yield _event(chunk)
+        failure = responses.failure(job)
+        if failure is not None:
+            yield _event(_error_body(failure))
+        elif include_usage:
+            yield _event(responses.usage_chunk(job, stream_id, created, chat))
+        yield format_sse_event(data_str="[DONE]")
+    finally:
+        service.finish(job, endpoint)
+
+
+def _event(model: BaseModel) -> bytes:
+    return format_sse_event(data_str=model.model_dump_json())
+
+
+async def _read_body(request: Request, settings: ServerSettings) -> bytes:
+    limit = settings.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes, above the {limit}-byte limit")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is above the {limit}-byte limit")
+    return bytes(body)
+
+
+def _parse(model: type[BaseModel], body: bytes):  # -> the model
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {first.get('msg')}") from None
+        raise ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None) from None
+
+
+def _error_body(error: ApiError) -> ErrorResponse:
+    return ErrorResponse(
+        error=ErrorBody(message=error.message, type=error.kind, param=error.param, code=error.code)
+    )
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return JSONResponse(
+        _error_body(error).model_dump(mode="json"), status_code=error.status, headers=headers
+    )
+
+
+async def _cancel_after_grace(
+    service: EngineService, stopping: Callable[[], bool], settings: ServerSettings
+) -> None:
+    while not stopping():
+        await asyncio.sleep(0.05)
+    # Leave a little of the grace period for the cancelled streams to send their ends.
+    await asyncio.sleep(max(0.0, settings.shutdown_timeout - 0.5))
+    service.cancel_all()
+
+
+def serve(engine: Engine, settings: ServerSettings, host: str, port: int) -> None:
+    """Run the server until SIGINT/SIGTERM; returns once everything has stopped."""
+    box: list[uvicorn.Server] = []
+    app = create_app(engine, settings, stopping=lambda: bool(box and box[0].should_exit))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)),
+    )
+    server = uvicorn.Server(config)
+    box.append(server)
+    server.run()

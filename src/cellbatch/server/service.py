@@ -1,0 +1,355 @@
+"""The bridge from OpenAI requests to the engine: plans, generations and answers.
+
+Owns: turning a validated request into token prompts and a `GenConfig` per prompt,
+starting their generations on the engine (n choices of one prompt share its prefill
+through `Engine.generate_async`), following them as they stream, and building the
+OpenAI bodies and stream chunks; the set of live requests (to cancel them on
+disconnect or shutdown) and the per-request timing the metrics observe.
+Promises: every problem a request can have by itself (a prompt longer than the
+context, a token outside the vocabulary, too many choices, bad stop strings) is an
+`ApiError` with the status, message and parameter before anything runs; a request
+that ends early (its client left, the server stops) cancels its generations within
+a step; the streamed text is the runner's incremental text: no split characters and
+no part of a stop string, ever.
+Never: parses HTTP or frames events; the app does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from cellbatch.engine import Engine
+from cellbatch.runner import GenerationHandle
+from cellbatch.server.observability import ServerMetrics
+from cellbatch.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from cellbatch.types import (
+    FinishReason,
+    GenConfig,
+    GenerationUpdate,
+    InvalidArgumentError,
+    SamplingParams,
+    Token,
+    TokenLogprob,
+)
+
+FINISH_REASONS = {
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.TOKEN_LIMIT: "length",
+    FinishReason.CANCELLED: "abort",
+}
+
+
+class ApiError(Exception):
+    """A request that cannot be served, with what the client is told."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status,
+            message,
+            param,
+            kind,
+            code,
+        )
+
+
+@dataclass
+class Choice:
+    """One generation of a request, as it streams."""
+
+    index: int
+    prompt_index: int
+    handle: GenerationHandle
+    tokens: list[Token] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    echoed: bool = False  # streaming: the prompt went out with the first chunk
+    offset: int = 0  # streaming: characters of token text sent so far (logprobs offsets)
+
+
+@dataclass
+class Plan:
+    """What a request runs: token prompts, each with its config, n choices each."""
+
+    prompts: list[list[Token]]
+    configs: list[GenConfig]
+    n: int
+    echo: bool = False
+    drop_generated: bool = False  # echo with max_tokens 0: one token runs, none is shown
+    logprobs: int | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """A running request: its choices and how they are going (compared by identity)."""
+
+    plan: Plan
+    choices: list[Choice]
+    arrival: float
+    first_token: float | None = None
+
+    def cancel(self) -> None:
+        for choice in self.choices:
+            choice.handle.cancel()
+
+
+class EngineService:
+    def __init__(
+        self,
+        engine: Engine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        max_queued_requests: int,
+    ) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.context_limit = int(engine.shape.max_session_tokens or 0)
+        self._live: set[Job] = set()
+        self._queued = 0  # requests whose generations have not produced a token yet
+
+    # -- plans -----------------------------------------------------------------------------
+
+    def plan_completion(self, request: CompletionRequest) -> Plan:
+        prompts = self._completion_prompts(request.prompt)
+        if request.max_tokens == 0 and not request.echo:
+            raise ApiError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+        drop = request.max_tokens == 0
+        sampling = self._sampling(request, request.logprobs)
+        if request.echo and request.logprobs is not None:
+            sampling = replace(sampling, prompt_logprobs=request.logprobs)
+        configs = [
+            self._config(request, prompt, 1 if drop else request.max_tokens, sampling)
+            for prompt in prompts
+        ]
+        return Plan(prompts, configs, request.n, request.echo, drop, request.logprobs)
+
+    def plan_chat(self, request: ChatCompletionRequest) -> Plan:
+        tokenizer = self._tokenizer("apply the chat template")
+        if not tokenizer.has_chat_template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            prompt = tokenizer.apply_chat_template(messages)
+        except Exception as error:  # the template rejected the conversation
+            raise ApiError(
+                400, f"the chat template refused the messages: {error}", "messages"
+            ) from error
+        top = request.top_logprobs if request.logprobs else None
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if request.logprobs and top is None:
+            top = 0
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        if max_tokens == 0:
+            raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
+        config = self._config(request, prompt, max_tokens, self._sampling(request, top))
+        return Plan([prompt], [config], request.n, logprobs=top)
+
+    def _completion_prompts(self, prompt: object) -> list[list[Token]]:
+        if isinstance(prompt, str):
+            texts: list[str | list[int]] = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            texts = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            texts = list(prompt)  # type: ignore[call-overload]
+        if not texts:
+            raise ApiError(400, "prompt is empty", "prompt")
+        prompts = []
+        for text in texts:
+            tokens = self._tokenizer("encode text").encode(text) if isinstance(text, str) else text
+            if not tokens:
+                raise ApiError(400, "a prompt is empty: it must hold at least one token", "prompt")
+            vocab = self.engine.config.vocab_size
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ApiError(400, f"a token id is outside the vocabulary [0, {vocab})", "prompt")
+            prompts.append(list(tokens))
+        return prompts
+
+    def _sampling(self, request: CompletionRequest | ChatCompletionRequest, top: int | None):
+        try:
+            return SamplingParams(
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=max(0, request.top_k),
+                min_p=request.min_p,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty,
+                logprobs=top,
+            )
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error)) from error
+
+    def _config(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        prompt: Sequence[Token],
+        max_tokens: int | None,
+        sampling: SamplingParams,
+    ) -> GenConfig:
+        room = self.context_limit - len(prompt)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = f" and {max_tokens} new tokens" if max_tokens is not None else ""
+            raise ApiError(
+                400,
+                f"this model's context holds {self.context_limit} tokens, but the prompt has "
+                f"{len(prompt)}{asked}; shorten the prompt or lower max_tokens",
+                "max_tokens" if room >= 1 else "messages",
+                code="context_length_exceeded",
+            )
+        if request.n > self.engine.shape.max_sessions:
+            raise ApiError(
+                400,
+                f"n={request.n} is above the {self.engine.shape.max_sessions} sessions the "
+                "server runs at once",
+                "n",
+            )
+        return GenConfig(
+            max_new_tokens=max_tokens if max_tokens is not None else room,
+            sampling=sampling,
+            stop_strings=request.stop_strings(),
+            seed=request.seed,
+        )
+
+    def _tokenizer(self, why: str):
+        if self.engine.tokenizer is None:
+            raise ApiError(400, f"this model has no tokenizer, so the server cannot {why}")
+        return self.engine.tokenizer
+
+    # -- running ---------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Refuse a new request when too many wait already."""
+        if self._queued >= self.max_queued_requests:
+            raise ApiError(
+                429,
+                f"{self._queued} requests are waiting to start; retry shortly",
+                kind="rate_limit_error",
+                code="too_many_requests",
+            )
+
+    async def start(self, plan: Plan) -> Job:
+        """Start every generation of the plan (prefills of shared prompts run first,
+        off the event loop)."""
+
+        def submit() -> list[Choice]:
+            choices: list[Choice] = []
+            for prompt_index, (prompt, config) in enumerate(
+                zip(plan.prompts, plan.configs, strict=True)
+            ):
+                # Prompt logprobs score every prompt token: nothing may be shared then.
+                scoring = config.sampling.prompt_logprobs is not None
+                batch = self.engine.generate_async(
+                    [prompt] * plan.n, config, share_prefix=not scoring
+                )
+                for handle in batch.handles():
+                    choices.append(Choice(len(choices), prompt_index, handle))
+            return choices
+
+        arrival = time.perf_counter()
+        self._queued += 1
+        try:
+            choices = await asyncio.to_thread(submit)
+        except Exception:
+            self._queued -= 1
+            raise
+        request = Job(plan, choices, arrival)
+        self._live.add(request)
+        return request
+
+    async def follow(self, request: Job) -> AsyncIterator[tuple[Choice, GenerationUpdate]]:
+        """Each choice's updates as they come (choices interleaved), then the end."""
+        queue: asyncio.Queue[tuple[Choice, GenerationUpdate] | None] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            async for update in choice.handle.stream():
+                await queue.put((choice, update))
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(choice)) for choice in request.choices]
+        last = request.arrival
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                choice, update = item
+                self._record(choice, update)
+                if update.tokens:
+                    now = time.perf_counter()
+                    if request.first_token is None:
+                        request.first_token = now
+                        self._queued -= 1
+                        self.metrics.ttft.observe(now - request.arrival)
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                yield choice, update
+        finally:
+            for task in tasks:
+                task.cancel()
+            request.cancel()  # a no-op for settled generations
+
+    def finish(self, request: Job, endpoint: str) -> None:
+        """Account for a request that ended (whatever way)."""
+        if request in self._live:
+            self._live.discard(request)
+            if request.first_token is None:
+                self._queued -= 1
+            reasons = {choice.finish_reason for choice in request.choices}
+            for reason in reasons:
+                label = FINISH_REASONS.get(reason, "error") if reason else "abort"
+                self.metrics.requests.labels(endpoint=endpoint, finish_reason=label).inc()
+            self.metrics.e2e.observe(time.perf_counter() - request.arrival)
+
+    def cancel_all(self) -> None:
+        for request in list(self._live):
+            request.cancel()
+
+    def load(self) -> tuple[int, int]:
+        """(requests generating, requests waiting for their first token)."""
+        return len(self._live) - self._queued, self._queued
+
+    @staticmethod
+    def _record(choice: Choice, update: GenerationUpdate) -> None:
+        choice.tokens.extend(update.tokens)
+        choice.text.append(update.text)
+        choice.logprobs.extend(update.logprobs)
+        if update.prompt_logprobs:
+            choice.prompt_logprobs = update.prompt_logprobs
+        if update.finish_reason is not None:
+            choice.finish_reason, choice.error = update.finish_reason, update.error
+
+
+async def until_disconnected(
+    work: asyncio.Future | asyncio.Task, disconnected: Callable[[], object], every: float = 0.1
+) -> bool:
+    """Wait for `work`; True if the client left first (then `work` is left running)."""
+    while not work.done():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(work), every)
+        if not work.done() and await disconnected():  # type: ignore[misc]
+            return True
+    return False
