@@ -8,6 +8,7 @@ alone, one input per step, so each test compares packing against no packing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ from cellbatch.types import (
     Input,
     InvalidArgumentError,
     OutOfResourcesError,
+    Output,
     SamplingParams,
     SessionId,
 )
@@ -322,3 +324,103 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch(model) -> No
     executor.set_sampling(c, policy, 43)
     together = generate_together(executor, [b, a, c], [pb, pa, pc], 12)
     assert together[1] == alone
+
+
+# -- penalties and logprobs ---------------------------------------------------------------
+
+# Sampled, penalised and reporting everything: the hardest policy to keep batch-independent.
+SCORED = SamplingParams(
+    temperature=0.9,
+    top_p=0.95,
+    min_p=0.02,
+    repetition_penalty=1.3,
+    presence_penalty=0.4,
+    frequency_penalty=0.3,
+    logprobs=5,
+    prompt_logprobs=5,
+)
+MATE = SamplingParams(temperature=1.0, frequency_penalty=1.0, prompt_logprobs=2, logprobs=1)
+
+
+def scored_run(
+    model: PackedTransformer,
+    prompt: Sequence[int],
+    chunk: int,
+    steps: int,
+    mates: Sequence[list[int]] = (),
+    **shape: object,
+) -> list[Output]:
+    """The target's outputs: its prompt in `chunk`-token chunks, one a step, then decodes;
+    each mate feeds its whole prompt in the first step and decodes in every later one."""
+    executor = make_executor(model, **shape)
+    mate_sids = [executor.open_session() for _ in mates]
+    sid = executor.open_session()
+    executor.set_sampling(sid, SCORED, 5)
+    for index, mate in enumerate(mate_sids):
+        executor.set_sampling(mate, MATE, index)
+    chunks = [(o, min(chunk, len(prompt) - o)) for o in range(0, len(prompt), chunk)]
+    mate_tokens: dict[SessionId, int] = {}
+    outputs: list[Output] = []
+    for step in range(len(chunks) + steps - 1):
+        inputs = [
+            Input(mate, True, 0, len(p), p, 0) if step == 0 else decode_input(executor, mate, t)
+            for mate, p, t in zip(
+                mate_sids, mates, [mate_tokens.get(m, 0) for m in mate_sids], strict=True
+            )
+        ]
+        if step < len(chunks):
+            offset, size = chunks[step]
+            inputs.insert(
+                step % (len(inputs) + 1),
+                Input(sid, step == len(chunks) - 1, offset, size, list(prompt), 0),
+            )
+        else:
+            inputs.insert(
+                step % (len(inputs) + 1), decode_input(executor, sid, outputs[-1].tokens[0])
+            )
+        answer = executor.execute(BatchInput(tuple(inputs)))
+        for item, output in zip(inputs, answer.outputs, strict=True):
+            if output is None:
+                continue
+            if item.sid == sid:
+                outputs.append(output)
+            else:
+                mate_tokens[item.sid] = output.tokens[0]
+    return [dataclasses.replace(output, sid=0) for output in outputs]
+
+
+def test_penalised_sampling_and_logprobs_do_not_depend_on_chunks_slices_or_batch_mates(model):
+    target, *mates = prompts(20, 9, 14, 3, seed=11)
+    alone = scored_run(model, target, chunk=20, steps=8)
+    assert len(alone) == 8 and len(alone[0].prompt_logprobs) == 20
+    assert all(len(output.logprobs) == 1 for output in alone)
+    assert all(output.prompt_logprobs == () for output in alone[1:])
+    for chunk, max_batch_tokens in ((3, 544), (7, 5), (20, 7)):
+        crowded = scored_run(
+            model, target, chunk, steps=8, mates=mates, max_batch_tokens=max_batch_tokens
+        )
+        assert crowded == alone, (chunk, max_batch_tokens)
+    # The penalties really act: the same seed without them draws other tokens.
+    unpenalised = dataclasses.replace(
+        SCORED, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0
+    )
+    plain = generate_alone(model, target, 8, (unpenalised, 5))
+    assert plain != [output.tokens[0] for output in alone]
+
+
+def test_only_sessions_asking_for_prompt_logprobs_widen_the_logits(model) -> None:
+    recorder = RecordingModel(model)
+    executor = ModuleExecutor(recorder, CONFIG, ExecutorShape())
+    executor.initialize()
+    plain, scored = executor.open_session(), executor.open_session()
+    executor.set_sampling(plain, SamplingParams(logprobs=3), 0)
+    executor.set_sampling(scored, SamplingParams(prompt_logprobs=0), 0)
+    pa, pb = prompts(12, 9, seed=12)
+    first = run(executor, [prompt_input(plain, pa), prompt_input(scored, pb)])
+    # One row for plain's output, nine for scored: eight prompt rows and its output row.
+    assert recorder.logits[-1].shape[0] == 1 + 9
+    run(
+        executor,
+        [decode_input(executor, plain, first[0][0]), decode_input(executor, scored, first[1][0])],
+    )
+    assert recorder.logits[-1].shape[0] == 2  # decodes: one row each

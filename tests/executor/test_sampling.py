@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
-from cellbatch.executor.sampling import GREEDY_ROW, SessionSampler, sample_rows
+from cellbatch.executor.sampling import (
+    GREEDY_ROW,
+    SessionSampler,
+    apply_penalties,
+    sample_rows,
+    token_logprobs,
+)
 from cellbatch.types import InvalidArgumentError, SamplingParams
 
 # A 6-token distribution with distinct probabilities, deliberately not in token order.
@@ -259,3 +267,118 @@ def test_row_carries_the_policy_and_coin() -> None:
 def test_negative_seed_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="seed"):
         SessionSampler(SamplingParams(), seed=-1)
+
+
+# -- SamplingParams ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("min_p", -0.1, "min_p must be in [0, 1]"),
+        ("min_p", 1.5, "min_p must be in [0, 1]"),
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -3.0, "frequency_penalty must be in [-2, 2]"),
+        ("frequency_penalty", float("nan"), "frequency_penalty must be in [-2, 2]"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
+        ("repetition_penalty", float("inf"), "repetition_penalty must be a finite number > 0"),
+        ("logprobs", 21, "logprobs must be None (not asked) or an integer in [0, 20]"),
+        ("logprobs", -1, "logprobs must be None"),
+        ("logprobs", True, "logprobs must be None"),
+        ("prompt_logprobs", 2.0, "prompt_logprobs must be None"),
+    ],
+)
+def test_bad_sampling_params_are_refused_with_the_range(field: str, value: object, says: str):
+    with pytest.raises(InvalidArgumentError, match=re.escape(says)):
+        SamplingParams(**{field: value})
+
+
+def test_penalised_says_whether_any_penalty_is_on() -> None:
+    assert not SamplingParams(temperature=1.0, min_p=0.1, logprobs=3).penalised
+    assert SamplingParams(repetition_penalty=1.1).penalised
+    assert SamplingParams(presence_penalty=-0.5).penalised
+    assert SamplingParams(frequency_penalty=0.5).penalised
+    assert SamplingParams(logprobs=0, prompt_logprobs=20).prompt_logprobs == 20
+
+
+# -- penalties -----------------------------------------------------------------------------
+
+
+def test_penalties_follow_their_formulas_exactly() -> None:
+    logits = torch.tensor([[2.0, -1.5, 0.7, -0.2, 3.0, 0.0], [1.0, -1.0, 0.5, 0.25, -2.0, 4.0]])
+    context = torch.tensor(
+        [[True, True, False, True, True, False], [False, True, True, False, True, True]]
+    )
+    counts = torch.tensor([[0.0, 2.0, 0.0, 1.0, 3.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 2.0]])
+    penalties = torch.tensor([[1.3, 0.5, 0.4], [0.8, -0.25, 1.5]])  # repetition, presence, freq
+    got = apply_penalties(logits, context, counts, penalties)
+
+    expected = logits.numpy().copy()
+    for row in range(2):
+        repetition, presence, frequency = penalties[row].numpy()
+        for token in range(6):
+            value = expected[row, token]
+            if context[row, token]:
+                value = value / repetition if value > 0 else value * repetition
+            value -= frequency * counts[row, token].numpy()
+            value -= presence * np.float32(counts[row, token] > 0)
+            expected[row, token] = value
+    assert torch.equal(got, torch.from_numpy(expected))
+    # Repetition above 1 lowers a repeated token's logit whatever its sign; a token
+    # outside the context and never generated keeps its logit bit for bit.
+    assert got[0, 0] == torch.tensor(2.0) / torch.tensor(1.3) < logits[0, 0]
+    assert got[0, 3] < logits[0, 3]
+    assert got[0, 2] == logits[0, 2] and got[1, 0] == logits[1, 0]
+    assert torch.equal(logits[0], torch.tensor([2.0, -1.5, 0.7, -0.2, 3.0, 0.0]))  # a copy
+
+
+def test_neutral_penalties_leave_the_logits_bit_identical() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    context = torch.rand(3, 50, generator=torch.Generator().manual_seed(5)) > 0.5
+    counts = torch.zeros(3, 50).masked_fill_(context, 2.0)
+    penalties = torch.tensor([[1.0, 0.0, 0.0]]).repeat(3, 1)
+    assert torch.equal(apply_penalties(logits, context, counts, penalties), logits)
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def test_token_logprobs_are_the_raw_log_softmax_with_the_top_tokens_sorted() -> None:
+    logits = torch.randn(150, 300, generator=torch.Generator().manual_seed(6)) * 3
+    tokens = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    tops = [row % 21 for row in range(150)]
+    found = token_logprobs(logits, tokens, tops)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert len(found) == 150
+    for row, entry in enumerate(found):
+        assert entry.token == tokens[row]
+        assert entry.logprob == pytest.approx(reference[row, tokens[row]].item(), abs=1e-5)
+        assert len(entry.top) == tops[row]
+        expected = reference[row].topk(tops[row])
+        assert [token for token, _ in entry.top] == expected.indices.tolist()
+        assert [value for _, value in entry.top] == pytest.approx(
+            expected.values.tolist(), abs=1e-5
+        )
+
+
+def test_token_logprobs_of_a_row_do_not_depend_on_the_other_rows() -> None:
+    logits = torch.randn(100, 64, generator=torch.Generator().manual_seed(8))
+    logits[:, 3] = logits[:, 5]  # ties in the top lists break the same way alone
+    tokens = list(range(100))
+    tokens = [token % 64 for token in tokens]
+    tops = [20 if row % 3 else 1 for row in range(100)]
+    together = token_logprobs(logits, tokens, tops)
+    alone = [
+        token_logprobs(logits[i : i + 1], tokens[i : i + 1], tops[i : i + 1])[0] for i in range(100)
+    ]
+    assert together == alone
+
+
+def test_token_logprobs_widen_half_precision_and_cap_the_top_at_the_vocabulary() -> None:
+    logits = LOGITS.to(torch.bfloat16).unsqueeze(0)
+    (entry,) = token_logprobs(logits, [1], [20])
+    assert entry.logprob == pytest.approx(torch.log_softmax(logits.float(), -1)[0, 1].item())
+    ranked = [token for token, _ in entry.top]
+    assert ranked[:3] == [1, 3, 4] and sorted(ranked) == list(range(6))  # all 6 tokens
+    with pytest.raises(InvalidArgumentError, match="one token and one count per logits row"):
+        token_logprobs(logits, [1, 2], [0, 0])

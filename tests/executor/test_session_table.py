@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache
-from cellbatch.executor.sampling import SessionSampler, sample_rows
+from cellbatch.executor.sampling import SessionSampler, sample_rows, token_logprobs
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
     BatchInput,
@@ -390,3 +390,270 @@ def test_select_rows_over_a_packed_batch() -> None:
 def test_select_rows_refuses_a_slice_outside_the_step(offset: int, length: int) -> None:
     with pytest.raises(InvalidArgumentError, match="select_rows"):
         select_rows(_step_with_rows([3], tokens=16), offset, length)
+
+
+# -- penalties -----------------------------------------------------------------------------
+
+
+def _peaked(**values: float) -> torch.Tensor:
+    """One logits row: -1 everywhere but the given tokens (t3=2.0 puts 2.0 on token 3)."""
+    row = torch.full((1, VOCAB), -1.0)
+    for name, value in values.items():
+        row[0, int(name[1:])] = value
+    return row
+
+
+def _greedy_with(table: SessionTable, sid: int, **penalties: float) -> None:
+    table.set_sampling(sid, SamplingParams(**penalties), seed=0)
+
+
+def test_repetition_penalty_divides_or_multiplies_context_logits_as_the_formula_says() -> None:
+    table = _table()
+    sid = table.open()
+    _run(table, _batch(_prompt(sid, [3, 7, 3])))
+    row = _peaked(t3=2.0, t5=1.6)
+    _greedy_with(table, sid, repetition_penalty=1.2)  # 2.0 / 1.2 = 1.667 > 1.6
+    assert _draw(table, [sid], row) == [3]
+    _greedy_with(table, sid, repetition_penalty=1.3)  # 2.0 / 1.3 = 1.538 < 1.6
+    assert _draw(table, [sid], row) == [5]
+    _greedy_with(table, sid, repetition_penalty=0.5)  # below 1 favours repeats
+    assert _draw(table, [sid], _peaked(t3=1.0, t5=1.6)) == [3]
+    # A negative logit is multiplied: -0.5 * 1.3 = -0.65 falls below -0.6.
+    negative = torch.full((1, VOCAB), -0.7)
+    negative[0, 7], negative[0, 9] = -0.5, -0.6
+    _greedy_with(table, sid, repetition_penalty=1.1)  # -0.55 stays above -0.6
+    assert _draw(table, [sid], negative) == [7]
+    _greedy_with(table, sid, repetition_penalty=1.3)
+    assert _draw(table, [sid], negative) == [9]
+
+
+def test_frequency_and_presence_penalties_count_only_this_generation_s_tokens() -> None:
+    def generate(**penalties: float) -> list[int]:
+        table = _table()
+        sid = table.open()
+        _run(table, _batch(_prompt(sid, [3, 3, 3])))  # the prompt's 3s do not count
+        _greedy_with(table, sid, **penalties)
+        tokens = []
+        for position in range(3, 7):
+            tokens += _draw(table, [sid], _peaked(t3=2.0, t5=1.6))
+            _run(table, _batch(_decode(sid, tokens[-1], position)))
+        return tokens
+
+    # frequency 0.5: 3 (2.0), then 3 at 1.5 < 1.6: 5; 3 at 1.5 > 5 at 1.1: 3; 1.0 < 1.1: 5.
+    assert generate(frequency_penalty=0.5) == [3, 5, 3, 5]
+    # presence 0.5 counts each token once: 3, 5, then 3 (1.5) beats 5 (1.1) for good.
+    assert generate(presence_penalty=0.5) == [3, 5, 3, 3]
+    assert generate(presence_penalty=-0.5) == [3, 3, 3, 3]  # negative favours repeats
+
+
+def test_a_new_generation_resets_the_counts_but_not_the_context() -> None:
+    table = _table()
+    sid = table.open()
+    _run(table, _batch(_prompt(sid, [1, 2])))
+    _greedy_with(table, sid, frequency_penalty=0.5)
+    assert _draw(table, [sid], _peaked(t3=2.0, t5=1.6)) == [3]
+    _run(table, _batch(_decode(sid, 3, 2)))
+    assert _draw(table, [sid], _peaked(t3=2.0, t5=1.6)) == [5]
+    _greedy_with(table, sid, frequency_penalty=0.5)  # the next turn: counts start again
+    assert _draw(table, [sid], _peaked(t3=2.0, t5=1.6)) == [3]
+    _greedy_with(table, sid, repetition_penalty=1.3)  # ... but 3 is in the context
+    assert _draw(table, [sid], _peaked(t3=2.0, t5=1.6)) == [5]
+
+
+def test_penalties_see_exactly_a_clone_s_prefix_and_a_truncated_context() -> None:
+    table = _table()
+    source = table.open()
+    _run(table, _batch(_prompt(source, [3, 8, 8, 5])))
+    clone = table.clone(source, 2)  # holds [3, 8]: 3 is repeated there, 5 is not
+    both = _peaked(t3=2.0, t5=1.9)
+    _greedy_with(table, clone, repetition_penalty=1.3)
+    _greedy_with(table, source, repetition_penalty=1.3)
+    assert _draw(table, [clone, source], both.repeat(2, 1)) == [5, 3]
+    table.truncate(source, 3)  # source holds [3, 8, 8]: 5 is gone from its context
+    assert _draw(table, [source], both) == [5]
+    _run(table, _batch(_prompt(source, [9, 5], position=3)))  # fed again: penalised again
+    assert _draw(table, [source], _peaked(t5=1.9, t7=1.6)) == [7]  # 1.9 / 1.3 < 1.6
+
+
+def test_seeded_sampling_with_penalties_does_not_depend_on_the_batch() -> None:
+    params = SamplingParams(
+        temperature=0.9, top_p=0.95, repetition_penalty=1.4, frequency_penalty=0.6, min_p=0.05
+    )
+    row = _logits(1, seed=9)
+
+    def generate(table: SessionTable, sid: int, others: list[int]) -> list[int]:
+        table.set_sampling(sid, params, seed=77)
+        _run(table, _batch(_prompt(sid, [1, 2, 3, 1]), *(_prompt(o, [o, 4]) for o in others)))
+        tokens: list[int] = []
+        for step in range(25):
+            sids = [*others[: step % 3], sid, *others[step % 3 :]]
+            logits = _logits(len(sids), seed=step)
+            logits[sids.index(sid)] = row[0]
+            tokens.append(_draw(table, sids, logits)[sids.index(sid)])
+            cursor = {s: table.position(s) for s in sids}
+            _run(
+                table, _batch(*(_decode(s, tokens[-1] if s == sid else 0, cursor[s]) for s in sids))
+            )
+        return tokens
+
+    alone = _table()
+    solo = generate(alone, alone.open(), [])
+    crowded = _table()
+    others = [crowded.open() for _ in range(3)]
+    crowded.set_sampling(others[0], SamplingParams(temperature=1.0, presence_penalty=1.0), 1)
+    crowded.set_sampling(others[1], SamplingParams(repetition_penalty=2.0, logprobs=3), 2)
+    assert generate(crowded, crowded.open(), others) == solo
+    assert len(set(solo)) > 3  # sampled, and the penalties keep it from settling
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def test_logprobs_come_from_the_raw_logits_only_for_the_sessions_that_ask() -> None:
+    table = _table()
+    plain, asking, penalised = table.open(), table.open(), table.open()
+    _run(table, _batch(*(_prompt(sid, [3, 3]) for sid in (plain, asking, penalised))))
+    table.set_sampling(asking, SamplingParams(logprobs=2), seed=0)
+    table.set_sampling(penalised, SamplingParams(repetition_penalty=2.0, logprobs=0), seed=0)
+    row = _peaked(t3=2.0, t5=1.6)
+    outputs = table.sample([plain, asking, penalised], row.repeat(3, 1))
+    assert outputs[0].logprobs == () and outputs[0].prompt_logprobs == ()
+    raw = torch.log_softmax(row[0], dim=-1)
+    (chosen,) = outputs[1].logprobs
+    assert chosen.token == 3 and chosen.logprob == pytest.approx(raw[3].item(), abs=1e-6)
+    assert [token for token, _ in chosen.top] == [3, 5]
+    (chosen,) = outputs[2].logprobs  # penalised to 5, scored under the raw distribution
+    assert chosen.token == 5 and chosen.top == ()
+    assert chosen.logprob == pytest.approx(raw[5].item(), abs=1e-6)
+
+
+# -- prompt logprobs -----------------------------------------------------------------------
+
+
+def _position_logits(position: int) -> torch.Tensor:
+    """The logits a fake model gives every session at `position`."""
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(1000 + position))
+
+
+def _execute(table: SessionTable, batch: BatchInput, slice_tokens: int = 64) -> list:
+    """What an executor does: pack, then per slice score the scored rows and sample the
+    output rows, with logits from `_position_logits`."""
+    step = _run(table, batch)
+    outputs: list = [None] * len(batch.inputs)
+    for offset in range(0, step.num_tokens, slice_tokens):
+        length = min(slice_tokens, step.num_tokens - offset)
+        picked = select_rows(step, offset, length)
+        positions = step.positions[picked.rows + offset].tolist()
+        logits = torch.stack([_position_logits(p) for p in positions])
+        if picked.scored.any():
+            rows = picked.rows[picked.scored] + offset
+            table.score(step, rows, logits[torch.from_numpy(picked.scored)])
+        wanted = picked.inputs >= 0
+        indices = picked.inputs[wanted].tolist()
+        sids = [batch.inputs[i].sid for i in indices]
+        for index, output in zip(indices, table.sample(sids, logits[wanted]), strict=True):
+            outputs[index] = output
+    return outputs
+
+
+def _expected_prompt_logprobs(tokens: list[int], first: int, top: int) -> list:
+    """Entries for tokens[first:]: None for the first, then each from the row before."""
+    return [None] + [
+        token_logprobs(_position_logits(p - 1)[None], [tokens[p]], [top])[0]
+        for p in range(first + 1, len(tokens))
+    ]
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 10])
+@pytest.mark.parametrize("slice_tokens", [2, 5, 64])
+def test_prompt_logprobs_gather_across_chunks_steps_and_slices(chunk: int, slice_tokens: int):
+    table = _table()
+    sid, other = table.open(), table.open()
+    table.set_sampling(sid, SamplingParams(prompt_logprobs=3), seed=0)
+    prompt = [5, 9, 2, 14, 7, 7, 1, 0, 11, 6]
+    for offset in range(0, 10, chunk):
+        last = offset + chunk >= 10
+        size = min(chunk, 10 - offset)
+        # A neighbour in every step shares the slices.
+        out = _execute(
+            table,
+            _batch(
+                _prompt(other, [4, 4], position=table.position(other)),
+                _prompt(sid, prompt, offset, size, output=last),
+            ),
+            slice_tokens,
+        )[1]
+    assert out.prompt_logprobs == tuple(_expected_prompt_logprobs(prompt, 0, 3))
+    assert out.logprobs == ()
+    # Decodes of the same generation score nothing more.
+    step = table.pack(_batch(_decode(sid, out.tokens[0], 10)))
+    assert step.score_ranges is None
+
+
+def test_prompt_chunks_sharing_a_step_score_each_other() -> None:
+    table = _table()
+    sid, other = table.open(), table.open()
+    table.set_sampling(sid, SamplingParams(prompt_logprobs=0), seed=0)
+    prompt = list(range(8))
+    batch = _batch(
+        _prompt(sid, prompt, 0, 3, output=False),
+        _prompt(other, [1, 2, 3]),
+        _prompt(sid, prompt, 3, 5),
+    )
+    # Every row of the session's chunks but the output row, which samples.
+    assert table.pack(batch).score_ranges.tolist() == [[0, 3], [0, 0], [6, 10]]
+    table.truncate(sid, 0)
+    table.truncate(other, 0)
+    table = _table()
+    sid, other = table.open(), table.open()
+    table.set_sampling(sid, SamplingParams(prompt_logprobs=0), seed=0)
+    out = _execute(table, batch, slice_tokens=4)[2]
+    assert out.prompt_logprobs == tuple(_expected_prompt_logprobs(prompt, 0, 0))
+
+
+def test_only_sessions_that_ask_get_scored_rows() -> None:
+    table = _table()
+    a, b = table.open(), table.open()
+    table.set_sampling(a, SamplingParams(temperature=1.0, logprobs=5), seed=0)
+    step = table.pack(_batch(_prompt(a, [1, 2, 3]), _prompt(b, [4, 5])))
+    assert step.score_ranges is None
+    assert select_rows(step, 0, 5).rows.tolist() == [2, 4]
+
+
+def test_a_replayed_prompt_keeps_its_entries_once() -> None:
+    table = _table()
+    sid = table.open()
+    table.set_sampling(sid, SamplingParams(prompt_logprobs=2), seed=0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    _execute(table, _batch(_prompt(sid, prompt, 0, 4, output=False)))
+    table.truncate(sid, 1)  # preempted: the runner feeds the rest again
+    replay = _batch(_prompt(sid, prompt, 1, 3, output=False), _prompt(sid, prompt, 4, 4))
+    step = table.pack(replay)
+    # Rows 0-2 of the replay scored positions 2-4, which have entries: none again.
+    assert step.score_ranges.tolist() == [[0, 0], [3, 6]]
+    table.truncate(sid, 1)
+    out = _execute(table, replay)[1]
+    assert out.prompt_logprobs == tuple(_expected_prompt_logprobs(prompt, 0, 2))
+
+
+def test_a_clone_s_prompt_logprobs_start_after_the_shared_prefix() -> None:
+    table = _table()
+    source = table.open()
+    prompt = [8, 6, 7, 5, 3, 0, 9]
+    _execute(table, _batch(_prompt(source, prompt, 0, 4)))
+    clone = table.clone(source, 4)
+    table.set_sampling(clone, SamplingParams(prompt_logprobs=1), seed=0)
+    out = _execute(table, _batch(_prompt(clone, prompt, 4, 3)))[0]
+    # Position 4 follows logits the clone never computed: None, then scored.
+    assert out.prompt_logprobs == tuple(_expected_prompt_logprobs(prompt, 4, 1))
+    assert len(out.prompt_logprobs) == 3 and out.prompt_logprobs[0] is None
+
+
+def test_a_one_token_prompt_chunk_after_a_pending_row_is_scored() -> None:
+    table = _table()
+    sid = table.open()
+    table.set_sampling(sid, SamplingParams(prompt_logprobs=4), seed=0)
+    prompt = [2, 7, 1]
+    _execute(table, _batch(_prompt(sid, prompt, 0, 2, output=False)))
+    out = _execute(table, _batch(_prompt(sid, prompt, 2, 1)))[0]  # no scored row at all
+    assert out.prompt_logprobs == tuple(_expected_prompt_logprobs(prompt, 0, 4))
