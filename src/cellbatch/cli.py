@@ -340,7 +340,7 @@ def run_command(args: argparse.Namespace) -> int:
         inputs, failures = _encode(prompts, engine)
         config = GenConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
         if not args.quiet:
-            _note(f"generating for {len(inputs)} prompts (Ctrl-C stops and keeps what is done)")
+            _note(f"{len(inputs)} prompts started (Ctrl-C stops them and keeps what is done)")
         started = time.perf_counter()
         with _progress(args.quiet) as progress:
             batch = engine.generate_async(
