@@ -1,0 +1,225 @@
+"""Load on `cellbatch serve`: requests/s, TTFT, inter-token latency and aggregate tokens/s
+at several numbers of concurrent streaming clients, against offline `Engine.generate` on
+the same prompts and, optionally, any other OpenAI-compatible server (llama.cpp's, say).
+
+    python benchmarks/serve_load.py                       # default model, 1/8/32/64 clients
+    python benchmarks/serve_load.py --clients 1,8 --requests 16 --max-tokens 32
+    python benchmarks/serve_load.py --peer http://127.0.0.1:8080/v1 --peer-name llama.cpp
+
+Each client sends its requests one after another (streaming chat completions, greedy,
+the chat benchmark's prompts in turn); a level's figures cover every request of every
+client. The offline baseline runs before the server starts, in this process, on the same
+prompts and token budget, so that the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput_workload import CHAT_PROMPTS
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Level:
+    """One server at one concurrency."""
+
+    server: str
+    clients: int
+    requests: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | int | str]:
+        return {
+            "server": self.server,
+            "clients": self.clients,
+            "requests": self.requests,
+            "requests_per_s": self.requests / self.wall_s,
+            "tokens_per_s": self.generated_tokens / self.wall_s,
+            "ttft_p50_ms": 1000 * _percentile(self.ttft_s, 50),
+            "ttft_p99_ms": 1000 * _percentile(self.ttft_s, 99),
+            "itl_p50_ms": 1000 * _percentile(self.itl_s, 50),
+            "itl_p99_ms": 1000 * _percentile(self.itl_s, 99),
+        }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def _one_request(client: openai.AsyncOpenAI, model: str, prompt: str, args, level: Level):
+    started = time.perf_counter()
+    last = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=args.max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            if last is None:
+                level.ttft_s.append(now - started)
+            else:
+                level.itl_s.append(now - last)
+            last = now
+    level.requests += 1
+    level.generated_tokens += tokens
+
+
+async def _run_level(base_url: str, name: str, model: str, clients: int, args) -> Level:
+    level = Level(name, clients)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
+    per_client = max(1, args.requests // clients) if args.requests else 2
+
+    async def run_client(index: int) -> None:
+        for turn in range(per_client):
+            prompt = CHAT_PROMPTS[(index * per_client + turn) % len(CHAT_PROMPTS)]
+            await _one_request(client, model, prompt, args, level)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(run_client(i) for i in range(clients)))
+    level.wall_s = time.perf_counter() - started
+    await client.close()
+    return level
+
+
+def _offline(args, prompts: list[str]) -> dict[str, float]:
+    from cellbatch.engine import Engine
+    from cellbatch.types import GenConfig
+
+    with Engine.from_pretrained(
+        args.model, dtype=args.dtype, threads=args.threads, max_sessions=len(prompts)
+    ) as engine:
+        engine.chat(prompts[:4], GenConfig(max_new_tokens=4))  # warm-up
+        started = time.perf_counter()
+        results = engine.chat(prompts, GenConfig(max_new_tokens=args.max_tokens))
+        wall = time.perf_counter() - started
+    tokens = sum(len(result.tokens) for result in results)
+    return {"prompts": len(prompts), "tokens_per_s": tokens / wall, "wall_s": wall}
+
+
+def _start_server(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        str(Path(sys.executable).with_name("cellbatch")), "serve", "--port", str(port),
+        "--dtype", args.dtype, "--max-sessions", str(max(args.levels)), "--quiet",
+    ]  # fmt: skip
+    if args.model:
+        command += ["--model", args.model]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    server = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"cellbatch serve exited with {server.returncode}")
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return server, base + "/v1"
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.kill()
+            raise SystemExit("cellbatch serve did not come up")
+        time.sleep(0.25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model path (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--clients", default="1,8,32,64", help="concurrency levels")
+    parser.add_argument("--requests", type=int, default=64, help="requests per level (total)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--peer", help="another OpenAI-compatible server's /v1 URL")
+    parser.add_argument("--peer-name", default="peer")
+    parser.add_argument("--peer-model", default="default")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
+    parser.add_argument(
+        "--offline-prompts", type=int, default=32, help="prompts of the offline baseline"
+    )
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    args.levels = [int(part) for part in args.clients.split(",")]
+    if any(level < 1 for level in args.levels) or args.max_tokens < 1:
+        parser.error("--clients levels and --max-tokens must be >= 1")
+
+    figures: dict[str, object] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
+    prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(args.offline_prompts)]
+    if not args.no_offline:
+        figures["offline"] = _offline(args, prompts)
+        print(f"offline Engine.chat, {len(prompts)} prompts: {figures['offline']}", flush=True)
+    server, base = _start_server(args)
+    levels: list[Level] = []
+    try:
+        name = "cellbatch serve"
+        warm_up = argparse.Namespace(**{**vars(args), "requests": 2})
+        asyncio.run(_run_level(base, name, "any", 2, warm_up))
+        for clients in args.levels:
+            levels.append(asyncio.run(_run_level(base, name, "any", clients, args)))
+            print(json.dumps(levels[-1].summary()), flush=True)
+    finally:
+        server.terminate()
+        server.wait(60)
+    if args.peer:
+        for clients in args.levels:
+            level = _run_level(args.peer, args.peer_name, args.peer_model, clients, args)
+            levels.append(asyncio.run(level))
+            print(json.dumps(levels[-1].summary()), flush=True)
+    figures["levels"] = [level.summary() for level in levels]
+    figures["raw"] = [asdict(level) for level in levels]
+    print(
+        f"{'server':<16} {'clients':>7} {'req/s':>7} {'tok/s':>8} "
+        f"{'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16}"
+    )
+    for level in levels:
+        row = level.summary()
+        print(
+            f"{row['server']:<16} {row['clients']:>7} {row['requests_per_s']:>7.2f} "
+            f"{row['tokens_per_s']:>8.1f} {row['ttft_p50_ms']:>8.0f}/{row['ttft_p99_ms']:<9.0f} "
+            f"{row['itl_p50_ms']:>7.1f}/{row['itl_p99_ms']:<8.1f}"
+        )
+    if "offline" in figures:
+        offline = figures["offline"]["tokens_per_s"]  # type: ignore[index]
+        for level in levels:
+            if level.server == "cellbatch serve" and level.clients == args.offline_prompts:
+                share = level.summary()["tokens_per_s"] / offline  # type: ignore[operator]
+                print(f"serve at {level.clients} clients / offline Engine.chat: {share:.2f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
