@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from cellbatch.cli import main
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_chat_checkpoint
 
 NEW_TOKENS = 8
 CONTEXT = 256  # the tiny model's max_position_embeddings
@@ -80,25 +80,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """A tiny random Llama with the default model's tokenizer beside it (built once)."""
     import transformers
 
-    from cellbatch.model.default import default_model_path
-
-    gguf = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    make_tiny_checkpoint(
-        "llama",
-        folder,
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=CONTEXT,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    tokenizer.save_pretrained(folder)
+    folder = make_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", CONTEXT)
     return TinyModel(folder, transformers.AutoTokenizer.from_pretrained(str(folder)))
 
 

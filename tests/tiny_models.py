@@ -74,6 +74,32 @@ def make_tiny_checkpoint(
     return model, folder
 
 
+def make_tiny_chat_checkpoint(folder: Path, context: int = 256) -> Path:
+    """A tiny random Llama carrying the default model's tokenizer and chat template
+    (vocabulary, EOS and all) in `folder`, for tests that need text and chat."""
+    import transformers
+
+    from cellbatch.model.default import default_model_path
+
+    gguf = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    make_tiny_checkpoint(
+        "llama",
+        folder,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def reference_model(folder: Path, **options: object):  # -> transformers.PreTrainedModel
     """transformers' fp32 model loaded from `folder` (options go to from_pretrained)."""
     import transformers

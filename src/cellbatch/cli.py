@@ -97,13 +97,6 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=42, help="per-prompt seeds derive from it")
     run.add_argument("--stop", action="append", default=[], help="a text stop string")
     add_engine_options(run)
-    run.add_argument(
-        "--quantize",
-        default="auto",
-        choices=("auto", "none", "int8", "int4"),
-        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
-        "other models stay float), none (float), int8 or int4",
-    )
     run.add_argument("--report-json", type=Path, help="write the whole report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=run_command)
@@ -264,6 +257,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, help="torch threads")
     parser.add_argument(
+        "--quantize",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
+        "other models stay float), none (float), int8 or int4",
+    )
+    parser.add_argument(
         "--admission",
         default="optimistic",
         choices=("optimistic", "reserve"),
@@ -288,6 +288,27 @@ def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str
     }
 
 
+def load_engine(args: argparse.Namespace, shape: dict[str, int], **options: Any):  # -> Engine
+    """The Engine the shared options ask for; a bad option is a UsageError."""
+    from cellbatch.engine import Engine
+    from cellbatch.types import InvalidArgumentError
+
+    try:
+        return Engine.from_pretrained(
+            args.model,
+            dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+            threads=args.threads,
+            kernels=args.kernels,
+            quantize=args.quantize,
+            admission=args.admission,
+            **options,
+            **shape,
+        )
+    except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from error
+
+
 def _serve_command(args: argparse.Namespace) -> int:
     from cellbatch.server.command import serve_command
 
@@ -309,7 +330,6 @@ def run_command(args: argparse.Namespace) -> int:
                 f"{len(prompts)} prompts, {SESSION_CAP} sessions at once (--max-sessions to change)"
             )
 
-    from cellbatch.engine import Engine
     from cellbatch.types import GenConfig, InvalidArgumentError, SamplingParams
 
     try:
@@ -320,19 +340,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     memory = {"before_load": memory_snapshot()}
     load_started = time.perf_counter()
-    try:
-        engine = Engine.from_pretrained(
-            args.model,
-            dtype=args.dtype,
-            kv_dtype=args.kv_dtype,
-            threads=args.threads,
-            kernels=args.kernels,
-            quantize=args.quantize,
-            admission=args.admission,
-            **shape,
-        )
-    except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from error
+    engine = load_engine(args, shape)
     load_seconds = time.perf_counter() - load_started
     memory["after_load"] = memory_snapshot()
 

@@ -10,33 +10,12 @@ import pytest
 import torch
 
 from served import CONTEXT, LiveServer, start_live_server
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_chat_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import transformers
-
-    from cellbatch.model.default import default_model_path
-
-    gguf = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    folder = tmp_path_factory.mktemp("served") / "llama"
-    make_tiny_checkpoint(
-        "llama",
-        folder,
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=CONTEXT,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    tokenizer.save_pretrained(folder)
-    return folder
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("served") / "llama", CONTEXT)
 
 
 @pytest.fixture(scope="session")

@@ -125,29 +125,25 @@ def create_app(
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        parsed = _parse(CompletionRequest, await _read_body(request, settings))
+    async def generate(request: Request, endpoint: str) -> Response:
+        chat = endpoint == "chat/completions"
+        kind = ChatCompletionRequest if chat else CompletionRequest
+        parsed = _parse(kind, await _read_body(request, settings))
         service.admit()
-        job = await service.start(service.plan_completion(parsed))
+        plan = service.plan_chat(parsed) if chat else service.plan_completion(parsed)
+        job = await service.start(plan)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            return EventSourceResponse(
-                _stream(service, responses, job, "completions", include_usage)
-            )
-        return await _collect(service, responses, job, request, "completions", chat=False)
+            return EventSourceResponse(_stream(service, responses, job, endpoint, include_usage))
+        return await _collect(service, responses, job, request, endpoint, chat=chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        parsed = _parse(ChatCompletionRequest, await _read_body(request, settings))
-        service.admit()
-        job = await service.start(service.plan_chat(parsed))
-        if parsed.stream:
-            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            return EventSourceResponse(
-                _stream(service, responses, job, "chat/completions", include_usage)
-            )
-        return await _collect(service, responses, job, request, "chat/completions", chat=True)
+        return await generate(request, "chat/completions")
 
     return app
 

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from cellbatch.cli import UsageError, engine_shape
+from cellbatch.cli import UsageError, engine_shape, load_engine
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -31,23 +31,13 @@ def serve_command(args: argparse.Namespace) -> int:
     _check_options(args)
     api_key = args.api_key or os.environ.get("CELLBATCH_API_KEY") or None
 
-    from cellbatch.engine import Engine
     from cellbatch.server.app import ServerSettings, serve
-    from cellbatch.types import InvalidArgumentError
 
-    try:
-        engine = Engine.from_pretrained(
-            args.model,
-            dtype=args.dtype,
-            kv_dtype=args.kv_dtype,
-            threads=args.threads,
-            kernels=args.kernels,
-            admission=args.admission,
-            prefix_cache_entries=args.prefix_cache_entries,
-            **engine_shape(args, args.max_sessions),
-        )
-    except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from error
+    engine = load_engine(
+        args,
+        engine_shape(args, args.max_sessions),
+        prefix_cache_entries=args.prefix_cache_entries,
+    )
     name = args.served_model_name or Path(str(engine.model_path)).name
     settings = ServerSettings(
         served_model_name=name,
