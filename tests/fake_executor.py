@@ -3,7 +3,9 @@
 Owns: per-session token histories (what a real executor's KV cache would hold),
 a record of every call, and knobs that make it misbehave on purpose.
 Promises: the token it returns for a session is `token_base + p`, where p is the
-position that token takes in the session (so tests can predict every token);
+position that token takes in the session (so tests can predict every token), and
+with `logprobs` on, its logprob is -p / 100 (`fake_logprob`) and a prompt's output
+carries prompt logprobs for its whole payload (None first), recomputed or not;
 every method checks it runs on the engine thread (`engine_thread` is learnt at
 `initialize`).
 Never: sleeps, except `init_delay` and at the gate, which a test opens (and which
@@ -28,6 +30,7 @@ from cellbatch.types import (
     Output,
     SamplingParams,
     SessionId,
+    TokenLogprob,
 )
 
 GATE_TIMEOUT_S = 10.0
@@ -48,7 +51,8 @@ class FakeExecutor:
     fail_steps: set[int] = field(default_factory=set)  # ... or at just these steps
     raise_steps: set[int] = field(default_factory=set)  # execute raises at these steps
     malformed_at_step: int | None = None  # with `malformation` below
-    malformation: str = ""  # "wrong_sid", "empty", "extra", "missing"
+    malformation: str = ""  # "wrong_sid", "empty", "extra", "missing", "logprobs"
+    logprobs: bool = False  # outputs carry logprobs, a prompt's output prompt logprobs
     clone_supported: bool = True
     clone_raises: bool = False
     refuse_clone_of: set[SessionId] = field(default_factory=set)
@@ -216,7 +220,13 @@ class FakeExecutor:
                 tokens.append(self.token_base + len(history))
             if i < count - 1:
                 history.append(tokens[-1])  # the accepted run is fed; the last is a prediction
-        return Output(inp.sid, tuple(tokens))
+        if not self.logprobs:
+            return Output(inp.sid, tuple(tokens))
+        first = len(history) - len(tokens) + 1  # where the first returned token goes
+        logprobs = tuple(fake_logprob(t, first + i) for i, t in enumerate(tokens))
+        fed = list(inp.payload[: inp.offset + inp.size])
+        prompt = () if is_decode else fake_prompt_logprobs(fed, inp.position)
+        return Output(inp.sid, tuple(tokens), logprobs, prompt)
 
     def _malform(self, batch: BatchInput, outputs: list[Output | None]) -> None:
         wanted = [i for i, inp in enumerate(batch.inputs) if inp.produce_output]
@@ -227,11 +237,24 @@ class FakeExecutor:
             outputs[wanted[0]] = Output(batch.inputs[wanted[0]].sid, ())
         elif self.malformation == "missing" and wanted:
             outputs[wanted[0]] = None
+        elif self.malformation == "logprobs" and wanted:
+            i = wanted[0]
+            outputs[i] = Output(batch.inputs[i].sid, outputs[i].tokens, (fake_logprob(7, 0),) * 2)  # type: ignore[union-attr]
         elif self.malformation == "extra":
             for i, inp in enumerate(batch.inputs):
                 if not inp.produce_output:
                     outputs[i] = Output(inp.sid, (self.token_base,))
                     break
+
+
+def fake_logprob(token: int, position: int) -> TokenLogprob:
+    """The logprob FakeExecutor gives `token` at `position`."""
+    return TokenLogprob(token, -position / 100, ((token, -position / 100),))
+
+
+def fake_prompt_logprobs(tokens: list[int], position: int = 0) -> tuple[TokenLogprob | None, ...]:
+    """FakeExecutor's prompt logprobs for `tokens` fed from `position` (None first)."""
+    return (None, *(fake_logprob(t, position + i) for i, t in enumerate(tokens) if i))
 
 
 def make_tokens(count: int, start: int = 10) -> list[int]:

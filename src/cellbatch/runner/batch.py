@@ -2,8 +2,9 @@
 
 Owns: `check_outputs`, the one validation of a `BatchOutput` against its inputs.
 Promises: returns the outputs when each `outputs[i]` answers `inputs[i]` (an Output
-of the same session holding tokens where output was asked, None where not); raises
-`BatchFailure` naming the first problem otherwise.
+of the same session holding tokens where output was asked, None where not, its
+logprobs, when it has any, one per token); raises `BatchFailure` naming the first
+problem otherwise.
 Never: looks at token values or keeps state.
 """
 
@@ -42,4 +43,9 @@ def check_outputs(inputs: Sequence[Input], result: BatchOutput | None) -> Sequen
             )
         elif not out.tokens:
             raise BatchFailure(f"output {i} (session {inp.sid}) holds no tokens")
+        elif out.logprobs and len(out.logprobs) != len(out.tokens):
+            raise BatchFailure(
+                f"output {i} (session {inp.sid}) holds {len(out.tokens)} tokens but "
+                f"{len(out.logprobs)} logprobs; give one per token, or none"
+            )
     return outputs

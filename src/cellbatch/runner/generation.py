@@ -6,8 +6,9 @@ stream and stopping rules), plus the checks on a turn's input.
 Promises: written only by the engine thread (other threads read single attributes);
 `Generation.deliver` applies stop tokens, the token budget and stop strings to each
 new token, in that order per token, and never delivers a token past the one that
-ended the generation; every generation settles once, its outcome published before
-`on_settled` runs.
+ended the generation (nor the logprobs of one); prompt logprobs are delivered once,
+however often a preempted generation recomputes its prompt; every generation
+settles once, its outcome published before `on_settled` runs.
 Never: talks to the executor or the scheduler; the runner loop does.
 """
 
@@ -30,6 +31,7 @@ from cellbatch.types import (
     InvalidArgumentError,
     SessionId,
     Token,
+    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,7 @@ class Generation:
         self.deferred = False  # it once had to wait for cells
         self.queued_on_source = False  # a waiting submission counted in its source's waiters
         self.last_step = -1  # the last engine step that ran one of its inputs
+        self.prompt_scored = False  # its prompt logprobs were delivered (never twice)
 
     def prepare(
         self,
@@ -210,10 +213,15 @@ class Generation:
                 metrics.prefill_steps += 1
 
     def deliver(
-        self, tokens: Sequence[Token]
-    ) -> tuple[tuple[Token, ...], str, FinishReason | None]:
-        """Of an executor's `tokens`, those the generation keeps, the text they add,
-        and the finish reason if one of them ends it."""
+        self,
+        tokens: Sequence[Token],
+        logprobs: Sequence[TokenLogprob] = (),
+        prompt_logprobs: Sequence[TokenLogprob | None] = (),
+    ) -> GenerationUpdate:
+        """Of an executor's `tokens` (and their `logprobs`, when asked), the update the
+        generation delivers: the tokens it keeps with their logprobs, the text they add,
+        the finish reason if one of them ends it, and the prompt logprobs unless an
+        earlier update carried them."""
         room = self.config.max_new_tokens - self.metrics.generated_tokens
         kept: list[Token] = []
         texts: list[str] = []
@@ -233,29 +241,46 @@ class Generation:
             reason = FinishReason.TOKEN_LIMIT
         if reason not in (None, FinishReason.STOP_STRING) and self.text is not None:
             texts.append(self.text.finish())
-        return tuple(kept), "".join(texts), reason
+        prompt: tuple[TokenLogprob | None, ...] = ()
+        if prompt_logprobs and not self.prompt_scored:
+            prompt, self.prompt_scored = tuple(prompt_logprobs), True
+        return GenerationUpdate(
+            tuple(kept),
+            reason,
+            text="".join(texts),
+            logprobs=tuple(logprobs[: len(kept)]),
+            prompt_logprobs=prompt,
+        )
 
     def closing_text(self) -> str:
         """Text still held back when the generation ends some other way."""
         return self.text.finish() if self.text is not None else ""
 
-    def emit(self, tokens: tuple[Token, ...], text: str) -> str:
+    def emit(self, update: GenerationUpdate) -> str:
         """Deliver a non-final update; returns why on_update failed, or ""."""
-        failure = self._call_on_update(GenerationUpdate(tokens, text=text))
-        self.handle._publish(tokens, text)
+        failure = self._call_on_update(update)
+        self.handle._publish(update)
         return failure
 
     def settle(
-        self, reason: FinishReason, error: str, tokens: tuple[Token, ...], text: str
+        self,
+        reason: FinishReason,
+        error: str,
+        tokens: tuple[Token, ...],
+        text: str,
+        logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
     ) -> FinishReason:
         """Deliver the final update, publish the outcome, then run on_settled once.
         A raising on_update turns the outcome into `failed`. Returns the outcome."""
-        failure = self._call_on_update(GenerationUpdate(tokens, reason, error, text))
+        update = GenerationUpdate(tokens, reason, error, text, logprobs, prompt_logprobs)
+        failure = self._call_on_update(update)
         if failure:
             reason, error = FinishReason.FAILED, failure
+            update = dataclasses.replace(update, finish_reason=reason, error=error)
         self.on_update = None
         self.metrics.end_time = perf_counter()
-        self.handle._publish(tokens, text, reason, error)
+        self.handle._publish(update)
         # Dropped before the call so that its captures die with this frame.
         on_settled, self.on_settled = self.on_settled, None
         if on_settled is not None:

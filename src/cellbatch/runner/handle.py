@@ -1,11 +1,13 @@
 """GenerationHandle: a caller's view of one generation, for threads and asyncio.
 
-Owns: what has been published of one generation (tokens, text, outcome) and the
-listeners waiting on it.
+Owns: what has been published of one generation (tokens, their logprobs, prompt
+logprobs, text, outcome) and the listeners waiting on it.
 Promises: thread-safe; the outcome is published before `wait()` returns, before
 listeners run and before `on_settled`; `await handle` and `result_async()` suspend
 until the generation settles (never just until its next update); `stream()` yields
-each update's tokens and text once, merged when the reader is slower.
+each update's tokens, logprobs and text once, merged when the reader is slower (the
+logprobs stay aligned with the tokens), and the prompt logprobs once, with the first
+tokens.
 Never: touches engine state; `cancel()` posts a command to the inbox it was given.
 """
 
@@ -15,12 +17,12 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.runner.commands import CancelGeneration, Inbox
-from cellbatch.types import FinishReason, GenerationUpdate, Token
+from cellbatch.types import FinishReason, GenerationUpdate, Token, TokenLogprob
 
 if TYPE_CHECKING:
     from cellbatch.runner.generation import Generation
@@ -36,6 +38,8 @@ class GenerationHandle:
         self._lock = threading.Lock()
         self._settled = threading.Event()
         self._tokens: list[Token] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
         self._text: list[str] = []
         self._reason: FinishReason | None = None
         self._error = ""
@@ -76,6 +80,18 @@ class GenerationHandle:
         with self._lock:
             return list(self._tokens)
 
+    def logprobs(self) -> list[TokenLogprob]:
+        """The delivered tokens' logprobs, aligned with `tokens()` (empty unless the
+        generation's sampling params ask for logprobs)."""
+        with self._lock:
+            return list(self._logprobs)
+
+    def prompt_logprobs(self) -> list[TokenLogprob | None]:
+        """The prompt logprobs (see `Output.prompt_logprobs`); empty until the first
+        tokens arrive, or when not asked."""
+        with self._lock:
+            return list(self._prompt_logprobs)
+
     def text(self) -> str:
         """The text released so far (empty for a runner without a tokenizer)."""
         with self._lock:
@@ -89,7 +105,8 @@ class GenerationHandle:
         return dataclasses.replace(generation.metrics)
 
     def result(self, timeout: float | None = None) -> GenerationUpdate:
-        """Wait, then sum the generation up as one update: tokens, reason, error, text."""
+        """Wait, then sum the generation up as one update: tokens, reason, error, text,
+        logprobs and prompt logprobs."""
         if not self.wait(timeout):
             raise TimeoutError(f"the generation did not settle within {timeout} s")
         return self._summary()
@@ -122,7 +139,8 @@ class GenerationHandle:
         changed = asyncio.Event()
         wake = _threadsafe_waker(loop, changed.set)
         self._add_listener(wake)
-        sent_tokens = sent_texts = 0
+        sent_tokens = sent_texts = sent_logprobs = 0
+        sent_prompt = False
         try:
             while True:
                 # Cleared before reading: a publish after the read sets it again.
@@ -130,13 +148,19 @@ class GenerationHandle:
                 with self._lock:
                     tokens = tuple(self._tokens[sent_tokens:])
                     text = "".join(self._text[sent_texts:])
+                    logprobs = tuple(self._logprobs[sent_logprobs:])
+                    prompt = () if sent_prompt else self._prompt_logprobs
                     sent_tokens, sent_texts = len(self._tokens), len(self._text)
+                    sent_logprobs = len(self._logprobs)
+                    sent_prompt = sent_prompt or bool(prompt)
                     reason, error = self._reason, self._error
                 if reason is not None:
-                    yield GenerationUpdate(tokens, reason, error, text)
+                    yield GenerationUpdate(tokens, reason, error, text, logprobs, prompt)
                     return
                 if tokens or text:
-                    yield GenerationUpdate(tokens, text=text)
+                    yield GenerationUpdate(
+                        tokens, text=text, logprobs=logprobs, prompt_logprobs=prompt
+                    )
                 await changed.wait()
         finally:
             self._remove_listener(wake)
@@ -144,7 +168,12 @@ class GenerationHandle:
     def _summary(self) -> GenerationUpdate:
         with self._lock:
             return GenerationUpdate(
-                tuple(self._tokens), self._reason, self._error, "".join(self._text)
+                tuple(self._tokens),
+                self._reason,
+                self._error,
+                "".join(self._text),
+                tuple(self._logprobs),
+                self._prompt_logprobs,
             )
 
     def _require_bound(self) -> None:
@@ -162,22 +191,20 @@ class GenerationHandle:
         with self._lock:
             self._listeners.remove(listener)
 
-    def _publish(
-        self,
-        tokens: Sequence[Token],
-        text: str = "",
-        reason: FinishReason | None = None,
-        error: str = "",
-    ) -> None:
-        """Engine side: record delivered tokens and text and, last of all, the outcome."""
+    def _publish(self, update: GenerationUpdate) -> None:
+        """Engine side: record an update's tokens, logprobs and text and, last of all,
+        its outcome (when it carries a finish reason)."""
         with self._lock:
-            self._tokens.extend(tokens)
-            if text:
-                self._text.append(text)
-            if reason is not None:
-                self._reason, self._error = reason, error
+            self._tokens.extend(update.tokens)
+            self._logprobs.extend(update.logprobs)
+            if update.prompt_logprobs:
+                self._prompt_logprobs = update.prompt_logprobs
+            if update.text:
+                self._text.append(update.text)
+            if update.finish_reason is not None:
+                self._reason, self._error = update.finish_reason, update.error
             listeners = list(self._listeners)
-        if reason is not None:
+        if update.finish_reason is not None:
             self._settled.set()
         for listener in listeners:
             listener()

@@ -61,6 +61,7 @@ from cellbatch.types import (
     SessionId,
     Task,
     Token,
+    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -442,7 +443,7 @@ class EngineLoop:
             if generation.cancel_requested:
                 cancelled[generation] = None  # ended once the whole batch is counted
             elif output is not None:
-                generated += self._accept(generation, output.tokens, end, next_decodes)
+                generated += self._accept(generation, output, end, next_decodes)
             elif generation.feed_only and state.resident == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
         with self._metrics_lock:
@@ -458,15 +459,16 @@ class EngineLoop:
     def _accept(
         self,
         generation: Generation,
-        tokens: tuple[Token, ...],
+        output: Output,
         now: float,
         next_decodes: list[tuple[Generation, list[Task]]],
     ) -> int:
-        """Deliver the tokens the generation keeps and queue its next decode;
-        returns how many it kept."""
+        """Deliver the tokens the generation keeps (with their logprobs) and queue its
+        next decode; returns how many it kept."""
         state = generation.state
         assert state is not None
-        kept, text, reason = generation.deliver(tokens)
+        update = generation.deliver(output.tokens, output.logprobs, output.prompt_logprobs)
+        kept, reason = update.tokens, update.finish_reason
         count = len(kept)
         state.context.extend(kept)
         # The executor already fed all but the last of an accepted run; tokens past
@@ -474,9 +476,11 @@ class EngineLoop:
         state.advance(state.resident + count - 1)
         generation.metrics.record_tokens(count, now)
         if reason is not None:
-            self._end(generation, reason, "", kept, text)
+            self._end(
+                generation, reason, "", kept, update.text, update.logprobs, update.prompt_logprobs
+            )
             return count
-        failure = generation.emit(kept, text)
+        failure = generation.emit(update)
         if failure:
             self._end(generation, FinishReason.FAILED, failure)
             return count
@@ -492,6 +496,8 @@ class EngineLoop:
         error: str = "",
         tokens: tuple[Token, ...] = (),
         text: str = "",
+        logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
     ) -> None:
         """Settle a live generation exactly once and release what it held."""
         if generation.ended:
@@ -505,7 +511,9 @@ class EngineLoop:
         if state is not None and state.active is generation:
             state.active = None
             state.last_used = self._step_index
-        outcome = generation.settle(reason, error, tokens, text + generation.closing_text())
+        outcome = generation.settle(
+            reason, error, tokens, text + generation.closing_text(), logprobs, prompt_logprobs
+        )
         if generation.start is not None and state is not None:
             # A submission's session lives as long as it does, or on as a snapshot.
             self._sessions.finished(state, reusable=outcome is not FinishReason.FAILED)
