@@ -107,7 +107,7 @@ class SessionBook:
     def _from_snapshot(self, generation: Generation) -> SessionState | None:
         """A copy of the snapshot sharing the longest prefix with the prompt; the
         generation then feeds only the rest."""
-        if getattr(generation.config.sampling, "prompt_logprobs", None) is not None:
+        if generation.config.sampling.prompt_logprobs is not None:
             return None  # every prompt token must run through the model to be scored
         found = self._snapshots.longest_prefix(generation.delta)
         if found is None:
