@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -276,4 +277,8 @@ def serve(engine: Engine, settings: ServerSettings, host: str, port: int) -> Non
     )
     server = uvicorn.Server(config)
     box.append(server)
+    # uvicorn handles SIGINT/SIGTERM (stop accepting, wait, shut down), then raises the
+    # signal again under the handlers it found; with these, the process then exits 0.
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, lambda signum, frame: None)
     server.run()

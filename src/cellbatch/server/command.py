@@ -15,11 +15,12 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from cellbatch.cli import UsageError, engine_shape, load_engine
 
 
-def serve_command(args: argparse.Namespace) -> int:
+def serve_command(args: argparse.Namespace) -> NoReturn:
     missing = [
         name for name in ("fastapi", "uvicorn", "prometheus_client")
         if importlib.util.find_spec(name) is None
@@ -55,7 +56,11 @@ def serve_command(args: argparse.Namespace) -> int:
             flush=True,
         )
     serve(engine, settings, args.host, args.port)
-    return 0
+    # Everything of ours is closed by now; the interpreter's own teardown of torch and
+    # friends can take seconds on a busy machine, past the promised shutdown time.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check_options(args: argparse.Namespace) -> None:
