@@ -311,7 +311,8 @@ def test_penalties_follow_their_formulas_exactly() -> None:
     )
     counts = torch.tensor([[0.0, 2.0, 0.0, 1.0, 3.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 2.0]])
     penalties = torch.tensor([[1.3, 0.5, 0.4], [0.8, -0.25, 1.5]])  # repetition, presence, freq
-    got = apply_penalties(logits, context, counts, penalties)
+    rows, tokens = context.nonzero(as_tuple=True)
+    got = apply_penalties(logits, rows, tokens, counts[rows, tokens], penalties)
 
     expected = logits.numpy().copy()
     for row in range(2):
@@ -335,9 +336,10 @@ def test_penalties_follow_their_formulas_exactly() -> None:
 def test_neutral_penalties_leave_the_logits_bit_identical() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
     context = torch.rand(3, 50, generator=torch.Generator().manual_seed(5)) > 0.5
-    counts = torch.zeros(3, 50).masked_fill_(context, 2.0)
+    rows, tokens = context.nonzero(as_tuple=True)
+    counts = torch.full((len(rows),), 2.0)
     penalties = torch.tensor([[1.0, 0.0, 0.0]]).repeat(3, 1)
-    assert torch.equal(apply_penalties(logits, context, counts, penalties), logits)
+    assert torch.equal(apply_penalties(logits, rows, tokens, counts, penalties), logits)
 
 
 # -- logprobs ------------------------------------------------------------------------------

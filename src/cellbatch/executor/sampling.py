@@ -89,12 +89,17 @@ def _scaled(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
 
     Shifting first keeps a tiny temperature from overflowing to inf. A token's
     probability relative to the most likely one is exp(scaled), so min_p drops
-    scaled < log(min_p); min_p 0 gives log 0 = -inf, which drops nothing.
+    scaled < log(min_p). Rows without min_p skip that pass.
     """
     temperature = params[:, PARAM_TEMPERATURE : PARAM_TEMPERATURE + 1]
     scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature)
-    floor = params[:, PARAM_MIN_P : PARAM_MIN_P + 1].log()
-    return scaled.masked_fill_(scaled < floor, float("-inf"))
+    min_p = params[:, PARAM_MIN_P]
+    rows = torch.nonzero(min_p > 0.0).squeeze(1)
+    if rows.numel() > 0:
+        part = scaled.index_select(0, rows)
+        floor = min_p.index_select(0, rows).log().unsqueeze(1)
+        scaled[rows] = part.masked_fill_(part < floor, float("-inf"))
+    return scaled
 
 
 def _draw_full(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -165,23 +170,28 @@ def _inverse_cdf(cumulative: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
 
 def apply_penalties(
     logits: torch.Tensor,
-    context: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
     counts: torch.Tensor,
     penalties: torch.Tensor,
 ) -> torch.Tensor:
     """Penalised float32 copy of `logits` [P, V].
 
-    `context` [P, V] bool marks the tokens of each row's session context (prompt
-    included); `counts` [P, V] counts the tokens its generation generated; `penalties`
-    [P, 3] holds (repetition, presence, frequency). A context token's logit l becomes
-    l / repetition if l > 0 else l * repetition; then every logit loses
-    frequency * count + presence * (count > 0). Tokens in neither are unchanged.
+    (`rows[i]`, `tokens[i]`) are the distinct (row, token) pairs of each row's session
+    context (prompt included); `counts[i]` says how often the row's generation
+    generated that token (they are in its context too); `penalties` [P, 3] holds each
+    row's (repetition, presence, frequency). A context token's logit l becomes
+    l / repetition if l > 0 else l * repetition, then loses frequency * count, then
+    presence * (count > 0). Every other logit is unchanged, so the work is per context
+    token, not per vocabulary entry.
     """
-    logits = logits.float()
-    repetition = torch.where(context, penalties[:, 0:1], 1.0)
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    penalised -= penalties[:, 2:3] * counts
-    penalised -= penalties[:, 1:2] * (counts > 0)
+    penalised = logits.float().clone()
+    values = penalised[rows, tokens]
+    repetition, presence, frequency = penalties.index_select(0, rows).unbind(dim=1)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = values - frequency * counts
+    values = values - presence * (counts > 0)
+    penalised[rows, tokens] = values
     return penalised
 
 

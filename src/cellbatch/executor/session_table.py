@@ -411,23 +411,35 @@ class SessionTable:
     ) -> torch.Tensor:
         """A float32 copy of `logits` whose `rows` carry their sessions' penalties over
         their context and their generation's tokens (the raw rows stay for logprobs)."""
+        vocab = logits.shape[1]
+        # One key per (penalised row, token): row * vocab + token.
+        context = np.concatenate(
+            [p * vocab + sessions[r].history[: sessions[r].fed] for p, r in enumerate(rows)]
+        )
+        generated = np.concatenate(
+            [
+                p * vocab + sessions[r].history[sessions[r].generated_from : sessions[r].fed]
+                for p, r in enumerate(rows)
+            ]
+        )
+        pairs = np.unique(context)
+        repeated, times = np.unique(generated, return_counts=True)
+        counts = np.zeros(len(pairs), dtype=np.float32)
+        counts[np.searchsorted(pairs, repeated)] = times  # generated tokens are context
         device = logits.device
-        shape = (len(rows), logits.shape[1])
-        context = torch.zeros(shape, dtype=torch.bool, device=device)
-        context[_bag([sessions[r].history[: sessions[r].fed] for r in rows], device)] = True
-        generated = [
-            sessions[r].history[sessions[r].generated_from : sessions[r].fed] for r in rows
-        ]
-        counts = torch.zeros(shape, dtype=torch.float32, device=device)
-        where = _bag(generated, device)
-        counts.index_put_(where, torch.ones(len(where[0]), device=device), accumulate=True)
         penalties = torch.tensor(
             [sessions[r].sampler.penalty_row() for r in rows],  # type: ignore[union-attr]
             dtype=torch.float32,
             device=device,
         )
         picked = torch.tensor(rows, device=device)
-        penalised = apply_penalties(logits.index_select(0, picked), context, counts, penalties)
+        penalised = apply_penalties(
+            logits.index_select(0, picked),
+            torch.from_numpy(pairs // vocab).to(device),
+            torch.from_numpy(pairs % vocab).to(device),
+            torch.from_numpy(counts).to(device),
+            penalties,
+        )
         return logits.float().index_copy(0, picked, penalised)
 
     def _score_ranges(
@@ -476,13 +488,6 @@ class SessionTable:
         self._next_sid += 1
         self._sessions[sid] = _Session(seq)
         return sid
-
-
-def _bag(pieces: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) index pairs putting piece i's tokens on row i."""
-    lengths = torch.tensor([len(piece) for piece in pieces])
-    rows = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
-    return rows.to(device), torch.from_numpy(np.concatenate(pieces)).to(device)
 
 
 def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
