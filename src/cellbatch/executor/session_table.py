@@ -215,9 +215,10 @@ class SessionTable:
 
     def truncate(self, sid: SessionId, length: int) -> None:
         """Drop the session's positions >= `length`; cells it shares stay with the other
-        owners. Its sampling policy (and the policy's random stream) stays, and so does
-        what its generation has gathered (tokens generated, prompt logprobs): a replay
-        feeds the same tokens again."""
+        owners. Its sampling policy (and the policy's random stream) stays, and so do the
+        prompt logprobs its generation gathered: a replay (preemption) feeds the same
+        tokens again, and they are not scored twice. Penalties count exactly what the
+        session holds, so the dropped tokens count again once fed again."""
         session = self._session(sid)
         seq = session.seq
         held = self.cache.seq_length(seq)
