@@ -1,8 +1,8 @@
 """The cell KV cache: which cell holds which position of which sequences (DESIGN §7).
 
 Owns: `CellCache`, the bookkeeping of cells (one cell = the K/V of one position) and
-sequences, and the attention pattern of a step (`AttentionPlan`); `KVPool`, the K/V
-tensors over cells, grown on demand.
+sequences, and the attention pattern of a step (`AttentionPlan`, and its flat tensor form
+`FlatAttentionPlan`); `KVPool`, the K/V tensors over cells, grown on demand.
 Promises: a sequence's cells are kept in position order (index = position), so a token's
 attention is a gather over its own cells and costs O(its own context); a clone shares
 cells (refcount per cell, no K/V copied); free cells are handed out lowest-numbered
@@ -83,6 +83,58 @@ class AttentionPlan:
 
     groups: list[AttentionGroup]  # every token of the step is in exactly one group, once
     num_tokens: int
+
+
+@dataclass
+class FlatAttentionPlan:
+    """A step's attention pattern as five flat long tensors (`flatten_plan`): the form the
+    attention op of the model and an exported program's methods take.
+
+    Query i is token row `rows[i]` at position `positions[i]`; its sequence's cells, in
+    position order (index = position), start at `cells[cell_offsets[i]]`; a sequence's
+    queries are consecutive, and block b holds queries [block_starts[b], block_starts[b+1])
+    of one sequence.
+    """
+
+    cells: torch.Tensor  # every plan group's [G, Tk] cells, flattened and concatenated
+    rows: torch.Tensor  # [Q] token row of each query
+    positions: torch.Tensor  # [Q]
+    cell_offsets: torch.Tensor  # [Q] where the query's sequence starts in `cells`
+    block_starts: torch.Tensor  # [blocks + 1] query index at which each block starts
+    num_tokens: int
+
+
+def flatten_plan(plan: AttentionPlan, query_block: int) -> FlatAttentionPlan:
+    """The plan's queries and cells as flat tensors, each sequence's queries cut into
+    blocks of at most `query_block`. Tensor work only: no model code, no per-token loop."""
+    cells, rows, positions, offsets, starts = [], [], [], [], []
+    base = 0
+    for group in plan.groups:
+        num_groups, keys = group.cells.shape
+        valid = group.query_valid
+        query_index = torch.arange(valid.shape[1]).expand_as(valid)
+        sequence_start = base + torch.arange(num_groups)[:, None] * keys
+        cells.append(group.cells.reshape(-1))
+        rows.append(group.rows[valid])
+        positions.append(group.query_pos[valid])
+        offsets.append(sequence_start.expand_as(valid)[valid])
+        # Valid queries are a prefix of each row, so this marks every query_block-th
+        # query of each sequence, its first included.
+        starts.append(query_index[valid] % query_block == 0)
+        base += num_groups * keys
+    if not cells:
+        empty = torch.zeros(0, dtype=torch.long)
+        return FlatAttentionPlan(empty, empty, empty, empty, torch.zeros(1, dtype=torch.long), 0)
+    flags = torch.cat(starts)
+    block_starts = torch.cat([torch.nonzero(flags).reshape(-1), torch.tensor([flags.shape[0]])])
+    return FlatAttentionPlan(
+        cells=torch.cat(cells).contiguous(),
+        rows=torch.cat(rows),
+        positions=torch.cat(positions),
+        cell_offsets=torch.cat(offsets),
+        block_starts=block_starts,
+        num_tokens=plan.num_tokens,
+    )
 
 
 @dataclass(frozen=True)

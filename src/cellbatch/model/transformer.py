@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cellbatch.cache import AttentionPlan, KVPool
+from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, AttentionArgs, CellAttention, HeadShape
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.ops import Ops, resolve
@@ -308,17 +308,31 @@ class PackedTransformer(nn.Module):
         The pool must already hold rows for `cells` (`kv.ensure`), and `plan` must be the
         cache's plan for this very step (every token in exactly one group).
         """
+        prepared = self.attention.prepare(plan)
+        return self.forward_flat(tokens, positions, cells, prepared, kv.k, kv.v, logit_rows)
+
+    def forward_flat(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        attention: FlatAttentionPlan,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` on tensors alone, the form `cellbatch.export` traces: the plan flat
+        (`cellbatch.cache.flatten_plan`) and the pool as its per-layer K and V tensors."""
         pad = self.min_rows - tokens.shape[0]
         if pad > 0:
             # Padding rows (token 0 at position 0) go through the layers but are never
             # stored in the pool nor attended to.
             tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        prepared = self.attention.prepare(plan)
         hidden = self.embed(tokens)
         for index, layer in enumerate(self.layers):
             window = self.config.layer_windows[index]
-            hidden = layer(hidden, cos, sin, kv.k[index], kv.v[index], cells, prepared, window)
+            hidden = layer(hidden, cos, sin, k[index], v[index], cells, attention, window)
         last = hidden[logit_rows]
         rows = last.shape[0]
         if rows < self.min_rows:

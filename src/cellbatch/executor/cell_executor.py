@@ -1,0 +1,180 @@
+"""CellExecutor: what every executor over a cell KV cache shares (DESIGN §6).
+
+Owns: the CellCache, the KVPool and the SessionTable of one model; the session methods of
+the `Executor` protocol; and `run_forward`, one forward over a range of a packed step:
+declare and place its tokens on the cell cache, grow the pool, plan its attention, run
+the subclass's forward, gather prompt logprobs and sample every wanted row with its own
+session's policy in one call.
+Promises: a subclass differs only in how a packed step maps onto forwards (`execute`) and
+in what runs one forward (`forward`); everything else (packing, `select_rows`, sampling,
+scoring, cell placement, the refusal of a step short of cells) is this one code.
+Never: imports model code (a program executor runs without it), schedules, keeps
+generation state, or calls back into the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cellbatch.cache import AttentionPlan, CellCache, KVPool
+from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
+from cellbatch.types import (
+    BatchInput,
+    InvalidArgumentError,
+    KVUsage,
+    OutOfResourcesError,
+    Output,
+    SamplingParams,
+    SessionId,
+)
+
+
+@dataclass(frozen=True)
+class ExecutorShape:
+    """How big the executor is allowed to get."""
+
+    max_sessions: int = 64
+    max_session_tokens: int = 4096
+    max_cells: int = 65536
+    max_batch_tokens: int = 544
+    kv_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What the KV pool holds per cell: layers x KV heads x head dim."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class CellExecutor:
+    """Sessions over a cell KV cache; subclasses map packed steps onto forwards."""
+
+    def __init__(self, geometry: KVGeometry, shape: ExecutorShape) -> None:
+        self.geometry = geometry
+        self.shape = shape
+        self.cache: CellCache | None = None
+        self.pool: KVPool | None = None
+        self.table: SessionTable | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def initialize(self) -> None:
+        self.cache = CellCache(self.shape.max_cells)
+        self.pool = KVPool(
+            self.geometry.num_layers,
+            self.geometry.num_kv_heads,
+            self.geometry.head_dim,
+            self.shape.max_cells,
+            dtype=self.shape.kv_dtype,
+        )
+        self.table = SessionTable(
+            self.cache, self.shape.max_sessions, self.shape.max_session_tokens
+        )
+
+    def kv_usage(self) -> KVUsage:
+        pool = self.pool
+        return KVUsage(
+            cells_in_use=self.cache.used_cells(),
+            free_cells=self.cache.free_cells(),
+            max_cells=self.shape.max_cells,
+            pool_rows=pool.rows,
+            allocated_bytes=pool.allocated_bytes,
+            growth_count=pool.growth_count,
+            bytes_per_cell=pool.bytes_per_cell,
+        )
+
+    # -- sessions ------------------------------------------------------------
+
+    def open_session(self) -> SessionId | None:
+        try:
+            return self.table.open()
+        except OutOfResourcesError:
+            return None
+
+    def close_session(self, sid: SessionId) -> None:
+        self.table.close(sid)
+
+    def clone(self, source: SessionId, upto: int) -> SessionId | None:
+        try:
+            return self.table.clone(source, upto)
+        except (InvalidArgumentError, OutOfResourcesError):
+            return None
+
+    def truncate(self, sid: SessionId, length: int) -> None:
+        self.table.truncate(sid, length)
+
+    def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
+        self.table.set_sampling(sid, params, seed)
+
+    def position(self, sid: SessionId) -> int:
+        return self.table.position(sid)
+
+    # -- steps ---------------------------------------------------------------
+
+    def pack(self, batch: BatchInput) -> PackedStep:
+        """The batch on one token axis; refused (cache untouched) when the whole step
+        cannot get its cells, so that a step short of cells is never half placed."""
+        step = self.table.pack(batch)
+        if step.num_tokens > self.cache.free_cells():
+            raise OutOfResourcesError(
+                f"a step of {step.num_tokens} tokens needs {step.num_tokens} free KV cells, "
+                f"{self.cache.free_cells()} are free; raise max_cells or run fewer sessions"
+            )
+        return step
+
+    def run_forward(
+        self,
+        batch: BatchInput,
+        step: PackedStep,
+        offset: int,
+        length: int,
+        outputs: list[Output | None],
+    ) -> None:
+        """One forward over step tokens [offset, offset + length): places them, runs
+        `forward`, and fills `outputs` for the inputs whose output row it holds."""
+        end = offset + length
+        seq_ids = step.seq_ids[offset:end]
+        positions = step.positions[offset:end]
+        if not self.cache.declare_step(seq_ids):
+            raise OutOfResourcesError("declare_step refused a slice the step had room for")
+        cells = self.cache.place_step(seq_ids, positions)
+        self.pool.ensure(self.cache.high_water())
+        plan = self.cache.attention_plan(seq_ids, positions, cells)
+        picked = select_rows(step, offset, length)
+        logits = self.forward(
+            torch.from_numpy(step.tokens[offset:end]),
+            torch.from_numpy(positions),
+            torch.from_numpy(cells),
+            plan,
+            picked.rows,
+        )
+        if picked.scored.any():  # before sampling, which ends a prompt's scoring
+            scored = torch.from_numpy(picked.scored)
+            self.table.score(step, picked.rows[picked.scored] + offset, logits[scored])
+        wanted = picked.inputs >= 0
+        if not wanted.any():
+            return
+        indices = picked.inputs[wanted].tolist()
+        sampled = self.table.sample(
+            [batch.inputs[i].sid for i in indices], logits[torch.from_numpy(wanted)]
+        )
+        for index, output in zip(indices, sampled, strict=True):
+            outputs[index] = output
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        plan: AttentionPlan,
+        logit_rows: np.ndarray,
+    ) -> torch.Tensor:
+        """float32 logits [len(logit_rows), V] of one placed forward (the pool holds its
+        cells); the subclass's model or program."""
+        raise NotImplementedError
