@@ -14,7 +14,15 @@ import time
 
 from cellbatch.runner import Runner
 from cellbatch.scheduler import DecodeFirstScheduler
-from cellbatch.types import BatchInput, BatchOutput, GenConfig, Output, SamplingParams, SessionId
+from cellbatch.types import (
+    BatchInput,
+    BatchOutput,
+    GenConfig,
+    KVUsage,
+    Output,
+    SamplingParams,
+    SessionId,
+)
 
 
 class InstantExecutor:
@@ -37,16 +45,16 @@ class InstantExecutor:
     def clone(self, source: SessionId, upto: int) -> SessionId | None:
         return None
 
+    def truncate(self, sid: SessionId, length: int) -> None:
+        pass
+
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         pass
 
-    def preferred_batch_tokens(self) -> int:
-        return 544
+    def kv_usage(self) -> KVUsage | None:
+        return None  # no cell limit: admission never waits for cells
 
-    def free_cells(self) -> int | None:
-        return None
-
-    def execute(self, batch: BatchInput) -> BatchOutput | None:
+    def execute(self, batch: BatchInput) -> BatchOutput:
         cache = self._output_cache
         outputs = []
         for inp in batch.inputs:
