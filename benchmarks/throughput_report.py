@@ -263,8 +263,12 @@ class BenchReport:
 
 
 def write_json(report: BenchReport, path: Path) -> None:
+    dump_json(report.as_dict(), path)
+
+
+def dump_json(data: dict[str, Any], path: Path) -> None:
     """Indented JSON, with each list of numbers (token ids, mostly) kept on one line."""
-    text = json.dumps(report.as_dict(), indent=2)
+    text = json.dumps(data, indent=2)
     text = _NUMBER_LIST.sub(lambda match: "[" + " ".join(match[1].split()) + "]", text)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n", encoding="utf-8")

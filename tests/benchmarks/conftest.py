@@ -1,0 +1,48 @@
+"""Fixtures of the benchmark tests: a tiny random chat model the benchmarks can run on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from throughput_workload import CHAT_PROMPTS
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with a word-level tokenizer and a ChatML template."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    words = sorted({w for text in CHAT_PROMPTS for w in text.split()} | {"user", "assistant"})
+    vocab = {token: index for index, token in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(specials)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.15)
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
