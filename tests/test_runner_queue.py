@@ -26,9 +26,14 @@ from fake_executor import WAIT_S, FakeExecutor, make_tokens, open_session, wait_
 
 
 class LetterTokenizer:
-    """Token t decodes to one letter, 'a' + t % 26; token 2 decodes to nothing."""
+    """Token t decodes to one letter, 'a' + t % 26; token 2 decodes to nothing. Counts
+    the tokens it decodes."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
 
     def decode(self, tokens: Sequence[int]) -> str:
+        self.decoded += len(tokens)
         return "".join("" if t == 2 else chr(ord("a") + t % 26) for t in tokens)
 
 
@@ -184,6 +189,18 @@ def test_updates_carry_text_and_a_stop_string_ends_the_generation(runners) -> No
     assert session.unfed() == (1007,)
     assert runner.metrics().finished["stop_string"] == 1
     assert runner.metrics().finished["cancelled"] == 0
+
+
+def test_stop_checking_costs_per_token_not_per_generation(runners) -> None:
+    tokenizer = LetterTokenizer()
+    runner, _ = make(runners, tokenizer=tokenizer)
+    config = GenConfig(max_new_tokens=3000, stop_strings=("zzz", "never"))
+    session = open_session(runner)
+    handle = settle(session.generate_async(make_tokens(4), config))
+    assert handle.finish_reason() == FinishReason.TOKEN_LIMIT
+    assert len(handle.text()) == 3000
+    # A bounded window per token: O(n), where re-decoding the text would be O(n^2).
+    assert tokenizer.decoded <= 4 * 3000
 
 
 def test_stop_strings_without_a_tokenizer_fail_clearly(runners) -> None:
