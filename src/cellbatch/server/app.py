@@ -3,9 +3,9 @@
 Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
 `/health`, `/metrics`), authentication by API key, the request-size and queue
 limits, the mapping of every error onto OpenAI's error shape, and the server's
-life: the engine is closed when the app stops, and on SIGINT/SIGTERM running
-requests get `shutdown_timeout` seconds to finish before they are cancelled (their
-streams still end with a finish chunk).
+life: the backend (one engine, or replicas) is closed when the app stops, and on
+SIGINT/SIGTERM running requests get `shutdown_timeout` seconds to finish before they
+are cancelled (their streams still end with a finish chunk).
 Promises: a bad request (bad JSON, wrong types, a prompt too long, n or top_logprobs
 too large) is a 400 that harms no other request; a body over the limit is a 413;
 beyond `max_queued_requests` waiting requests, a 429 with Retry-After; a missing or
@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from cellbatch.engine import Engine
+from cellbatch.server.backend import Backend, LocalBackend
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
@@ -60,19 +61,20 @@ class ServerSettings:
 
 
 def create_app(
-    engine: Engine,
+    engine: Engine | Backend,
     settings: ServerSettings,
     stopping: Callable[[], bool] = lambda: False,
 ) -> FastAPI:
-    """The app serving `engine`. `stopping()` turns True once the process was asked to
-    stop (uvicorn's signal handling); running requests then have `shutdown_timeout`
-    seconds before they are cancelled."""
-    metrics = ServerMetrics(engine)
+    """The app serving `engine` (or any other backend: replicas, say). `stopping()`
+    turns True once the process was asked to stop (uvicorn's signal handling); running
+    requests then have `shutdown_timeout` seconds before they are cancelled."""
+    backend = LocalBackend(engine) if isinstance(engine, Engine) else engine
+    metrics = ServerMetrics()
     service = EngineService(
-        engine, settings.served_model_name, metrics, settings.max_queued_requests
+        backend, settings.served_model_name, metrics, settings.max_queued_requests
     )
-    metrics.watch(service.load)
-    responses = Responses(engine, settings.served_model_name)
+    metrics.watch(backend.collector(), service.load)
+    responses = Responses(backend, settings.served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -82,7 +84,7 @@ def create_app(
         finally:
             watcher.cancel()
             service.cancel_all()
-            await asyncio.to_thread(engine.close)
+            await asyncio.to_thread(backend.close)
 
     app = FastAPI(title="cellbatch", lifespan=lifespan)
     app.state.service = service
@@ -113,9 +115,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if engine.runner.stopping():
-            return JSONResponse({"status": "stopping"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        serving, body = await backend.health()
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -124,7 +125,9 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: a backend may read its figures from other processes.
+        exposition = await asyncio.to_thread(metrics.exposition)
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     async def generate(request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat/completions"
@@ -264,7 +267,7 @@ async def _cancel_after_grace(
     service.cancel_all()
 
 
-def serve(engine: Engine, settings: ServerSettings, host: str, port: int) -> None:
+def serve(engine: Engine | Backend, settings: ServerSettings, host: str, port: int) -> None:
     """Run the server until SIGINT/SIGTERM; returns once everything has stopped."""
     box: list[uvicorn.Server] = []
     app = create_app(engine, settings, stopping=lambda: bool(box and box[0].should_exit))

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics.
 
 Owns: one `CollectorRegistry` per server with the request counters and latency
-histograms the server observes, and a collector that reads the engine's own
-counters (tokens, preemptions, KV cells, prefix-cache hits) at scrape time.
+histograms the server observes, and the collector of the engine's own figures
+(tokens, preemptions, KV cells, prefix-cache hits) read at scrape time: one engine's,
+or several replicas' summed and each labelled `replica`.
 Promises: `/metrics` output parses with `prometheus_client`'s parser; the engine
 figures are read once per scrape, never kept twice.
 Never: observes anything on the engine thread.
@@ -10,7 +11,7 @@ Never: observes anything on the engine thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,8 +26,7 @@ _LATENCY_BUCKETS = (
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "cellbatch_requests",
@@ -53,23 +53,21 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def watch(self, requests_load: Callable[[], tuple[int, int]]) -> None:
-        """Report the engine's figures, and the requests running and waiting as
-        `requests_load()` tells them, at every scrape."""
-        self.registry.register(_EngineCollector(self._engine, requests_load))
+    def watch(self, engine: Collector, requests_load: Callable[[], tuple[int, int]]) -> None:
+        """Report the engine's figures as `engine` collects them, and the requests
+        running and waiting as `requests_load()` tells them, at every scrape."""
+        self.registry.register(engine)
+        self.registry.register(_RequestsCollector(requests_load))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _EngineCollector(Collector):
-    def __init__(self, engine: Engine, requests_load: Callable[[], tuple[int, int]]) -> None:
-        self._engine = engine
+class _RequestsCollector(Collector):
+    def __init__(self, requests_load: Callable[[], tuple[int, int]]) -> None:
         self._requests_load = requests_load
 
     def collect(self) -> Iterator[Metric]:
-        metrics = self._engine.metrics()
-        kv = self._engine.kv_usage()
         running, waiting = self._requests_load()
         yield GaugeMetricFamily(
             "cellbatch_requests_running", "Requests generating tokens.", value=running
@@ -77,31 +75,63 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "cellbatch_requests_waiting", "Requests waiting for their first token.", value=waiting
         )
-        counters = {
-            "cellbatch_prompt_tokens": ("Prompt tokens fed to the model.", metrics.prompt_tokens),
-            "cellbatch_generation_tokens": ("Tokens generated.", metrics.generated_tokens),
-            "cellbatch_preemptions": (
-                "Running generations preempted for KV cells.",
-                metrics.preemptions,
-            ),
-            "cellbatch_recomputed_tokens": (
-                "Context tokens fed again after their cells were dropped.",
-                metrics.recomputed_tokens,
-            ),
-            "cellbatch_prefix_cache_hits": (
-                "Requests that started from the prefix cache.",
-                metrics.prefix_cache_hits,
-            ),
-            "cellbatch_prefix_cache_tokens": (
-                "Prompt tokens served from the prefix cache.",
-                metrics.prefix_cache_tokens,
-            ),
-        }
-        for name, (documentation, value) in counters.items():
-            yield CounterMetricFamily(name, documentation, value=value)
-        yield GaugeMetricFamily(
-            "cellbatch_kv_cells_in_use", "KV cells holding context.", value=kv["cells_in_use"]
-        )
-        yield GaugeMetricFamily(
-            "cellbatch_kv_cells_capacity", "KV cells the pool may hold.", value=kv["max_cells"]
-        )
+
+
+# The engine's own figures: name -> (is a counter, help).
+ENGINE_FIGURES = {
+    "cellbatch_prompt_tokens": (True, "Prompt tokens fed to the model."),
+    "cellbatch_generation_tokens": (True, "Tokens generated."),
+    "cellbatch_preemptions": (True, "Running generations preempted for KV cells."),
+    "cellbatch_recomputed_tokens": (
+        True,
+        "Context tokens fed again after their cells were dropped.",
+    ),
+    "cellbatch_prefix_cache_hits": (True, "Requests that started from the prefix cache."),
+    "cellbatch_prefix_cache_tokens": (True, "Prompt tokens served from the prefix cache."),
+    "cellbatch_kv_cells_in_use": (False, "KV cells holding context."),
+    "cellbatch_kv_cells_capacity": (False, "KV cells the pool may hold."),
+}
+
+
+def engine_figures(engine: Engine) -> dict[str, float]:
+    """The ENGINE_FIGURES of one engine, now."""
+    metrics = engine.metrics()
+    kv = engine.kv_usage()
+    return {
+        "cellbatch_prompt_tokens": metrics.prompt_tokens,
+        "cellbatch_generation_tokens": metrics.generated_tokens,
+        "cellbatch_preemptions": metrics.preemptions,
+        "cellbatch_recomputed_tokens": metrics.recomputed_tokens,
+        "cellbatch_prefix_cache_hits": metrics.prefix_cache_hits,
+        "cellbatch_prefix_cache_tokens": metrics.prefix_cache_tokens,
+        "cellbatch_kv_cells_in_use": kv["cells_in_use"],
+        "cellbatch_kv_cells_capacity": kv["max_cells"],
+    }
+
+
+class EngineFiguresCollector(Collector):
+    """ENGINE_FIGURES at scrape time from `read()`, which gives each engine's figures
+    by replica name ("" for the one engine of a plain server). Each figure is the sum
+    over the engines; with named replicas, `cellbatch_replica_*` families also give
+    each one's own, labelled `replica` (a separate name, so that summing a family never
+    counts an engine twice)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        engines = self._read()
+        named = {name: figures for name, figures in engines.items() if name}
+        for name, (counter, documentation) in ENGINE_FIGURES.items():
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            total = sum(figures[name] for figures in engines.values())
+            yield family(name, documentation, value=total)
+            if named:
+                each = family(
+                    name.replace("cellbatch_", "cellbatch_replica_", 1),
+                    f"{documentation} One replica's.",
+                    labels=["replica"],
+                )
+                for replica, figures in named.items():
+                    each.add_metric([replica], figures[name])
+                yield each

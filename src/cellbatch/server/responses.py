@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from cellbatch.engine import Engine
 from cellbatch.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -35,10 +35,13 @@ from cellbatch.server.protocol import (
 from cellbatch.server.service import FINISH_REASONS, ApiError, Choice, Job, Plan
 from cellbatch.types import FinishReason, GenerationUpdate, Token, TokenLogprob
 
+if TYPE_CHECKING:
+    from cellbatch.server.backend import Backend
+
 
 class Responses:
-    def __init__(self, engine: Engine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, backend: Backend, model_name: str) -> None:
+        self.backend = backend
         self.model_name = model_name
 
     def failure(self, job: Job) -> ApiError | None:
@@ -227,10 +230,10 @@ class Responses:
         return list(zip(tokens, logprobs, strict=True))
 
     def _decode(self, tokens: Sequence[Token]) -> str:
-        return self.engine.decode(tokens)
+        return self.backend.decode(tokens)
 
     def _token_text(self, token: Token) -> str:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.backend.tokenizer
         if tokenizer is None:
             return str(token)
         return tokenizer.decode([token], skip_special_tokens=False)

@@ -1,9 +1,8 @@
 """The bridge from OpenAI requests to the engine: plans, generations and answers.
 
 Owns: turning a validated request into token prompts and a `GenConfig` per prompt,
-starting their generations on the engine (n choices of one prompt share its prefill
-through `Engine.generate_async`), following them as they stream, and building the
-OpenAI bodies and stream chunks; the set of live requests (to cancel them on
+starting their generations on the backend (one engine, or replicas: see `backend`),
+following them as they stream; the set of live requests (to cancel them on
 disconnect or shutdown) and the per-request timing the metrics observe.
 Promises: every problem a request can have by itself (a prompt longer than the
 context, a token outside the vocabulary, too many choices, bad stop strings) is an
@@ -21,9 +20,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from cellbatch.engine import Engine
-from cellbatch.runner import GenerationHandle
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
@@ -38,6 +36,9 @@ from cellbatch.types import (
     Token,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:
+    from cellbatch.server.backend import Backend, ChoiceHandle
 
 FINISH_REASONS = {
     FinishReason.STOP_TOKEN: "stop",
@@ -74,7 +75,7 @@ class Choice:
 
     index: int
     prompt_index: int
-    handle: GenerationHandle
+    handle: ChoiceHandle
     tokens: list[Token] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -114,16 +115,16 @@ class Job:
 class EngineService:
     def __init__(
         self,
-        engine: Engine,
+        backend: Backend,
         served_model_name: str,
         metrics: ServerMetrics,
         max_queued_requests: int,
     ) -> None:
-        self.engine = engine
+        self.backend = backend
         self.model_name = served_model_name
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
-        self.context_limit = int(engine.shape.max_session_tokens or 0)
+        self.context_limit = int(backend.shape.max_session_tokens or 0)
         self._live: set[Job] = set()
         self._queued = 0  # requests whose generations have not produced a token yet
 
@@ -179,7 +180,7 @@ class EngineService:
             tokens = self._tokenizer("encode text").encode(text) if isinstance(text, str) else text
             if not tokens:
                 raise ApiError(400, "a prompt is empty: it must hold at least one token", "prompt")
-            vocab = self.engine.config.vocab_size
+            vocab = self.backend.vocab_size
             if any(not 0 <= t < vocab for t in tokens):
                 raise ApiError(400, f"a token id is outside the vocabulary [0, {vocab})", "prompt")
             prompts.append(list(tokens))
@@ -217,10 +218,10 @@ class EngineService:
                 "max_tokens" if room >= 1 else "messages",
                 code="context_length_exceeded",
             )
-        if request.n > self.engine.shape.max_sessions:
+        if request.n > self.backend.shape.max_sessions:
             raise ApiError(
                 400,
-                f"n={request.n} is above the {self.engine.shape.max_sessions} sessions the "
+                f"n={request.n} is above the {self.backend.shape.max_sessions} sessions the "
                 "server runs at once",
                 "n",
             )
@@ -232,9 +233,9 @@ class EngineService:
         )
 
     def _tokenizer(self, why: str):
-        if self.engine.tokenizer is None:
+        if self.backend.tokenizer is None:
             raise ApiError(400, f"this model has no tokenizer, so the server cannot {why}")
-        return self.engine.tokenizer
+        return self.backend.tokenizer
 
     # -- running ---------------------------------------------------------------------------
 
@@ -249,27 +250,11 @@ class EngineService:
             )
 
     async def start(self, plan: Plan) -> Job:
-        """Start every generation of the plan (prefills of shared prompts run first,
-        off the event loop)."""
-
-        def submit() -> list[Choice]:
-            choices: list[Choice] = []
-            for prompt_index, (prompt, config) in enumerate(
-                zip(plan.prompts, plan.configs, strict=True)
-            ):
-                # Prompt logprobs score every prompt token: nothing may be shared then.
-                scoring = config.sampling.prompt_logprobs is not None
-                batch = self.engine.generate_async(
-                    [prompt] * plan.n, config, share_prefix=not scoring
-                )
-                for handle in batch.handles():
-                    choices.append(Choice(len(choices), prompt_index, handle))
-            return choices
-
+        """Start every generation of the plan on the backend."""
         arrival = time.perf_counter()
         self._queued += 1
         try:
-            choices = await asyncio.to_thread(submit)
+            choices = await self.backend.start(plan)
         except Exception:
             self._queued -= 1
             raise
