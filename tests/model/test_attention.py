@@ -1,18 +1,15 @@
 """Attention over cells: the compiled kernel against a float64 reference and the torch
-implementation, and the batch invariance of both; how the compiled kernels are chosen."""
+implementation, and the batch invariance of both."""
 
 from __future__ import annotations
-
-import logging
 
 import numpy as np
 import pytest
 import torch
 
 from cellbatch.cache import CellCache
-from cellbatch.model import kernels, ops
+from cellbatch.model import ops
 from cellbatch.model.attention import CellAttention, HeadShape
-from cellbatch.types import InvalidArgumentError
 
 HEADS = HeadShape(num_heads=6, num_kv_heads=2, head_dim=32)
 
@@ -156,46 +153,3 @@ def test_a_query_gives_the_same_bits_whatever_shares_its_step(attention, window,
         schedules.append([[(0, 1)]] * 45)
     for schedule in schedules:
         assert torch.equal(run(schedule), alone), schedule
-
-
-def test_auto_falls_back_to_torch_when_kernels_are_off(monkeypatch) -> None:
-    monkeypatch.setenv("CELLBATCH_KERNELS", "0")
-    monkeypatch.setattr(kernels, "_state", {})
-    assert not kernels.load()
-    assert "CELLBATCH_KERNELS=0" in kernels.unavailable_reason()
-    assert ops.resolve("auto", "cpu").kind == "torch"
-    assert ops.resolve("torch", "cpu").kind == "torch"
-    with pytest.raises(InvalidArgumentError, match=r"CELLBATCH_KERNELS=0.*kernels='torch'"):
-        ops.resolve("compiled", "cpu")
-
-
-def test_a_failed_build_warns_once_with_the_compiler_error(monkeypatch, caplog) -> None:
-    calls = []
-
-    def broken_build():
-        calls.append(1)
-        raise RuntimeError(
-            "Error building extension 'x': [1/2] c++ -O3 ...\n"
-            "cell_attention.cpp:10:1: error: 'foo' was not declared in this scope\n"
-            "ninja: build stopped: subcommand failed."
-        )
-
-    monkeypatch.delenv("CELLBATCH_KERNELS", raising=False)
-    monkeypatch.setattr(kernels, "_state", {})
-    monkeypatch.setattr(kernels, "_build", broken_build)
-    with caplog.at_level(logging.WARNING, logger="cellbatch.model.kernels"):
-        assert not kernels.load()
-        assert not kernels.load()
-    assert calls == [1]
-    assert kernels.unavailable_reason() == (
-        "cell_attention.cpp:10:1: error: 'foo' was not declared in this scope"
-    )
-    assert len(caplog.records) == 1 and "pure-torch path" in caplog.text
-
-
-def test_unknown_or_misplaced_kernel_choices_are_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="unknown kernels 'flash'"):
-        ops.resolve("flash", "cpu")
-    with pytest.raises(InvalidArgumentError, match="CPU only"):
-        ops.resolve("compiled", "cuda")
-    assert ops.resolve("auto", "cuda").kind == "torch"

@@ -1,18 +1,25 @@
 """The model's custom ops (`cellbatch.model.ops`): the compiled kernels against the torch
 implementations, op by op and through a whole model, and torch.library's own checks
-(schema, fake implementation, tracing) on both."""
+(schema, fake implementation, tracing) on both; which library `cellbatch.model.kernels`
+accepts, and how a choice of kernels resolves."""
 
 from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from cellbatch.cache import CellCache
+from cellbatch.model import kernels
 from cellbatch.model import ops as model_ops
 from cellbatch.model.attention import CellAttention, HeadShape
 from cellbatch.model.loading import load_model
 from cellbatch.model.ops import rotate
+from cellbatch.types import InvalidArgumentError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -203,9 +210,95 @@ def test_a_model_gives_the_same_tokens_with_compiled_and_torch_ops(
     _, folder = tiny_checkpoint("qwen3")
     steps = [[(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12])], [(1, [70]), (0, [4])]]
     logits = {}
-    for kernels in ("compiled", "torch"):
-        _, model = load_model(folder, "float32", kernels)
-        assert model.ops.kind == kernels
-        logits[kernels] = torch.cat(packed_steps(model, steps, 2))
+    for choice in ("compiled", "torch"):
+        _, model = load_model(folder, "float32", choice)
+        assert model.ops.kind == choice
+        logits[choice] = torch.cat(packed_steps(model, steps, 2))
     assert (logits["compiled"] - logits["torch"]).abs().max() < 1e-4
     assert torch.equal(logits["compiled"].argmax(-1), logits["torch"].argmax(-1))
+
+
+# -- which library loads, and the choice of kernels ---------------------------------------
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path: Path) -> Path:
+    """kernels.load() as in a new process, looking for its library in tmp_path."""
+    monkeypatch.delenv("CELLBATCH_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "LIBRARY", tmp_path / "_C.so")
+    monkeypatch.setattr(kernels, "BUILD_INFO", tmp_path / "_C.json")
+    return tmp_path
+
+
+def test_a_missing_library_means_torch_ops_and_one_warning(fresh_loader, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="cellbatch.model.kernels"):
+        assert model_ops.resolve("auto", "cpu").kind == "torch"
+        assert not kernels.load()
+    assert "not built when cellbatch was installed" in kernels.unavailable_reason()
+    assert len(caplog.records) == 1
+    assert "pure-torch ops" in caplog.text and "--no-build-isolation" in caplog.text
+    with pytest.raises(InvalidArgumentError, match=r"not built.*kernels='torch'"):
+        model_ops.resolve("compiled", "cpu")
+
+
+HERE = torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        ({"capability": "AVX1024", "torch": torch.__version__}, "built for AVX1024 but torch runs"),
+        ({"capability": HERE, "torch": "1.0.0"}, "built against torch 1.0.0"),
+        ({"capability": HERE, "torch": torch.__version__, "sources": "0" * 64}, "sources changed"),
+        ({"torch": torch.__version__}, "does not say what _C.so was built for"),
+    ],
+    ids=["another-cpu", "another-torch", "stale-sources", "no-build-info"],
+)
+def test_a_library_built_for_something_else_is_refused_before_it_is_opened(
+    fresh_loader, caplog, build, reason
+) -> None:
+    """The library here is not one at all: opening it would fail with another reason."""
+    (fresh_loader / "_C.so").write_bytes(b"not a shared library")
+    (fresh_loader / "kernel.cpp").write_text("// the sources of a checkout\n")
+    (fresh_loader / "_C.json").write_text(json.dumps({"sources": "", **build}))
+    with caplog.at_level(logging.WARNING, logger="cellbatch.model.kernels"):
+        assert not kernels.load()
+    assert reason in kernels.unavailable_reason()
+    assert len(caplog.records) == 1 and reason in caplog.text
+
+
+def test_a_library_that_does_not_load_is_refused_with_the_loader_error(fresh_loader) -> None:
+    files = [fresh_loader / "kernel.cpp"]
+    files[0].write_text("// the sources of a checkout\n")
+    (fresh_loader / "_C.so").write_bytes(b"not a shared library")
+    build = {"capability": HERE, "torch": torch.__version__, "sources": kernels._digest(files)}
+    (fresh_loader / "_C.json").write_text(json.dumps(build))
+    assert not kernels.load()
+    assert "_C.so does not load" in kernels.unavailable_reason()
+
+
+def test_kernels_switched_off_mean_torch_ops_without_a_warning(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CELLBATCH_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="cellbatch.model.kernels"):
+        assert not kernels.load()
+    assert not caplog.records
+    assert "CELLBATCH_KERNELS=0" in kernels.unavailable_reason()
+    assert model_ops.resolve("auto", "cpu").kind == "torch"
+    assert model_ops.resolve("torch", "cpu").kind == "torch"
+    with pytest.raises(InvalidArgumentError, match=r"CELLBATCH_KERNELS=0.*kernels='torch'"):
+        model_ops.resolve("compiled", "cpu")
+
+
+def test_the_torch_choice_never_loads_the_library(fresh_loader) -> None:
+    assert model_ops.resolve("torch", "cpu").kind == "torch"
+    assert "loaded" not in kernels._state
+
+
+def test_unknown_or_misplaced_kernel_choices_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown kernels 'flash'"):
+        model_ops.resolve("flash", "cpu")
+    with pytest.raises(InvalidArgumentError, match="CPU only"):
+        model_ops.resolve("compiled", "cuda")
+    assert model_ops.resolve("auto", "cuda").kind == "torch"

@@ -1,19 +1,24 @@
-"""Compiled CPU kernels: built on this machine on first use, then loaded from torch's cache.
+"""The compiled CPU kernels: the library `setup.py` builds when the package is installed,
+found and loaded here, never built here.
 
-Owns: building and loading the library of CPU kernels for the ops of `cellbatch.model.ops`
-(`cell_attention.cpp`: cell_attention; `fused_ops.cpp`: rms_norm, rope_store, silu_mul)
-with torch's C++ extension tools, for this CPU's vector width.
-Promises: `load()` says whether the kernels are loaded; when they cannot be built here (no
-compiler, no ninja, or `CELLBATCH_KERNELS=0`) it returns False, with the reason in
-`unavailable_reason()` and one warning in the log. The first build takes about 20 s; later
-processes load the cached library in well under a second.
-Never: raises for a missing toolchain (the model then runs the torch implementations), or
-builds twice in one process.
+Owns: `_C.so` beside this file (CPU kernels for the ops of `cellbatch.model.ops`:
+`cell_attention.cpp`: cell_attention; `fused_ops.cpp`: rms_norm, rope_store, silu_mul) and
+`_C.json` beside it (the torch CPU capability, torch version and sources it was compiled
+from); deciding whether this process may use it, and loading it into torch.
+Promises: `load()` loads the library at most once per process and says whether it is
+loaded. It refuses a library built for another CPU capability (another vector width: it
+could hold instructions this CPU lacks) or another torch, or, in a checkout, from other
+sources than the `*.cpp`/`*.h` beside it (edited since: `make` rebuilds it); these checks
+come before the library is opened. When the kernels are not loaded,
+`unavailable_reason()` says why, and one warning in the log says it and how to build them
+(none when the user switched them off with CELLBATCH_KERNELS=0).
+Never: compiles, waits on a lock or a build, or raises for a missing or unusable library.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -23,64 +28,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cell_attention.cpp", "fused_ops.cpp")]
-_HEADERS = [Path(__file__).with_name("common.h")]
-# Per torch CPU capability: the instruction sets to compile for, and the matching macro
-# that selects ATen's vector types (at::vec) for that width.
-_CAPABILITY_FLAGS: dict[str, list[str]] = {
-    "AVX512": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-        "-DCPU_CAPABILITY_AVX512",
-        "-DCPU_CAPABILITY=AVX512",
-    ],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
-}
+LIBRARY = Path(__file__).with_name("_C.so")
+BUILD_INFO = Path(__file__).with_name("_C.json")
+REBUILD = (
+    "reinstall cellbatch (`make` in a checkout, or `pip install --no-build-isolation .`) "
+    "to build them for this machine"
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _cpu_capability() -> str:
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability if capability in _CAPABILITY_FLAGS else "DEFAULT"
-
-
-def _build() -> None:
-    from torch.utils.cpp_extension import load
-
-    capability = _cpu_capability()
-    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-    # The name keys torch's build cache: a new source, torch or vector width builds anew.
-    digest = hashlib.sha256(source + torch.__version__.encode() + capability.encode())
-    name = f"cellbatch_kernels_{capability.lower()}_{digest.hexdigest()[:12]}"
-    load(
-        name=name,
-        sources=[str(path) for path in _SOURCES],
-        # No contraction of a*b+c into one fused multiply-add behind our back: the ops
-        # promise torch's roundings, and torch's elementwise kernels round each step.
-        extra_cflags=[
-            "-O3",
-            "-fopenmp",
-            "-ffp-contract=off",
-            *_CAPABILITY_FLAGS.get(capability, []),
-        ],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-
-
-def _summary(error: Exception) -> str:
-    """The compiler's first error line if there is one, else the exception's own line."""
-    lines = str(error).splitlines()
-    errors = [line for line in lines if "error" in line.lower() and ": " in line]
-    return (errors[1:2] or errors[:1] or lines[:1] or [type(error).__name__])[0][-300:]
 
 
 def disabled() -> bool:
@@ -88,25 +44,55 @@ def disabled() -> bool:
     return os.environ.get("CELLBATCH_KERNELS", "1") == "0"
 
 
+def _refusal(library: Path, build_info: Path) -> str:
+    """Why the library must not be loaded here; "" when it may."""
+    if not library.is_file():
+        return "they were not built when cellbatch was installed (no C++ compiler then?)"
+    try:
+        built = json.loads(build_info.read_text(encoding="utf-8"))
+        capability, version, sources = built["capability"], built["torch"], built["sources"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{build_info.name} does not say what {library.name} was built for"
+    here = torch.backends.cpu.get_cpu_capability()
+    if capability != here:
+        return f"they were built for {capability} but torch runs {here} on this CPU"
+    if version != torch.__version__:
+        return f"they were built against torch {version} but torch {torch.__version__} runs"
+    files = [*library.parent.glob("*.cpp"), *library.parent.glob("*.h")]
+    if files and _digest(files) != sources:
+        return "their sources changed since they were built"
+    return ""
+
+
+def _digest(files: list[Path]) -> str:
+    """setup.py's `sources_digest`: sha256 over the files in name order."""
+    digest = hashlib.sha256()
+    for file in sorted(files, key=lambda path: path.name):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
 def load() -> bool:
-    """Builds (first call only) and loads the compiled kernels; False if they cannot be."""
+    """Loads the compiled kernels into torch (first call only); False if they are not
+    usable here, with the reason in unavailable_reason()."""
     with _lock:
         if "loaded" not in _state:
-            loaded, reason = False, ""
-            if disabled():
-                reason = "disabled by CELLBATCH_KERNELS=0"
-            else:
-                try:
-                    _build()
-                    loaded = True
-                except Exception as error:  # any toolchain failure means "not here"
-                    reason = _summary(error)
+            reason = "disabled by CELLBATCH_KERNELS=0" if disabled() else ""
+            if not reason:
+                reason = _refusal(LIBRARY, BUILD_INFO)
+                if not reason:
+                    try:
+                        torch.ops.load_library(str(LIBRARY))
+                    except OSError as error:
+                        reason = f"{LIBRARY.name} does not load: {str(error)[-200:]}"
+                if reason:
                     log.warning(
-                        "cellbatch: compiled kernels unavailable (%s); using the slower "
-                        "pure-torch path. Install a C++ compiler and ninja to enable them.",
+                        "cellbatch: compiled kernels unavailable: %s; using the slower "
+                        "pure-torch ops; %s.",
                         reason,
+                        REBUILD,
                     )
-            _state["loaded"], _state["reason"] = loaded, reason
+            _state["loaded"], _state["reason"] = not reason, reason
         return bool(_state["loaded"])
 
 
