@@ -1,22 +1,31 @@
 // Attention over cells on the CPU: the op `cellbatch::cell_attention`.
 //
-// Owns: one fused pass per query block (gather K/V rows by cell, scores, softmax, weighted
-// values) for every query of a packed step, in place of the gather-then-GEMM path.
+// Owns: causal attention of every query of a packed step over its own sequence's cells, in
+// one flash-attention-style pass per (block of queries, KV head): the block's keys are read
+// once, a tile of kKeyTile positions at a time, and each tile serves every query of the
+// block and every query head that shares the KV head, with an online softmax (running
+// maximum and sum) instead of a materialised row of scores.
 // Promises: a query's output depends only on its own query vector and the K/V of its own
-// visible cells, computed in a fixed order (so it is bit-identical whatever else shares the
-// step or its block); keys outside [pos - window + 1, pos] are never read; numerics follow
-// transformers' eager attention in the compute dtype T: score = T(T(q.k) * scale), softmax in
-// float32, probabilities rounded to T, values summed in float32 and rounded to T. K/V stored
-// in another dtype are first rounded to T, as `.to(T)` would.
-// Never: allocates per key, reads the scratch cell, or touches rows that no query names.
+// visible cells, computed in a fixed order: tiles are aligned on absolute key positions,
+// each score is one chain of fused multiply-adds over the head dimension, and every sum
+// runs over ascending positions, where keys another query of the block needs but this one
+// does not add exact zeros. So a query's result is bit-identical whatever else shares the
+// step, its block or its KV head's work, and whether it was a decode or a prompt chunk.
+// Keys outside [pos - window + 1, pos] of every query of a block are never read.
+// Numerics in compute dtype T: score = T(T(q.k) * scale), as transformers' eager attention;
+// then, in float32, an online softmax (exp to within 20 ulp, as ATen's flash attention),
+// values summed with unnormalised weights and divided by the softmax sum once, rounded to
+// T. K/V stored in another dtype are first rounded to T, as `.to(T)` would.
+// Never: allocates per key or per query, reads the scratch cell, or touches rows that no
+// query names.
 //
-// Layout: q [tokens, heads, head_dim] (rows may be strided); k_cache/v_cache [cells, kv_heads, head_dim];
-// out [tokens, heads * head_dim]. Query i (in block order) is token rows[i] at position
-// pos[i]; its sequence's cells, in position order, start at cells[cell_offsets[i]].
-// block_starts splits the queries into blocks of one sequence each.
+// Layout: q [tokens, heads, head_dim] (rows may be strided); k_cache/v_cache [cells,
+// kv_heads, head_dim]; out [tokens, heads * head_dim]. Query i (in block order) is token
+// rows[i] at position pos[i]; its sequence's cells, in position order, start at
+// cells[cell_offsets[i]]. block_starts splits the queries into blocks of one sequence each.
 
-#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -26,8 +35,11 @@
 #include "common.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -37,9 +49,18 @@ using cellbatch::kLanes;
 using cellbatch::round_to;
 using cellbatch::Vec;
 using cellbatch::widen;
-constexpr int64_t kKeyTile = 32;  // K/V rows widened to float at a time: 24 KiB at 3x64, in L1
-constexpr int64_t kPrefetchRows = 16;
+// Keys per tile: the unit of the online softmax, aligned on absolute positions (so it is
+// part of the numerics: changing it changes results by rounding, never their invariance).
+constexpr int64_t kKeyTile = 32;
+constexpr int64_t kTileVectors = kKeyTile / kLanes;
+// Keys transposed at a time (at::vec's 8 x 8 float transpose).
+constexpr int64_t kTransposeRows = 8;
+// Score rows computed together in registers: kRowGroup rows x kTileVectors accumulators.
+constexpr int kRowGroup = 3;
+// Value columns accumulated together: kRowGroup rows x kValueVectors accumulators.
+constexpr int kValueVectors = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kKeyTile % kLanes == 0 && kKeyTile % kTransposeRows == 0);
 
 template <typename T>
 inline void round_all(float* x, int64_t n) {
@@ -66,18 +87,6 @@ inline void prefetch_row(const C* row, int64_t n) {
     __builtin_prefetch(bytes + offset);
 }
 
-// Rows [t0, t0 + n) of a sequence's cells, each as compute dtype T would hold it, widened to
-// float, into tile; the rows after them are prefetched.
-template <typename T, typename C>
-inline void load_tile(const C* cache, const int64_t* seq_cells, int64_t t0, int64_t n,
-                      int64_t ahead_end, int64_t width, float* tile) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (t0 + j + kPrefetchRows < ahead_end)
-      prefetch_row(cache + seq_cells[t0 + j + kPrefetchRows] * width, width);
-    load_row<T>(cache + seq_cells[t0 + j] * width, tile + j * width, width);
-  }
-}
-
 inline float sum_lanes(Vec x) {
   return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, x);
 }
@@ -86,162 +95,288 @@ inline float max_lanes(Vec x) {
   return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, x);
 }
 
-// out[j] = q . keys[j * stride ...] for j < n, each dot in one fixed order (lane-wide fused
-// multiply-adds over NV vectors, then a lane tree), wherever the key sits in the loop.
-template <int NV>
-inline void dots(const float* q, const float* keys, int64_t stride, int64_t n, float* out) {
-  Vec qv[NV];
-  for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(q + v * kLanes);
-  auto one = [&](const float* k) {
-    Vec acc(0.f);
-    for (int v = 0; v < NV; ++v) acc = at::vec::fmadd(qv[v], Vec::loadu(k + v * kLanes), acc);
-    return sum_lanes(acc);
-  };
-  int64_t j = 0;
-  // Four independent dots per iteration hide the lane tree's latency.
-  for (; j + 4 <= n; j += 4) {
-    const float s0 = one(keys + j * stride), s1 = one(keys + (j + 1) * stride);
-    const float s2 = one(keys + (j + 2) * stride), s3 = one(keys + (j + 3) * stride);
-    out[j] = s0, out[j + 1] = s1, out[j + 2] = s2, out[j + 3] = s3;
+// scores[r][0, kKeyTile) = q[r] . keys, for R rows of q (dim floats apart) against the tile's
+// keys transposed (keys_t[d][j], kKeyTile floats apart): one fused multiply-add per d, in
+// ascending d, for every score.
+template <int R>
+inline void tile_scores(const float* q, int64_t dim, const float* keys_t, float* scores) {
+  Vec acc[R][kTileVectors];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kTileVectors; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t d = 0; d < dim; ++d) {
+    Vec qd[R];
+    for (int r = 0; r < R; ++r) qd[r] = Vec(q[r * dim + d]);
+    const float* k = keys_t + d * kKeyTile;
+    for (int64_t c = 0; c < kTileVectors; ++c) {
+      const Vec kc = Vec::loadu(k + c * kLanes);
+      for (int r = 0; r < R; ++r) acc[r][c] = at::vec::fmadd(qd[r], kc, acc[r][c]);
+    }
   }
-  for (; j < n; ++j) out[j] = one(keys + j * stride);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kTileVectors; ++c) acc[r][c].store(scores + r * kKeyTile + c * kLanes);
 }
 
-// acc += sum over j < n of w[j] * rows[j * stride ...], keys in ascending order.
-template <int NV>
-inline void weighted_sum(const float* w, const float* rows, int64_t stride, int64_t n, float* acc) {
-  Vec a[NV];
-  for (int v = 0; v < NV; ++v) a[v] = Vec::loadu(acc + v * kLanes);
-  for (int64_t j = 0; j < n; ++j) {
-    const Vec wj(w[j]);
-    const float* r = rows + j * stride;
-    for (int v = 0; v < NV; ++v) a[v] = at::vec::fmadd(wj, Vec::loadu(r + v * kLanes), a[v]);
+// acc[r][d0, d0 + NV * kLanes) += sum over keys j in [j0, j1), ascending, of
+// weights[r][j] * values[j][d0 ...], for R rows (acc rows dim floats apart).
+template <int R, int NV>
+inline void tile_values(const float* weights, const float* const* values, int64_t j0,
+                        int64_t j1, float* acc, int64_t dim, int64_t d0) {
+  Vec a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(acc + r * dim + d0 + v * kLanes);
+  for (int64_t j = j0; j < j1; ++j) {
+    Vec w[R];
+    for (int r = 0; r < R; ++r) w[r] = Vec(weights[r * kKeyTile + j]);
+    const float* row = values[j] + d0;
+    for (int v = 0; v < NV; ++v) {
+      const Vec x = Vec::loadu(row + v * kLanes);
+      for (int r = 0; r < R; ++r) a[r][v] = at::vec::fmadd(w[r], x, a[r][v]);
+    }
   }
-  for (int v = 0; v < NV; ++v) a[v].store(acc + v * kLanes);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v].store(acc + r * dim + d0 + v * kLanes);
 }
 
-// Register-blocked kernels for head sizes of 2..16 vectors, plain loops otherwise.
-inline void dots_any(const float* q, const float* keys, int64_t stride, int64_t n, float* out,
-                     int64_t dim) {
-  switch (dim % kLanes == 0 ? dim / kLanes : 0) {
-    case 2: return dots<2>(q, keys, stride, n, out);
-    case 4: return dots<4>(q, keys, stride, n, out);
-    case 8: return dots<8>(q, keys, stride, n, out);
-    case 16: return dots<16>(q, keys, stride, n, out);
-    default:
-      for (int64_t j = 0; j < n; ++j) {
-        float s = 0.f;
-        for (int64_t d = 0; d < dim; ++d) s += q[d] * keys[j * stride + d];
-        out[j] = s;
-      }
-  }
+template <int R>
+inline void tile_values_all(const float* weights, const float* const* values, int64_t j0,
+                            int64_t j1, float* acc, int64_t dim) {
+  int64_t d0 = 0;
+  for (; d0 + kValueVectors * kLanes <= dim; d0 += kValueVectors * kLanes)
+    tile_values<R, kValueVectors>(weights, values, j0, j1, acc, dim, d0);
+  for (; d0 + kLanes <= dim; d0 += kLanes) tile_values<R, 1>(weights, values, j0, j1, acc, dim, d0);
+  for (; d0 < dim; ++d0)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = j0; j < j1; ++j) acc[r * dim + d0] += weights[r * kKeyTile + j] * values[j][d0];
 }
 
-inline void weighted_sum_any(const float* w, const float* rows, int64_t stride, int64_t n,
-                             float* acc, int64_t dim) {
-  switch (dim % kLanes == 0 ? dim / kLanes : 0) {
-    case 2: return weighted_sum<2>(w, rows, stride, n, acc);
-    case 4: return weighted_sum<4>(w, rows, stride, n, acc);
-    case 8: return weighted_sum<8>(w, rows, stride, n, acc);
-    case 16: return weighted_sum<16>(w, rows, stride, n, acc);
-    default:
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < dim; ++d) acc[d] += w[j] * rows[j * stride + d];
-  }
-}
-
-// Softmax of one query head's scores s[lo, hi) in place (entries between a lane-aligned
-// start and lo hold -inf). Lanes are aligned on absolute key positions, so the sums' order
-// does not depend on which block the query sits in.
-template <typename T>
-inline void softmax_row(float* s, int64_t lo, int64_t hi, float scale) {
-  const int64_t start = lo / kLanes * kLanes, end = (hi + kLanes - 1) / kLanes * kLanes;
-  round_all<T>(s + lo, hi - lo);
-#pragma omp simd
-  for (int64_t j = lo; j < hi; ++j) s[j] *= scale;
-  round_all<T>(s + lo, hi - lo);
-  Vec top(kNegInf);
-  for (int64_t j = start; j < end; j += kLanes) top = at::vec::maximum(top, Vec::loadu(s + j));
-  const Vec shift(max_lanes(top));
-  Vec total(0.f);
-  for (int64_t j = start; j < end; j += kLanes) {
-    const Vec e = (Vec::loadu(s + j) - shift).exp();
-    e.store(s + j);
-    total = total + e;
-  }
-  const Vec inverse(1.f / sum_lanes(total));
-  for (int64_t j = start; j < end; j += kLanes) (Vec::loadu(s + j) * inverse).store(s + j);
-  round_all<T>(s + lo, hi - lo);
-}
-
-struct Query {
-  int64_t lo, hi;  // visible keys [lo, hi)
+// What one worker reuses from item to item.
+struct Scratch {
+  std::vector<float> queries, acc, scores, keys_t, staged, values, row_max, row_sum;
+  std::vector<int64_t> lo, hi;
+  std::vector<const float*> value_rows = std::vector<const float*>(kKeyTile);
 };
 
 template <typename T, typename C>
-void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* cells,
-            const int64_t* rows, const int64_t* pos, const int64_t* cell_offsets,
-            const int64_t* block_starts, int64_t num_blocks, int64_t heads, int64_t kv_heads,
-            int64_t head_dim, int64_t q_row_stride, int64_t window, float scale, T* out) {
-  const int64_t share = heads / kv_heads, width = heads * head_dim;
-  const int64_t kv_width = kv_heads * head_dim;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, queries, acc, tile(kKeyTile * kv_width);
-    std::vector<Query> visible;
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t first = block_starts[block], count = block_starts[block + 1] - first;
-      const int64_t* seq_cells = cells + cell_offsets[first];
-      visible.resize(count);
-      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t p = pos[first + i];
-        visible[i] = {window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, p + 1};
-        lo = std::min(lo, visible[i].lo);
-        hi = std::max(hi, visible[i].hi);
-      }
-      // Score rows cover key positions [base, base + span), lane-aligned.
-      const int64_t base = lo / kLanes * kLanes;
-      const int64_t span = (hi - base + kLanes - 1) / kLanes * kLanes;
-      scores.assign(count * heads * span, kNegInf);
-      queries.resize(count * width);
-      acc.assign(count * width, 0.f);
-      for (int64_t i = 0; i < count; ++i) {
-        const T* src = q + rows[first + i] * q_row_stride;
-        for (int64_t x = 0; x < width; ++x) queries[i * width + x] = widen(src[x]);
-      }
-      auto row_of = [&](int64_t i, int64_t h) { return scores.data() + (i * heads + h) * span - base; };
-      // body(i, h, j0, j1, keys): query i, head h sees keys [j0, j1) of this tile, whose
-      // rows (of head h's KV head) start at `keys`, kv_width floats apart.
-      auto for_each_tile = [&](const C* cache, auto&& body) {
-        for (int64_t t0 = lo; t0 < hi; t0 += kKeyTile) {
-          const int64_t tn = std::min(kKeyTile, hi - t0);
-          load_tile<T>(cache, seq_cells, t0, tn, hi, kv_width, tile.data());
-          for (int64_t i = 0; i < count; ++i) {
-            const int64_t j0 = std::max(t0, visible[i].lo), j1 = std::min(t0 + tn, visible[i].hi);
-            if (j1 <= j0) continue;
-            for (int64_t h = 0; h < heads; ++h)
-              body(i, h, j0, j1, tile.data() + (j0 - t0) * kv_width + (h / share) * head_dim);
-          }
+struct CellAttention {
+  const T* q;
+  const C* k_cache;
+  const C* v_cache;
+  const int64_t* cells;
+  const int64_t* rows;
+  const int64_t* pos;
+  const int64_t* cell_offsets;
+  const int64_t* block_starts;
+  int64_t num_blocks, heads, kv_heads, dim, q_row_stride, window;
+  float scale;
+  T* out;
+
+  static constexpr bool kDirect = std::is_same_v<T, float> && std::is_same_v<C, float>;
+
+  int64_t share() const { return heads / kv_heads; }
+  int64_t kv_width() const { return kv_heads * dim; }
+  const C* cache_row(const C* cache, const int64_t* seq_cells, int64_t key, int64_t g) const {
+    return cache + seq_cells[key] * kv_width() + g * dim;
+  }
+
+  // keys_t[d][j] for the tile's keys j in [a, b) (tile-relative) of KV head g; zeros for
+  // the other keys of each transposed group that holds one of them.
+  void load_keys(const int64_t* seq_cells, int64_t t0, int64_t a, int64_t b, int64_t g,
+                 Scratch& s) const {
+    float* keys_t = s.keys_t.data();
+    for (int64_t j0 = a / kTransposeRows * kTransposeRows; j0 < b; j0 += kTransposeRows) {
+      const float* src = nullptr;
+      int64_t stride = dim;
+      bool whole = j0 >= a && j0 + kTransposeRows <= b;
+      if constexpr (kDirect) {
+        // Adjacent cells (the usual case for a prompt) transpose straight from the cache.
+        const int64_t first = seq_cells[t0 + j0];
+        for (int64_t r = 1; whole && r < kTransposeRows; ++r)
+          whole = seq_cells[t0 + j0 + r] == first + r;
+        if (whole) {
+          src = cache_row(k_cache, seq_cells, t0 + j0, g);
+          stride = kv_width();
         }
-      };
-      for_each_tile(k_cache, [&](int64_t i, int64_t h, int64_t j0, int64_t j1, const float* keys) {
-        dots_any(queries.data() + i * width + h * head_dim, keys, kv_width, j1 - j0,
-                 row_of(i, h) + j0, head_dim);
-      });
-      for (int64_t i = 0; i < count; ++i)
-        for (int64_t h = 0; h < heads; ++h)
-          softmax_row<T>(row_of(i, h), visible[i].lo, visible[i].hi, scale);
-      for_each_tile(v_cache, [&](int64_t i, int64_t h, int64_t j0, int64_t j1, const float* values) {
-        weighted_sum_any(row_of(i, h) + j0, values, kv_width, j1 - j0,
-                         acc.data() + i * width + h * head_dim, head_dim);
-      });
-      for (int64_t i = 0; i < count; ++i) {
-        T* o = out + rows[first + i] * width;
-        for (int64_t x = 0; x < width; ++x) o[x] = static_cast<T>(acc[i * width + x]);
+      }
+      if (src == nullptr) {
+        float* staged = s.staged.data();
+        for (int64_t r = 0; r < kTransposeRows; ++r) {
+          const int64_t j = j0 + r;
+          if (j >= a && j < b)
+            load_row<T>(cache_row(k_cache, seq_cells, t0 + j, g), staged + r * dim, dim);
+          else
+            std::fill(staged + r * dim, staged + (r + 1) * dim, 0.f);
+        }
+        src = staged;
+      }
+      int64_t d = 0;
+      for (; d + kTransposeRows <= dim; d += kTransposeRows)
+        at::vec::transpose_mxn<float, kTransposeRows, kTransposeRows>(
+            src + d, stride, keys_t + d * kKeyTile + j0, kKeyTile);
+      for (; d < dim; ++d)
+        for (int64_t r = 0; r < kTransposeRows; ++r)
+          keys_t[d * kKeyTile + j0 + r] = src[r * stride + d];
+    }
+  }
+
+  // Points s.value_rows[j] at the tile's value rows j in [a, b) of KV head g.
+  void load_values(const int64_t* seq_cells, int64_t t0, int64_t a, int64_t b, int64_t g,
+                   Scratch& s) const {
+    for (int64_t j = a; j < b; ++j) {
+      if constexpr (kDirect) {
+        s.value_rows[j] = cache_row(v_cache, seq_cells, t0 + j, g);
+      } else {
+        float* row = s.values.data() + j * dim;
+        load_row<T>(cache_row(v_cache, seq_cells, t0 + j, g), row, dim);
+        s.value_rows[j] = row;
       }
     }
-  });
-}
+  }
+
+  // Turns row r's scores over the tile into unnormalised weights for its visible keys
+  // [j0, j1) (tile-relative; zeros elsewhere), updates its running maximum and sum, and
+  // returns the factor its accumulated values must be scaled by.
+  float softmax_step(float* row, int64_t j0, int64_t j1, float& running_max,
+                     float& running_sum) const {
+    if (j1 <= j0) {
+      std::fill(row, row + kKeyTile, 0.f);
+      return 1.f;
+    }
+    // Whole vectors covering [j0, j1); lanes are aligned on absolute positions.
+    const int64_t v0 = j0 / kLanes * kLanes, v1 = (j1 + kLanes - 1) / kLanes * kLanes;
+    round_all<T>(row + j0, j1 - j0);
+#pragma omp simd
+    for (int64_t j = j0; j < j1; ++j) row[j] *= scale;
+    round_all<T>(row + j0, j1 - j0);
+    std::fill(row + v0, row + j0, kNegInf);
+    std::fill(row + j1, row + v1, kNegInf);
+    Vec top(kNegInf);
+    for (int64_t j = v0; j < v1; j += kLanes) top = at::vec::maximum(top, Vec::loadu(row + j));
+    const float new_max = std::max(running_max, max_lanes(top));
+    const float factor = std::exp(running_max - new_max);
+    const Vec shift(new_max);
+    Vec total(0.f);
+    for (int64_t j = v0; j < v1; j += kLanes) {
+      const Vec e = (Vec::loadu(row + j) - shift).exp_u20();
+      e.store(row + j);
+      total = total + e;
+    }
+    std::fill(row, row + v0, 0.f);
+    std::fill(row + v1, row + kKeyTile, 0.f);
+    running_max = new_max;
+    running_sum = running_sum * factor + sum_lanes(total);
+    return factor;
+  }
+
+  // The queries of `block`, every head: every visible key, tile by tile.
+  void run_block(int64_t block, Scratch& s) const {
+    const int64_t first = block_starts[block], count = block_starts[block + 1] - first;
+    const int64_t* seq_cells = cells + cell_offsets[first];
+    const int64_t group = share(), num_rows = count * heads, width = heads * dim;
+    const int64_t group_rows = count * group;  // rows of one KV head
+    s.lo.resize(count);
+    s.hi.resize(count);
+    int64_t block_lo = std::numeric_limits<int64_t>::max(), block_hi = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t p = pos[first + i];
+      s.lo[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      s.hi[i] = p + 1;
+      block_lo = std::min(block_lo, s.lo[i]);
+      block_hi = std::max(block_hi, s.hi[i]);
+    }
+    // Row (g * count + i) * group + h' is query i under head g * group + h': the rows of
+    // one KV head are adjacent.
+    auto row_of = [&](int64_t g, int64_t i, int64_t h) { return (g * count + i) * group + h; };
+    s.queries.resize(num_rows * dim);
+    for (int64_t i = 0; i < count; ++i) {
+      const T* src = q + rows[first + i] * q_row_stride;
+      for (int64_t g = 0; g < kv_heads; ++g)
+        for (int64_t x = 0; x < group * dim; ++x)
+          s.queries[row_of(g, i, 0) * dim + x] = widen(src[g * group * dim + x]);
+    }
+    s.acc.assign(num_rows * dim, 0.f);
+    s.row_max.assign(num_rows, kNegInf);
+    s.row_sum.assign(num_rows, 0.f);
+    s.scores.resize(group_rows * kKeyTile);
+    const int64_t last_tile = (block_hi - 1) / kKeyTile * kKeyTile;
+    for (int64_t t0 = block_lo / kKeyTile * kKeyTile; t0 <= last_tile; t0 += kKeyTile) {
+      const int64_t a = std::max(t0, block_lo) - t0, b = std::min(t0 + kKeyTile, block_hi) - t0;
+      if (t0 < last_tile) {
+        for (int64_t j = t0 + kKeyTile; j < std::min(t0 + 2 * kKeyTile, block_hi); ++j) {
+          prefetch_row(k_cache + seq_cells[j] * kv_width(), kv_width());
+          prefetch_row(v_cache + seq_cells[j] * kv_width(), kv_width());
+        }
+      }
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t base = g * group_rows;
+        load_keys(seq_cells, t0, a, b, g, s);
+        int64_t r = 0;
+        for (; r + kRowGroup <= group_rows; r += kRowGroup)
+          tile_scores<kRowGroup>(&s.queries[(base + r) * dim], dim, s.keys_t.data(),
+                                 &s.scores[r * kKeyTile]);
+        for (; r < group_rows; ++r)
+          tile_scores<1>(&s.queries[(base + r) * dim], dim, s.keys_t.data(),
+                         &s.scores[r * kKeyTile]);
+        load_values(seq_cells, t0, a, b, g, s);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t j0 = std::max(s.lo[i] - t0, a), j1 = std::min(s.hi[i] - t0, b);
+          for (int64_t h = 0; h < group; ++h) {
+            const int64_t row = row_of(g, i, h);
+            const float factor = softmax_step(&s.scores[(row - base) * kKeyTile], j0, j1,
+                                              s.row_max[row], s.row_sum[row]);
+            if (factor != 1.f) {
+              float* acc = &s.acc[row * dim];
+              for (int64_t x = 0; x < dim; ++x) acc[x] *= factor;
+            }
+          }
+        }
+        // Weights outside a row's visible keys are zero, so each group of rows may run
+        // over every loaded key: the extra terms add exact zeros.
+        r = 0;
+        for (; r + kRowGroup <= group_rows; r += kRowGroup)
+          tile_values_all<kRowGroup>(&s.scores[r * kKeyTile], s.value_rows.data(), a, b,
+                                     &s.acc[(base + r) * dim], dim);
+        for (; r < group_rows; ++r)
+          tile_values_all<1>(&s.scores[r * kKeyTile], s.value_rows.data(), a, b,
+                             &s.acc[(base + r) * dim], dim);
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      T* o = out + rows[first + i] * width;
+      for (int64_t g = 0; g < kv_heads; ++g)
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t row = row_of(g, i, h);
+          const float* acc = &s.acc[row * dim];
+          const float total = s.row_sum[row];
+          T* dst = o + (g * group + h) * dim;
+          for (int64_t x = 0; x < dim; ++x) dst[x] = static_cast<T>(acc[x] / total);
+        }
+    }
+  }
+
+  void run() const {
+    // Blocks are handed out longest first to whichever worker is free: which worker runs
+    // a block never changes its result.
+    std::vector<int64_t> cost(num_blocks);
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const int64_t first = block_starts[block], last = block_starts[block + 1] - 1;
+      const int64_t span = pos[last] - (window > 0 ? pos[first] - window : -1);
+      cost[block] = (last - first + 1) * std::max<int64_t>(span, 1);
+    }
+    std::vector<int64_t> order(num_blocks);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_blocks);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      Scratch s;
+      s.keys_t.resize(dim * kKeyTile);
+      s.staged.resize(kTransposeRows * dim);
+      if constexpr (!kDirect) s.values.resize(kKeyTile * dim);
+      for (int64_t k = next++; k < num_blocks; k = next++) run_block(order[k], s);
+    });
+  }
+};
 
 template <typename T>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -250,11 +385,23 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     double scale, at::Tensor& out) {
   cellbatch::for_each_scalar_type(k_cache, "cell_attention KV", [&](auto cache_tag) {
     using C = decltype(cache_tag);
-    attend<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
-                 cells.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
-                 cell_offsets.data_ptr<int64_t>(), block_starts.data_ptr<int64_t>(),
-                 block_starts.size(0) - 1, q.size(1), k_cache.size(1), q.size(2), q.stride(0), window,
-                 static_cast<float>(scale), out.data_ptr<T>());
+    CellAttention<T, C>{q.data_ptr<T>(),
+                        k_cache.data_ptr<C>(),
+                        v_cache.data_ptr<C>(),
+                        cells.data_ptr<int64_t>(),
+                        rows.data_ptr<int64_t>(),
+                        pos.data_ptr<int64_t>(),
+                        cell_offsets.data_ptr<int64_t>(),
+                        block_starts.data_ptr<int64_t>(),
+                        block_starts.size(0) - 1,
+                        q.size(1),
+                        k_cache.size(1),
+                        q.size(2),
+                        q.stride(0),
+                        window,
+                        static_cast<float>(scale),
+                        out.data_ptr<T>()}
+        .run();
   });
 }
 
