@@ -34,11 +34,13 @@ class Cells:
     """A CellCache fed steps of (sequence, token count). The K/V of (sequence, position)
     are fixed random values, whichever cell that position lands in."""
 
-    def __init__(self, num_sequences: int, kv_dtype: torch.dtype, seed: int = 0) -> None:
+    def __init__(
+        self, num_sequences: int, kv_dtype: torch.dtype, seed: int = 0, length: int = 512
+    ) -> None:
         self.cache = CellCache(4096)
         self.seqs = [self.cache.seq_alloc() for _ in range(num_sequences)]
         generator = torch.Generator().manual_seed(seed)
-        shape = (num_sequences, 512, HEADS.num_kv_heads, HEADS.head_dim)
+        shape = (num_sequences, length, HEADS.num_kv_heads, HEADS.head_dim)
         self.k_of = torch.randn(shape, generator=generator).to(kv_dtype)
         self.v_of = torch.randn(shape, generator=generator).to(kv_dtype)
         # Cells never written hold NaN, so reading one shows in the result; the scratch
@@ -153,3 +155,64 @@ def test_a_query_gives_the_same_bits_whatever_shares_its_step(attention, window,
         schedules.append([[(0, 1)]] * 45)
     for schedule in schedules:
         assert torch.equal(run(schedule), alone), schedule
+
+
+# A 1,000-token prompt beside a shorter one, then decodes: many key tiles, with windows that
+# start and end inside them.
+LONG_STEPS = [
+    [(0, 300), (1, 70)],
+    [(1, 1), (0, 700)],
+    [(0, 1), (1, 1)],
+]
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_match_a_float64_reference(attention, window, kv_dtype) -> None:
+    cells = Cells(2, kv_dtype, length=1024)
+    generator = torch.Generator().manual_seed(3)
+    for parts in LONG_STEPS:
+        plan, owners, positions = cells.step(parts)
+        q = torch.randn(len(owners), HEADS.num_heads, HEADS.head_dim, generator=generator)
+        got = attention.attend(q, cells.k, cells.v, attention.prepare(plan), window)
+        # The float64 reference is slow: every 7th row, and the last (a tile's edge or not).
+        sample = [*range(0, len(owners), 7), len(owners) - 1]
+        expected = reference(
+            cells,
+            q[sample],
+            [owners[i] for i in sample],
+            [positions[i] for i in sample],
+            window,
+            torch.float32,
+        )
+        assert (got[sample].double() - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_long_prompt_gives_the_same_bits_in_any_chunking(attention, window) -> None:
+    """A 1,000-token prompt, then decodes: alone in one chunk, in chunks of 64 or 333,
+    and beside another sequence's chunks and decodes."""
+    generator = torch.Generator().manual_seed(4)
+    queries = torch.randn(1004, HEADS.num_heads, HEADS.head_dim, generator=generator)
+    extra = torch.randn(1100, HEADS.num_heads, HEADS.head_dim, generator=generator)
+
+    def run(schedule: list[list[tuple[int, int]]]) -> torch.Tensor:
+        cells = Cells(2, torch.float32, seed=8, length=1024)
+        rows, fed = [], 0
+        for parts in schedule:
+            plan, owners, _ = cells.step(parts)
+            mine = [i for i, owner in enumerate(owners) if owner == 0]
+            q = extra[: len(owners)].clone()
+            q[mine] = queries[fed : fed + len(mine)]
+            out = attention.attend(q, cells.k, cells.v, attention.prepare(plan), window)
+            rows.append(out[mine])
+            fed += len(mine)
+        return torch.cat(rows)
+
+    decodes = [[(0, 1)]] * 4
+    alone = run([[(0, 1000)], *decodes])
+    for schedule in (
+        [[(0, 64)]] * 15 + [[(0, 40)]] + decodes,
+        [[(0, 333)], [(1, 90), (0, 333)], [(0, 334), (1, 1)]] + [[(1, 1), (0, 1)]] * 4,
+    ):
+        assert torch.equal(run(schedule), alone), [len(step) for step in schedule]

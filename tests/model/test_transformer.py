@@ -168,6 +168,26 @@ def test_a_sequence_is_batch_invariant(
         assert torch.equal(got, alone), (order, chunk)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_long_prompt_gives_the_same_logits_in_any_chunk_size(
+    tiny_checkpoint, first_sequence_logits, kernels
+) -> None:
+    """A 2,000-token prompt and its decodes, chunked by 2,048 (whole), 512 or 64, alone or
+    beside another prompt: bit-identical, and as transformers computes the prompt."""
+    hf_model, folder = tiny_checkpoint("llama", max_position_embeddings=2048)
+    _, model = load_model(folder, "float32", kernels)
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (2000, 300)]
+    decodes = [7, 31]
+    whole = first_sequence_logits(model, prompts, decodes, [0], 2048)
+    for order, chunk in (([0], 512), ([0], 64), ([1, 0], 512)):
+        got = first_sequence_logits(model, prompts, decodes, order, chunk)
+        assert torch.equal(got, whole), (order, chunk)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompts[0]])).logits[0]
+    assert (whole[:2000] - expected).abs().max().item() < 1e-4
+
+
 def test_bf16_weights_and_kv_stay_close_to_fp32(tiny_checkpoint, packed_steps) -> None:
     _, folder = tiny_checkpoint("llama")
     _, model32 = load_model(folder, "float32")

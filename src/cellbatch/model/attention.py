@@ -2,9 +2,10 @@
 
 Owns: `CellAttention`, which turns a step's `AttentionPlan` into the arguments of the op
 `cell_attention` once per step (`prepare`) and calls the op once per layer (`attend`);
-and `cell_attention_torch`, the op's pure-torch implementation (gather each sequence's
-cells, then two GEMMs and a softmax). The op itself (its schema, the compiled kernel
-`kernels/cell_attention.cpp`, the choice between them) belongs to `cellbatch.model.ops`.
+and `cell_attention_torch`, the op's pure-torch implementation (blockwise: waves of a
+sequence's queries, each against its own context, gathered, then two GEMMs and a
+softmax). The op itself (its schema, the compiled kernel `kernels/cell_attention.cpp`,
+the choice between them) belongs to `cellbatch.model.ops`.
 Promises: both implementations give each query the attention of transformers' eager
 implementation over exactly the cells the plan gives its sequence, limited to a layer's
 sliding window, with a result bit-identical whatever else shares the step (other
@@ -24,15 +25,19 @@ them into blocks of at most QUERY_BLOCK queries of one sequence.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from cellbatch.cache import SCRATCH_CELL, AttentionGroup, AttentionPlan
+from cellbatch.cache import SCRATCH_CELL, AttentionPlan
 
 # The torch implementation sums keys in blocks of this many positions (see _weighted_values).
 KEY_BLOCK = 64
+# It takes a sequence's queries in waves of at most this many, each against the keys up to
+# its own last position, and batches waves while their scores fit in this many elements.
+QUERY_WAVE = 128
+SCORE_BUDGET = 1 << 22
 # Queries of one sequence go to the op in blocks of at most this many, so the compiled
 # kernel reads each K/V row of a prompt chunk once per block rather than once per query.
 QUERY_BLOCK = 16
@@ -154,40 +159,48 @@ def cell_attention_torch(
 ) -> None:
     """The op `cell_attention` in pure torch: writes out[rows[i]] for every query i.
 
-    The queries are regrouped as `CellCache.attention_plan` groups them (sequences with
-    one query, then those with several), each group gathered and multiplied at once, laid
-    out KV-head-major: the query heads sharing a KV head are stacked as rows of one
-    product, so K/V are never repeated; scale and mask are applied inside the score GEMM
-    (baddbmm). `block_starts` is not needed here: a group holds whole sequences.
+    Blockwise: each sequence's queries are cut into waves of at most QUERY_WAVE, and a
+    wave reads only the keys up to its own last position (from the first its window
+    needs), so a long prompt chunk costs causal attention over its own context and never
+    holds its whole score matrix. Waves of similar context length are batched into one
+    product while their scores fit SCORE_BUDGET (`_batches`). A batch is laid out
+    KV-head-major: the query heads sharing a KV head are stacked as rows of one product,
+    so K/V are never repeated; scale and mask are applied inside the score GEMM (baddbmm).
+    `block_starts` is not needed here.
 
     Batch invariance needs care that the compiled kernel gets for free: GEMM rounding
-    depends on shapes, so keys are padded to whole KEY_BLOCKs aligned on positions,
-    multi-query groups to at least MIN_GEMM_ROWS rows, and operands made contiguous so
-    every group size takes the same GEMM path. One-query groups (decodes, and one-token
-    prompt chunks) keep their fewer rows, so they round as one another, not as chunks.
+    depends on shapes, so keys are padded to whole KEY_BLOCKs aligned on positions, waves
+    of multi-query sequences to at least MIN_GEMM_ROWS rows, and operands made contiguous
+    so every batch takes the same GEMM path; a query's result then depends neither on its
+    wave's other queries nor on how far its batch's keys reach. Waves of one-query
+    sequences (decodes, and one-token prompt chunks) keep their fewer rows, so they round
+    as one another, not as chunks.
     """
     if rows.numel() == 0:
         return
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     share = q.shape[1] // kv_heads
     min_query_rows = -(-MIN_GEMM_ROWS.get(q.dtype, 16) // share)
-    for group in _groups(cells, rows, pos, cell_offsets):
-        g = _group_work(group, window or None, kv_heads, share, min_query_rows, q.dtype)
-        num_groups, num_queries = g.rows.shape
-        batch = kv_heads * num_groups
-        # q[rows]: [G, Tq, kv_heads * share, D] -> [kv_heads * G, share * Tq, D]
+    waves = _waves(pos, cell_offsets, window or None)
+    for batch in _batches(waves, kv_heads * share, min_query_rows):
+        g = _batch_work(
+            batch, cells, rows, pos, window or None, kv_heads, share, min_query_rows, q.dtype
+        )
+        num_waves, num_queries = g.rows.shape
+        size = kv_heads * num_waves
+        # q[rows]: [W, Tq, kv_heads * share, D] -> [kv_heads * W, share * Tq, D]
         query = (
             q[g.rows]
-            .view(num_groups, num_queries, kv_heads, share, head_dim)
+            .view(num_waves, num_queries, kv_heads, share, head_dim)
             .permute(2, 0, 3, 1, 4)
-            .reshape(batch, share * num_queries, head_dim)
+            .reshape(size, share * num_queries, head_dim)
         )
-        # One row gather each into contiguous [kv_heads * G, Tk, D]; the pool's dtype may
+        # One row gather each into contiguous [kv_heads * W, Tk, D]; the pool's dtype may
         # differ from q's.
         key, value = (
             cache.view(-1, head_dim)
             .index_select(0, g.key_rows)
-            .view(batch, g.keys, head_dim)
+            .view(size, g.keys, head_dim)
             .to(q.dtype)
             for cache in (k_cache, v_cache)
         )
@@ -195,100 +208,120 @@ def cell_attention_torch(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         attended = (
             _weighted_values(probs, value)
-            .view(kv_heads, num_groups, share, num_queries, head_dim)
+            .view(kv_heads, num_waves, share, num_queries, head_dim)
             .permute(1, 3, 0, 2, 4)
-            .reshape(num_groups * num_queries, share * kv_heads * head_dim)
+            .reshape(num_waves * num_queries, share * kv_heads * head_dim)
         )
         out.index_copy_(0, g.dest, attended if g.valid is None else attended[g.valid])
 
 
-def _groups(
-    cells: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, cell_offsets: torch.Tensor
-) -> list[AttentionGroup]:
-    """The op's queries as plan groups: one of the sequences with a single query, one of
-    those with several (padded to the most queries; keys to the highest position + 1)."""
-    device = cells.device
+@dataclass
+class _Waves:
+    """Each sequence's queries cut into waves of at most QUERY_WAVE (one entry per wave)."""
+
+    first: torch.Tensor  # index of the wave's first query
+    offset: torch.Tensor  # where its sequence's cells start in the op's `cells`
+    count: torch.Tensor  # its number of queries
+    single: torch.Tensor  # bool: its sequence has one query in the step
+    lowest: torch.Tensor  # the lowest key position any of its queries sees
+    keys: torch.Tensor  # keys it spans: KEY_BLOCK-aligned, from `lowest`'s block to its last
+
+
+def _waves(pos: torch.Tensor, cell_offsets: torch.Tensor, window: int | None) -> _Waves:
     offsets, counts = torch.unique_consecutive(cell_offsets, return_counts=True)
-    first = torch.cumsum(counts, 0) - counts
-    single = counts == 1
-    groups = []
-    for selected in (single, ~single):
-        if not bool(selected.any()):
-            continue
-        seq_first, seq_count, seq_offset = first[selected], counts[selected], offsets[selected]
-        query_offsets = torch.arange(int(seq_count.max()), device=device)
-        query_valid = query_offsets < seq_count[:, None]
-        # Padded queries repeat the sequence's last query: any valid row will do.
-        index = seq_first[:, None] + torch.minimum(query_offsets, seq_count[:, None] - 1)
-        query_pos = torch.where(query_valid, pos[index], 0)
-        key_len = query_pos.max(dim=1).values + 1
-        keys = torch.arange(int(key_len.max()), device=device)
-        key_valid = keys < key_len[:, None]
-        key_index = (seq_offset[:, None] + keys).clamp_(max=cells.shape[0] - 1)
-        groups.append(
-            AttentionGroup(
-                rows=rows[index],
-                cells=torch.where(key_valid, cells[key_index], SCRATCH_CELL),
-                query_pos=query_pos,
-                query_valid=query_valid,
-                key_len=key_len,
-            )
-        )
-    return groups
+    per_sequence = -(-counts // QUERY_WAVE)
+    sequence = torch.repeat_interleave(torch.arange(len(counts)), per_sequence)
+    before = torch.cumsum(per_sequence, 0) - per_sequence
+    rank = torch.arange(len(sequence)) - before[sequence]
+    first = (torch.cumsum(counts, 0) - counts)[sequence] + rank * QUERY_WAVE
+    count = torch.clamp(counts[sequence] - rank * QUERY_WAVE, max=QUERY_WAVE)
+    highest = pos[first + count - 1]
+    lowest = torch.zeros_like(highest) if window is None else (pos[first] - window + 1).clamp(0)
+    start = lowest // KEY_BLOCK * KEY_BLOCK
+    keys = (highest + 1 - start + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
+    return _Waves(first, offsets[sequence], count, counts[sequence] == 1, lowest, keys)
+
+
+def _batches(waves: _Waves, heads: int, min_query_rows: int) -> list[_Waves]:
+    """The waves in batches of one kind (one-query sequences or not) and similar key
+    counts, each holding about SCORE_BUDGET scores (a wave alone may hold more)."""
+    query_rows = torch.where(waves.single, 1, waves.count.clamp(min=min_query_rows))
+    order = torch.argsort(waves.keys + waves.single * (1 << 40), stable=True)
+    cost = (heads * query_rows * waves.keys)[order]
+    kind = waves.single[order].long()
+    # Consecutive waves share a batch while their running cost stays in one budget's
+    # worth; the kinds never share one.
+    running = torch.cumsum(cost, 0) - cost
+    label = kind * (1 << 40) + running // SCORE_BUDGET
+    _, sizes = torch.unique_consecutive(label, return_counts=True)
+    fields = [getattr(waves, field.name) for field in dataclasses.fields(_Waves)]
+    return [
+        _Waves(*(field[part] for field in fields)) for part in torch.split(order, sizes.tolist())
+    ]
 
 
 @dataclass
-class _GroupWork:
-    """One plan group prepared for one window size."""
+class _BatchWork:
+    """One batch of waves, prepared for the products."""
 
-    rows: torch.Tensor  # [G, Tq] query rows (padded queries repeat a valid row)
-    key_rows: torch.Tensor  # [kv_heads * G * Tk] rows of the pool seen as [cells * kv_heads, D]
-    keys: int  # Tk: keys per sequence, a multiple of KEY_BLOCK (pad: the scratch cell)
-    bias: torch.Tensor  # [kv_heads * G, share * Tq, Tk] 0 where visible, -inf where not
+    rows: torch.Tensor  # [W, Tq] query rows (padded queries repeat a valid row)
+    key_rows: torch.Tensor  # [kv_heads * W * Tk] rows of the pool seen as [cells * kv_heads, D]
+    keys: int  # Tk: keys per wave, a multiple of KEY_BLOCK (pad: the scratch cell)
+    bias: torch.Tensor  # [kv_heads * W, share * Tq, Tk] 0 where visible, -inf where not
     dest: torch.Tensor  # [N] token rows the valid queries write
-    valid: torch.Tensor | None  # [G * Tq] bool, None when every query is valid
+    valid: torch.Tensor | None  # [W * Tq] bool, None when every query is valid
 
 
-def _group_work(
-    group: AttentionGroup,
+def _batch_work(
+    batch: _Waves,
+    cells: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
     window: int | None,
     kv_heads: int,
     share: int,
     min_query_rows: int,
     dtype: torch.dtype,
-) -> _GroupWork:
-    rows, cells, visible, valid = group.rows, group.cells, group.mask(window), group.query_valid
+) -> _BatchWork:
+    device = cells.device
+    num_queries = int(batch.count.max())
+    if not bool(batch.single[0]):
+        num_queries = max(num_queries, min_query_rows)
+    query_offsets = torch.arange(num_queries, device=device)
+    valid = query_offsets < batch.count[:, None]
+    # Padded queries repeat the wave's last query: any valid row will do.
+    index = batch.first[:, None] + torch.minimum(query_offsets, batch.count[:, None] - 1)
+    query_pos = pos[index]
+    # Key k of the batch is position start + k; start is KEY_BLOCK-aligned so that every
+    # wave's keys sit in the same blocks whatever batch it is in.
+    start = int(batch.lowest.min()) // KEY_BLOCK * KEY_BLOCK
+    keys = int((batch.lowest // KEY_BLOCK * KEY_BLOCK + batch.keys).max()) - start
+    key_pos = start + torch.arange(keys, device=device)
+    wanted = key_pos <= query_pos.max(dim=1).values[:, None]  # [W, Tk]
+    key_index = (batch.offset[:, None] + key_pos).clamp(max=cells.shape[0] - 1)
+    key_cells = torch.where(wanted, cells[key_index], SCRATCH_CELL)
+    visible = key_pos <= query_pos[:, :, None]
     if window is not None:
-        # Blocks of keys wholly at positions <= (lowest query position) - window are
-        # invisible to the whole group: leave them out of the gather.
-        lowest = int(group.query_pos[valid].min())
-        start = max(0, lowest - window + 1) // KEY_BLOCK * KEY_BLOCK
-        cells, visible = cells[:, start:], visible[..., start:]
-    pad_keys = -cells.shape[1] % KEY_BLOCK
-    cells = F.pad(cells, (0, pad_keys), value=SCRATCH_CELL)
-    visible = F.pad(visible, (0, pad_keys), value=False)
-    num_groups, num_queries = rows.shape
-    if 1 < num_queries < min_query_rows:
-        extra = min_query_rows - num_queries
-        rows = torch.cat([rows, rows[:, -1:].expand(num_groups, extra)], dim=1)
-        visible = torch.cat([visible, visible[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-        valid = F.pad(valid, (0, extra), value=False)
-        num_queries = min_query_rows
-    keys = cells.shape[1]
-    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        visible &= key_pos > query_pos[:, :, None] - window
+    # A padded query sees its wave's first key only, so softmax never meets an all-masked
+    # row (its result is dropped).
+    visible = torch.where(valid[:, :, None], visible, key_pos == key_pos[0])
+    bias = torch.zeros(visible.shape, dtype=dtype, device=device)
     bias.masked_fill_(~visible, float("-inf"))
-    # [G, 1, Tq, Tk] -> [kv_heads * G, share * Tq, Tk], the layout of the score products.
-    bias = bias[None].expand(kv_heads, num_groups, share, num_queries, keys)
+    num_waves = index.shape[0]
+    # [W, Tq, Tk] -> [kv_heads * W, share * Tq, Tk], the layout of the score products.
+    bias = bias[None, :, None].expand(kv_heads, num_waves, share, num_queries, keys)
     # Row h + kv_heads * cell of the pool seen as [cells * kv_heads, D] is head h of that
-    # cell: one row gather yields K/V already laid out [kv_heads, G, Tk, D].
-    heads = torch.arange(kv_heads, device=cells.device)[:, None]
+    # cell: one row gather yields K/V already laid out [kv_heads, W, Tk, D].
+    heads = torch.arange(kv_heads, device=device)[:, None]
     all_valid = bool(valid.all())
-    return _GroupWork(
-        rows=rows,
-        key_rows=(cells.reshape(1, -1) * kv_heads + heads).reshape(-1),
+    wave_rows = rows[index]
+    return _BatchWork(
+        rows=wave_rows,
+        key_rows=(key_cells.reshape(1, -1) * kv_heads + heads).reshape(-1),
         keys=keys,
-        bias=bias.reshape(kv_heads * num_groups, share * num_queries, keys),
-        dest=rows.reshape(-1) if all_valid else rows[valid],
+        bias=bias.reshape(kv_heads * num_waves, share * num_queries, keys),
+        dest=wave_rows.reshape(-1) if all_valid else wave_rows[valid],
         valid=None if all_valid else valid.reshape(-1),
     )
 
