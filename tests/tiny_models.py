@@ -6,12 +6,13 @@ weights away from 1, so that each part of the computation shows in the logits.
 `reference_model(folder)` loads transformers' model back from that folder (a freshly
 built in-memory model has been seen to differ from the saved one); `greedy_reference`
 runs its greedy `generate` one prompt at a time and keeps the logits, so that a
-mismatch can be told apart from a near-tie (`first_divergence`).
+mismatch can be told apart from a near-tie (`first_divergence`). `write_gguf` writes a
+transformers model as a GGUF file, with tensors quantised by gguf where asked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,3 +177,78 @@ def near_tie(ours: Sequence[int], reference: Reference, tolerance: float = 0.01)
     top = reference.logits[at].topk(2)
     gap = (top.values[0] - top.values[1]).item()
     return gap < tolerance and list(ours)[at] in top.indices.tolist()
+
+
+def write_gguf(
+    hf_model,
+    path: Path,
+    arch: str,
+    name: str = "tiny",
+    kinds: Callable[[str], str | None] | None = None,
+) -> None:
+    """A GGUF laid out the way llama.cpp's converter writes it (llama arch: Q/K rows of
+    each head interleaved). Tensors are float32, except where `kinds(gguf name)` names a
+    kind that gguf can quantise ("Q4_1", "Q8_0", ...)."""
+    import gguf
+    import numpy as np
+
+    c = hf_model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(name)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def permute(w: np.ndarray, heads: int) -> np.ndarray:
+        return (
+            w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
+
+    renames = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for key, value in hf_model.state_dict().items():
+        array = value.detach().float().numpy().copy()
+        if key == "model.embed_tokens.weight":
+            target = "token_embd.weight"
+        elif key == "model.norm.weight":
+            target = "output_norm.weight"
+        elif key == "lm_head.weight":
+            target = "output.weight"
+        else:
+            layer, rest = key.removeprefix("model.layers.").split(".", 1)
+            module, suffix = rest.rsplit(".", 1)
+            target = f"blk.{layer}.{renames[module]}.{suffix}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                array = permute(array, c.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                array = permute(array, c.num_key_value_heads)
+        kind = kinds(target) if kinds is not None else None
+        if kind is None:
+            writer.add_tensor(target, array)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            blocks = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(target, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

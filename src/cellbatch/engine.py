@@ -29,7 +29,10 @@ from cellbatch.cache import kv_bytes_per_cell
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
 from cellbatch.model.default import default_model_path
-from cellbatch.model.loading import load_model
+from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
+from cellbatch.model.ops import resolve as resolve_ops
+from cellbatch.model.quantized import WeightsSummary, resolve_quantize
+from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.prefix_cache import common_prefix_length
@@ -113,7 +116,8 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_path = model_path
-        self.dtype = next(model.parameters()).dtype
+        # The activations' dtype: quantised weights have integer parameters.
+        self.dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
         self.kv_dtype = kv_dtype
         self.kernels = model.ops.kind  # "compiled" or "torch"
         self.stop_tokens = frozenset(
@@ -156,27 +160,39 @@ class Engine:
         kv_dtype: str | torch.dtype | None = None,
         threads: int | None = None,
         kernels: str = "auto",
+        quantize: str = "auto",
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
+        progress: LoadProgress | None = None,
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder or a GGUF file (default: the embedded
         SmolLM2-135M-Instruct). `shape` takes EngineShape's fields. `kv_dtype`
         defaults to the weight dtype. `kernels`: "auto" (the compiled CPU kernels where
-        they build, else pure torch), "compiled" or "torch"."""
+        they build, else pure torch), "compiled" or "torch". `quantize`: "auto" (a GGUF
+        file keeps its precision class, e.g. Q4_1 -> int4; other models stay float),
+        "none", "int8" or "int4" (see cellbatch.model.quantized). `progress` hears of each
+        phase of the load as it ends (what it did, and its seconds). The options are
+        checked before anything loads."""
+        resolve_quantize(quantize)  # a bad value fails before anything loads
         if threads is not None:
             if threads < 1:
                 raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
         path = Path(model) if model is not None else default_model_path()
         weight_dtype = resolve_dtype(dtype)
-        config, module = in_short_lived_thread(lambda: load_model(path, weight_dtype, kernels))
+        resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
+        resolve_ops(kernels, "cpu")  # refuses "compiled" where the kernels are missing
+        config, module = in_short_lived_thread(
+            lambda: load_model(path, weight_dtype, kernels, quantize, progress)
+        )
+        clock = PhaseClock(progress)
         try:
             tokenizer = load_tokenizer(path)
         except FileNotFoundError:
             tokenizer = None  # token-id prompts still work; text prompts say why not
-        resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
-        return cls(
+        clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
+        engine = cls(
             module,
             config,
             tokenizer,
@@ -186,6 +202,8 @@ class Engine:
             kv_dtype=resolved_kv,
             model_path=path,
         )
+        clock.done("started the engine")
+        return engine
 
     # -- sessions ------------------------------------------------------------
 
@@ -308,6 +326,17 @@ class Engine:
     @property
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def weights(self) -> WeightsSummary:
+        """Which weight format ran: in words, per role, the quantised products' kernel,
+        and bytes per format."""
+        return describe_weights(self.model)
+
+    @property
+    def weight_format(self) -> str:
+        """The weight format in words, e.g. "int4, embedding int8, lm_head int8"."""
+        return self.weights.format
 
     def kv_usage(self) -> dict[str, int]:
         """Cells in use, the cell limit, pool rows, allocated bytes, growth count and

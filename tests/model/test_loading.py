@@ -4,15 +4,14 @@ for checkpoints that cannot be loaded."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from cellbatch.model.config import UnsupportedModelError
 from cellbatch.model.loading import CheckpointMismatchError, load_model, locate_model
+from tiny_models import write_gguf
 
 TOKENS = [5, 17, 33, 2, 61, 9, 40, 12]
 
@@ -44,67 +43,6 @@ def test_weights_take_the_requested_dtype(tiny_checkpoint) -> None:
         _, model = load_model(folder, name)
         assert {p.dtype for p in model.parameters()} == {dtype}
         assert not any(p.requires_grad for p in model.parameters())
-
-
-def write_gguf(hf_model, path: Path, arch: str, name: str = "tiny") -> None:
-    """A float32 GGUF laid out the way llama.cpp's converter writes it (llama arch: Q/K
-    rows of each head interleaved)."""
-    import gguf
-
-    c = hf_model.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_name(name)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    def permute(w: np.ndarray, heads: int) -> np.ndarray:
-        return (
-            w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(w.shape)
-        )
-
-    renames = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    for key, value in hf_model.state_dict().items():
-        array = value.detach().float().numpy().copy()
-        if key == "model.embed_tokens.weight":
-            target = "token_embd.weight"
-        elif key == "model.norm.weight":
-            target = "output_norm.weight"
-        elif key == "lm_head.weight":
-            target = "output.weight"
-        else:
-            layer, rest = key.removeprefix("model.layers.").split(".", 1)
-            module, suffix = rest.rsplit(".", 1)
-            target = f"blk.{layer}.{renames[module]}.{suffix}"
-            if arch == "llama" and module == "self_attn.q_proj":
-                array = permute(array, c.num_attention_heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
-                array = permute(array, c.num_key_value_heads)
-        writer.add_tensor(target, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

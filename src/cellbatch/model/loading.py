@@ -6,15 +6,23 @@ tensors (transformers names or llama.cpp names) onto the fused layout of
 Promises: every parameter of the model comes from the checkpoint, converted to the
 requested dtype, or loading fails with one error naming every missing, unexpected and
 mis-shaped tensor (expected vs got); GGUF tensors are dequantised to float32 first, and
-llama.cpp's interleaved Q/K row order (llama-arch RoPE) is undone.
+llama.cpp's interleaved Q/K row order (llama-arch RoPE) is undone. With `quantize`, the
+projections, LM head and embedding take int8/int4 layouts (`cellbatch.model.quantized`),
+converted one tensor at a time from the file's blocks or floats, never via a float32 model.
+`load_model` tells a `LoadProgress` what it did as each phase ends (reading the weights,
+preparing the model), with the seconds it took.
 Never: downloads anything, initialises weights randomly (the model is built on the meta
 device and the loaded tensors are assigned), or keeps the checkpoint open after loading.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
+import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cellbatch.model import quantized
 from cellbatch.model.config import ModelConfig, UnsupportedModelError
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype
 
@@ -29,6 +38,26 @@ from cellbatch.model.transformer import PackedTransformer, resolve_dtype
 _IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _IGNORED_GGUF = frozenset({"rope_freqs.weight"})  # read into ModelConfig.rope_scaling
 _LISTED = 8  # names quoted per kind of problem in a mismatch error
+log = logging.getLogger(__name__)
+
+
+LoadProgress = Callable[[str, float], None]
+"""Told, as each phase of a load ends, what it did ("read the weights ...") and its seconds."""
+
+
+class PhaseClock:
+    """Times consecutive phases: `done(what)` reports the seconds since the previous phase
+    ended (or since the clock was made) to `progress`, if there is one."""
+
+    def __init__(self, progress: LoadProgress | None) -> None:
+        self._progress = progress
+        self._since = time.perf_counter()
+
+    def done(self, what: str) -> None:
+        now = time.perf_counter()
+        if self._progress is not None:
+            self._progress(what, now - self._since)
+        self._since = now
 
 
 class CheckpointMismatchError(ValueError):
@@ -68,21 +97,77 @@ def locate_model(path: str | Path) -> ModelFiles:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "auto", kernels: str = "auto"
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    kernels: str = "auto",
+    quantize: str = "auto",
+    progress: LoadProgress | None = None,
 ) -> tuple[ModelConfig, PackedTransformer]:
-    """Loads the model at `path` with weights in `dtype` ("auto", "float32", ...) and
-    `kernels` ("auto", "compiled", "torch": see PackedTransformer)."""
+    """Loads the model at `path` with weights in `dtype` ("auto", "float32", ...),
+    `kernels` ("auto", "compiled", "torch": see PackedTransformer) and `quantize` ("auto":
+    a GGUF file's precision class, else float; "none"; "int8"; "int4": see
+    quantized.target_format). `progress` hears of each phase as it ends."""
+    quantize = quantized.resolve_quantize(quantize)
     files = locate_model(path)
     torch_dtype = resolve_dtype(dtype)
+    clock = PhaseClock(progress)
+    config, model = _load(files, torch_dtype, kernels, quantize, clock)
+    # Only now is the checkpoint (the GGUF reader's parsed metadata) and every scratch
+    # tensor of the conversion gone.
+    _return_freed_memory()
+    clock.done(f"prepared the model ({model.ops.kind} kernels)")
+    return config, model
+
+
+def _load(
+    files: ModelFiles, dtype: torch.dtype, kernels: str, quantize: str, clock: PhaseClock
+) -> tuple[ModelConfig, PackedTransformer]:
     checkpoint = _HFCheckpoint(files.path) if files.kind == "hf" else _GGUFCheckpoint(files.path)
     config = checkpoint.config
-    model = PackedTransformer(config, dtype=torch_dtype, device="meta", kernels=kernels)
-    state = _assemble(checkpoint, config, torch_dtype)
-    model.load_state_dict(state, strict=True, assign=True)
+    formats = _formats(checkpoint, quantize)
+    state, weights = _assemble(checkpoint, config, dtype, formats)
+    clock.done(f"read the weights of {files.path.name} ({config.num_layers} layers)")
+    model = PackedTransformer(config, dtype=dtype, device="meta", kernels=kernels)
+    loaded = model.load_state_dict(state, strict=False, assign=True)
+    if loaded.unexpected_keys or set(loaded.missing_keys) != set(weights):
+        raise CheckpointMismatchError(f"internal: model and assembled weights differ: {loaded}")
+    quantized.install(model, weights, quantized.weight_kernel("cpu"))
     model.reset_rope("cpu")
     model.requires_grad_(False)
     model.pack_linears()
     return config, model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Hands the scratch memory of loading (the GGUF reader's metadata, float tensors,
+    conversion buffers) back to the OS; glibc keeps freed heap pages otherwise."""
+    gc.collect()  # the reader's objects may sit in reference cycles
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return  # not glibc: nothing to do
+    trim(0)
+
+
+def _formats(checkpoint: _HFCheckpoint | _GGUFCheckpoint, quantize: str) -> dict[str, str]:
+    """Each quantisable weight's format (quantized.target_format); one note names the GGUF
+    kinds that "auto" had to load as float."""
+    roles = {"embed.weight": "embedding", "lm_head.weight": "lm_head"}
+    formats, unkept = {}, set()
+    for target, parts in checkpoint.sources.items():
+        role = roles.get(target, "projection")
+        if target not in roles and not re.search(r"\.(qkv|o_proj|gate_up|down)\.weight$", target):
+            continue
+        kinds = checkpoint.kinds([name for name, _ in parts])
+        formats[target] = quantized.target_format(quantize, role, kinds)
+        if quantize == "auto" and formats[target] == "none" and kinds is not None:
+            unkept |= set(kinds) - quantized.GGUF_FLOAT_KINDS
+    if unkept:
+        log.warning(
+            "note: %s tensors cannot stay quantised; they load dequantised to float",
+            ", ".join(sorted(unkept)),
+        )
+    return {target: fmt for target, fmt in formats.items() if fmt != "none"}
 
 
 # -- checkpoints -------------------------------------------------------------------
@@ -140,6 +225,12 @@ class _HFCheckpoint:
     def load(self, name: str) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
 
+    def kinds(self, names: list[str]) -> None:
+        return None  # not GGUF: "auto" keeps it float
+
+    def load_quantized(self, name: str, fmt: str) -> quantized.QuantizedWeight:
+        return quantized.from_float(self.load(name), fmt)
+
 
 class _GGUFCheckpoint:
     """A GGUF file: metadata for the config, tensors dequantised to float32 on load."""
@@ -171,6 +262,9 @@ class _GGUFCheckpoint:
     def ignorable(self, name: str) -> bool:
         return name in _IGNORED_GGUF
 
+    def kinds(self, names: list[str]) -> list[str]:
+        return [self._tensors[name].tensor_type.name for name in names]
+
     def load(self, name: str) -> torch.Tensor:
         import gguf
 
@@ -178,14 +272,26 @@ class _GGUFCheckpoint:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         # A plain ndarray view: dequantising a np.memmap slice by slice is ~2x slower.
         array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        array = np.asarray(array, dtype=np.float32).reshape(shape)
-        heads = self._unpermute.get(name)
-        if heads is not None:
-            # Stored row (head, j, half) holds transformers' row (head, half, j).
-            array = array.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2)
+        array = self._torch_rows(name, np.asarray(array, dtype=np.float32).reshape(shape))
         # Unquantised tensors come back as read-only views of the file: copy those.
         array = np.ascontiguousarray(array).reshape(shape)
         return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+    def load_quantized(self, name: str, fmt: str) -> quantized.QuantizedWeight:
+        """The tensor's blocks (rows in torch's order) converted to `fmt`."""
+        tensor = self._tensors[name]
+        data = self._torch_rows(name, np.asarray(tensor.data))
+        return quantized.from_gguf(data, tensor.tensor_type.name, fmt)
+
+    def _torch_rows(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Rows (dim 0) of `array` in transformers' order. Stored row (head, j, half) holds
+        transformers' row (head, half, j) for the Q/K tensors of llama-arch files."""
+        heads = self._unpermute.get(name)
+        if heads is None:
+            return array
+        rows = array.shape[0]
+        stored = array.reshape(heads, rows // heads // 2, 2, *array.shape[1:])
+        return stored.swapaxes(1, 2).reshape(array.shape)
 
 
 # -- name maps: our parameter -> the checkpoint tensors concatenated (dim 0) into it ------
@@ -276,9 +382,13 @@ def _sources(
 
 
 def _assemble(
-    checkpoint: _HFCheckpoint | _GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Checks every name and shape first (one error listing all problems), then loads."""
+    checkpoint: _HFCheckpoint | _GGUFCheckpoint,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    formats: dict[str, str],
+) -> tuple[dict[str, torch.Tensor], dict[str, quantized.QuantizedWeight]]:
+    """Checks every name and shape first (one error listing all problems), then loads:
+    (float tensors by parameter name, quantised weights of the targets in `formats`)."""
     shapes = checkpoint.shapes()
     wanted = {name: shape for parts in checkpoint.sources.values() for name, shape in parts}
     missing = sorted(name for name in wanted if name not in shapes)
@@ -305,9 +415,18 @@ def _assemble(
             f"{config.num_heads} heads / {config.num_kv_heads} kv heads, "
             f"head_dim {config.head_dim}): " + "; ".join(problems)
         )
-    return {
+    state = {
         target: torch.cat([checkpoint.load(name).to(dtype) for name, _ in parts])
         if len(parts) > 1
         else checkpoint.load(parts[0][0]).to(dtype)
         for target, parts in checkpoint.sources.items()
+        if target not in formats
     }
+    weights = {
+        target: quantized.cat(
+            [checkpoint.load_quantized(name, formats[target]) for name, _ in parts]
+        )
+        for target, parts in checkpoint.sources.items()
+        if target in formats
+    }
+    return state, weights

@@ -1,0 +1,239 @@
+"""Quantised weights (cellbatch.model.quantized): GGUF blocks convert to gguf's own values,
+quantised tiny models compute what their weights say and stay near fp32, a row's result
+never depends on the other rows, GGUF files keep their precision class, and a bad choice
+fails before anything loads."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from cellbatch.model import quantized
+from cellbatch.model.loading import load_model
+from cellbatch.model.quantized import QuantizedLinear
+from cellbatch.model.transformer import PackedLinear
+from cellbatch.types import InvalidArgumentError
+from tiny_models import make_tiny_checkpoint, write_gguf
+
+# The dequantising fallback everywhere; PyTorch's kernels where this CPU uses them.
+KERNELS = ["dequantize"] + (["torch"] if quantized.weight_kernel("cpu") == "torch" else [])
+STEPS = [
+    [(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12, 77, 3, 50, 21, 8, 64, 30, 11])],
+    [(1, [70]), (0, [4])],
+    [(0, [19]), (1, [6, 44, 90])],
+]
+# The torch kernels take bf16 inputs: logits (std ~1.25 here) move by up to ~0.07.
+BF16_TOLERANCE = 0.15
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch) -> str:
+    """Loads during the test use this kernel for their quantised products."""
+    monkeypatch.setattr(quantized, "weight_kernel", lambda device="cpu": request.param)
+    return request.param
+
+
+def _gguf_tensors(tmp_path, arrays: dict[str, tuple[np.ndarray, str]]) -> dict:
+    """Writes (data, kind) tensors with gguf's writer and reads them back."""
+    import gguf
+
+    path = tmp_path / "tensors.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for name, (data, kind) in arrays.items():
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def _q4_k_blocks(rows: int, cols: int, generator: np.random.Generator) -> np.ndarray:
+    """Random but well-formed Q4_K blocks: positive float16 d and dmin, random 6-bit
+    scales and mins, random nibbles (gguf cannot quantise to Q4_K itself)."""
+    blocks = generator.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    halves = generator.uniform(1e-4, 1e-2, (rows, cols // 256, 2)).astype(np.float16)
+    blocks[..., :4] = halves.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_gguf_blocks_convert_to_gguf_s_own_values(tmp_path) -> None:
+    import gguf
+
+    generator = np.random.default_rng(0)
+    weight = (generator.normal(0, 0.05, (48, 512)) + generator.normal(0, 0.02, (48, 1))).astype(
+        np.float32
+    )
+    tensors = _gguf_tensors(
+        tmp_path,
+        {
+            f"w.{kind}": (gguf.quants.quantize(weight, gguf.GGMLQuantizationType[kind]), kind)
+            for kind in ("Q4_0", "Q4_1", "Q8_0")
+        }
+        | {"w.Q4_K": (_q4_k_blocks(48, 512, generator), "Q4_K")},
+    )
+    for kind in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
+        tensor = tensors[f"w.{kind}"]
+        data = np.asarray(tensor.data)
+        expected = torch.from_numpy(
+            gguf.quants.dequantize(data, tensor.tensor_type).reshape(48, 512)
+        )
+        if kind == "Q8_0":
+            got = quantized.from_gguf(data, kind, "int8")
+            assert got.format == "int8"
+            # Requantised per row: within half a step of the file's values.
+            error = (got.dequantize() - expected).abs().amax(dim=1)
+            assert (error <= got.scale * 0.5 * (1 + 1e-5)).all()
+            continue
+        got = quantized.from_gguf(data, kind, "int4")
+        assert got.format == "int4" and got.codes.max() <= 15
+        ulp = torch.finfo(torch.float32).eps * expected.abs().max()
+        assert (got.dequantize() - expected).abs().max() <= 2 * ulp, kind
+        # The same blocks asked for as int8 go through gguf's dequantiser.
+        as_int8 = quantized.from_gguf(data, kind, "int8")
+        error = (as_int8.dequantize() - expected).abs().amax(dim=1)
+        assert (error <= as_int8.scale * 0.5 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_product_row_does_not_depend_on_the_other_rows(kernel, fmt) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(576, 1536, generator=generator) * 0.05
+    rows = torch.randn(300, 1536, generator=generator)
+    linear = QuantizedLinear(quantized.from_float(weight, fmt), None, kernel)
+    assert linear.kernel == kernel
+    full = linear(rows)
+    reference = rows @ quantized.from_float(weight, fmt).dequantize().t()
+    assert (full - reference).abs().max() < (0.1 if kernel == "torch" else 1e-3)
+    for count in (1, 2, 3, 15, 16, 33, 128):
+        assert torch.equal(linear(rows[:count]), full[:count]), count
+    for start in (1, 7, 40):
+        assert torch.equal(linear(rows[start : start + 32]), full[start : start + 32]), start
+
+
+def _dequantized_twin(hf_model, folder, kind: str, fmt: str, overrides: dict):
+    """A float checkpoint holding exactly the weights `fmt` quantisation keeps."""
+    twin, twin_folder = make_tiny_checkpoint(kind, folder, **overrides)
+    state = {}
+    for key, value in hf_model.state_dict().items():
+        role = "embedding" if "embed" in key else "lm_head" if "lm_head" in key else "projection"
+        if re.search(r"(_proj|embed_tokens|lm_head)\.weight$", key):
+            target = quantized.target_format(fmt, role, None)
+            value = quantized.from_float(value, target).dequantize()
+        state[key] = value
+    twin.load_state_dict(state)
+    twin.save_pretrained(twin_folder)
+    return twin_folder
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [("llama", {"tie_word_embeddings": True}), ("qwen2", {}), ("qwen3", {})],
+    ids=["llama-tied", "qwen2", "qwen3"],
+)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_model_computes_its_weights_and_stays_near_fp32(
+    tmp_path, packed_steps, kernel, kind, overrides, fmt
+) -> None:
+    hf_model, folder = make_tiny_checkpoint(kind, tmp_path / "model", **overrides)
+    _, model = load_model(folder, "float32", "torch", fmt)
+    assert {m.format for m in model.modules() if isinstance(m, QuantizedLinear)} == (
+        {"int4", "int8"} if fmt == "int4" else {"int8"}
+    )
+    got = torch.cat(packed_steps(model, STEPS, 2))
+    twin = _dequantized_twin(hf_model, tmp_path / "twin", kind, fmt, overrides)
+    _, twin_model = load_model(twin, "float32", "torch", "none")
+    expected = torch.cat(packed_steps(twin_model, STEPS, 2))
+    if kernel == "dequantize":
+        assert torch.equal(got, expected)
+    else:
+        assert (got - expected).abs().max() < BF16_TOLERANCE
+    _, fp32 = load_model(folder, "float32", "torch", "none")
+    reference = torch.cat(packed_steps(fp32, STEPS, 2))
+    relative = ((got - reference).norm() / reference.norm()).item()
+    # Random tiny weights are the worst case for 4 bits (the default model: see the notes).
+    assert relative < (0.05 if fmt == "int8" else 0.5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_sequence_is_batch_invariant(
+    tiny_checkpoint, first_sequence_logits, kernel, fmt
+) -> None:
+    """Sequence 0's logits are bit-identical alone, chunked, beside others, first or last."""
+    _, folder = tiny_checkpoint("llama")
+    _, model = load_model(folder, "float32", "torch", fmt)
+    generator = torch.Generator().manual_seed(5)
+    lengths = [70, 3, 100, 17, 40, 9]
+    prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in lengths]
+    decodes = [7, 31, 64]
+    alone = first_sequence_logits(model, prompts, decodes, [0], 256)
+    for order, chunk in (([0], 16), ([0, 1, 2, 3, 4, 5], 256), ([5, 4, 3, 2, 1, 0], 16)):
+        got = first_sequence_logits(model, prompts, decodes, order, chunk)
+        assert torch.equal(got, alone), (order, chunk)
+
+
+def _gguf_kind(name: str) -> str | None:
+    """Q4_1 projections, except one Q5_0 tensor; Q8_0 embedding and output."""
+    if name == "blk.1.ffn_down.weight":
+        return "Q5_0"
+    if name in ("token_embd.weight", "output.weight"):
+        return "Q8_0"
+    return "Q4_1" if name.endswith(".weight") and "norm" not in name else None
+
+
+def test_a_gguf_file_keeps_its_precision_class(
+    tiny_checkpoint, packed_steps, tmp_path, caplog, kernel
+) -> None:
+    hf_model, _ = tiny_checkpoint("llama")
+    file = tmp_path / "q.gguf"
+    write_gguf(hf_model, file, "llama", kinds=_gguf_kind)
+    with caplog.at_level(logging.WARNING):
+        _, model = load_model(file, "float32", "torch")
+    notes = [r.getMessage() for r in caplog.records if "quantised" in r.getMessage()]
+    assert len(notes) == 1 and "Q5_0" in notes[0], notes
+    summary = quantized.describe(model)
+    assert summary.formats == {"projections": "int4", "embedding": "int8", "lm_head": "int8"}
+    assert summary.kernel == kernel
+    assert isinstance(model.layers[1].down, PackedLinear)  # the Q5_0 tensor, as float
+    assert model.layers[0].down.format == "int4" and model.layers[1].qkv.format == "int4"
+    # The same file dequantised to float32: the int4 blocks are the file's own; the Q8_0
+    # embedding and head are requantised per row, and the torch kernel takes bf16 inputs.
+    _, dequantised = load_model(file, "float32", "torch", "none")
+    assert not any(isinstance(m, QuantizedLinear) for m in dequantised.modules())
+    got = torch.cat(packed_steps(model, STEPS, 2))
+    expected = torch.cat(packed_steps(dequantised, STEPS, 2))
+    assert (got - expected).abs().max() < BF16_TOLERANCE
+    # Asked for int8, the Q4_1 projections become int8 too.
+    _, as_int8 = load_model(file, "float32", "torch", "int8")
+    assert quantized.describe(as_int8).format == "int8"
+
+
+def test_a_bad_quantize_choice_fails_before_loading(tmp_path) -> None:
+    from cellbatch.cli import main
+    from cellbatch.engine import Engine
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(InvalidArgumentError, match=r"int3.*auto, none, int8, int4"):
+        load_model(missing, quantize="int3")
+    with pytest.raises(InvalidArgumentError, match="fp4"):
+        Engine.from_pretrained(missing, quantize="fp4")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--model", str(missing), "--quantize", "int3", "hello"])
+    assert exit_info.value.code == 2
+
+
+def test_the_engine_says_which_weight_format_ran(tiny_checkpoint) -> None:
+    from cellbatch.engine import Engine
+
+    _, folder = tiny_checkpoint("llama")
+    with Engine.from_pretrained(folder, dtype="float32", quantize="int8") as engine:
+        assert engine.weight_format == "int8"
+        assert engine.dtype == torch.float32
+        by_format = engine.weights.bytes_by_format
+        assert by_format["int8"] > 0 and sum(by_format.values()) == engine.weights_bytes
+    with Engine.from_pretrained(folder, dtype="float32") as engine:
+        assert engine.weight_format == "float32" and engine.weights.kernel == "none"
