@@ -13,6 +13,7 @@ import uvicorn
 
 from cellbatch.engine import Engine
 from cellbatch.server.app import ServerSettings, create_app
+from cellbatch.server.backend import Backend
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -50,6 +51,14 @@ def start_live_server(
     """A server over a new Engine of `model` (engine options as in from_pretrained)."""
     options = {"dtype": "float32", "kernels": "torch", "max_sessions": 16, **engine}
     made = Engine.from_pretrained(model, **options)  # type: ignore[arg-type]
+    base_url, server, thread = serve_in_thread(made, api_key, max_queued_requests)
+    return LiveServer(made, base_url, server, thread)
+
+
+def serve_in_thread(
+    backend: Engine | Backend, api_key: str | None = API_KEY, max_queued_requests: int = 256
+) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """The app over `backend` under uvicorn on a free port of 127.0.0.1, started."""
     settings = ServerSettings(
         served_model_name=MODEL_NAME,
         api_key=api_key,
@@ -61,7 +70,7 @@ def start_live_server(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     box: list[uvicorn.Server] = []
-    app = create_app(made, settings, stopping=lambda: bool(box and box[0].should_exit))
+    app = create_app(backend, settings, stopping=lambda: bool(box and box[0].should_exit))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     box.append(server)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -70,4 +79,4 @@ def start_live_server(
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    return LiveServer(made, f"http://127.0.0.1:{port}", server, thread)
+    return f"http://127.0.0.1:{port}", server, thread

@@ -1,0 +1,15 @@
+"""Fixtures for the replica tests: the tiny chat model of the server tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from served import CONTEXT
+from tiny_models import make_tiny_chat_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("replicated") / "llama", CONTEXT)
