@@ -6,8 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from cellbatch.distributed.cluster import import_ray
 from served import CONTEXT
 from tiny_models import make_tiny_chat_checkpoint
+
+# Before anything here imports Ray: the local Ray instances of these tests then stay on
+# the loopback interface.
+import_ray(local=True)
 
 
 @pytest.fixture(scope="session")
