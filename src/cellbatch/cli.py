@@ -118,6 +118,18 @@ def _parser() -> argparse.ArgumentParser:
         "--shutdown-timeout", type=float, default=10.0, help="seconds for running requests"
     )
     serve.add_argument("--quiet", action="store_true", help="no startup lines")
+    serve.add_argument(
+        "--replicas", type=int, help="N engine replicas on Ray behind the one endpoint"
+    )
+    serve.add_argument(
+        "--threads-per-replica",
+        type=int,
+        help="torch threads (and Ray CPUs) of each replica (default: a local Ray shares this "
+        "machine's cores out; on a cluster, 1)",
+    )
+    serve.add_argument(
+        "--ray-address", help="join this Ray cluster (default: start a local Ray instance)"
+    )
     serve.set_defaults(func=_serve_command)
 
     # Listed for --help only: main() hands `bench` and its arguments to the benchmark.

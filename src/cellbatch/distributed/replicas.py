@@ -77,7 +77,10 @@ class ReplicaSet:
         try:
             infos = ray.get([actor.info.remote() for actor in actors], timeout=timeout)
         except Exception as error:
-            raise RuntimeError(f"a replica did not start: {error}") from error
+            # Ray's message holds the replica's traceback; its last line says what failed.
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            cause = lines[-1].strip() if lines else repr(error)
+            raise RuntimeError(f"a replica did not start: {cause}") from error
         finally:
             if infos is None:
                 for actor in actors:

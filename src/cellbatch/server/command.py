@@ -1,10 +1,11 @@
 """`cellbatch serve`: options to a running server.
 
-Owns: checking the serve options, loading the engine and running the app until a
-signal stops it.
-Promises: option errors and a missing `serve` extra are refused before the model
-loads (exit 2, one line saying what to do); the process exits 0 after SIGINT or
-SIGTERM once running requests finished or were cancelled.
+Owns: checking the serve options, loading the engine (or, with `--replicas N`,
+starting N engine replicas on Ray) and running the app until a signal stops it.
+Promises: option errors and a missing `serve` (or `ray`) extra are refused before the
+model loads (exit 2, one line saying what to do), and so is a replica that cannot
+start; the process exits 0 after SIGINT or SIGTERM once running requests finished or
+were cancelled, with the replicas and a Ray instance it started stopped.
 Never: serves requests itself (the app does).
 """
 
@@ -34,12 +35,19 @@ def serve_command(args: argparse.Namespace) -> NoReturn:
 
     from cellbatch.server.app import ServerSettings, serve
 
-    engine = load_engine(
-        args,
-        engine_shape(args, args.max_sessions),
-        prefix_cache_entries=args.prefix_cache_entries,
-    )
-    name = args.served_model_name or Path(str(engine.model_path)).name
+    if args.replicas is None:
+        backend = load_engine(
+            args,
+            engine_shape(args, args.max_sessions),
+            prefix_cache_entries=args.prefix_cache_entries,
+        )
+        model, shape, where = backend.model_path, backend.shape, ""
+    else:
+        backend = _start_replicas(args)
+        info = backend.replicas.info
+        model, shape = info.model, info.shape
+        where = f"{args.replicas} replicas × {info.threads} threads on Ray, "
+    name = args.served_model_name or Path(str(model)).name
     settings = ServerSettings(
         served_model_name=name,
         api_key=api_key,
@@ -50,12 +58,15 @@ def serve_command(args: argparse.Namespace) -> NoReturn:
     if not args.quiet:
         print(
             f"cellbatch: serving {name} on http://{args.host}:{args.port}/v1 "
-            f"({engine.shape.max_sessions} sessions, {engine.shape.max_session_tokens}-token "
+            f"({where}{shape.max_sessions} sessions, {shape.max_session_tokens}-token "
             f"context{', API key required' if api_key else ''}); Ctrl-C stops",
             file=sys.stderr,
             flush=True,
         )
-    serve(engine, settings, args.host, args.port)
+    try:
+        serve(backend, settings, args.host, args.port)
+    finally:
+        backend.close()  # already closed unless the server could not start
     # Everything of ours is closed by now; the interpreter's own teardown of torch and
     # friends can take seconds on a busy machine, past the promised shutdown time.
     sys.stdout.flush()
@@ -76,5 +87,60 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--prefix-cache-entries must be >= 0, got {args.prefix_cache_entries}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    if args.model is not None and not Path(args.model).exists():
+    if args.model is not None and not Path(args.model).exists() and args.ray_address is None:
         raise UsageError(f"model {args.model} does not exist (give a folder or a .gguf file)")
+    if args.replicas is None:
+        for flag, value in (
+            ("--threads-per-replica", args.threads_per_replica),
+            ("--ray-address", args.ray_address),
+        ):
+            if value is not None:
+                raise UsageError(f"{flag} needs --replicas N")
+        return
+    if args.replicas < 1:
+        raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.threads is not None:
+        raise UsageError(
+            "--threads sets one engine's threads; with --replicas use --threads-per-replica"
+        )
+    if args.threads_per_replica is not None and args.threads_per_replica < 1:
+        raise UsageError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError("--replicas runs the engines on Ray: pip install 'cellbatch[ray]'")
+
+
+def _start_replicas(args: argparse.Namespace):  # -> ReplicaBackend
+    """The replicas the options ask for, behind the server's backend for them."""
+    from cellbatch.distributed.backend import ReplicaBackend
+    from cellbatch.distributed.cluster import RayUnavailable
+    from cellbatch.distributed.replicas import ReplicaSet
+
+    threads = args.threads_per_replica
+    if threads is None:
+        # A local instance shares this machine's cores; on a cluster, say how many.
+        threads = 1 if args.ray_address else max(1, (os.cpu_count() or 1) // args.replicas)
+    where = args.ray_address or "a local Ray instance"
+    if not args.quiet:
+        print(
+            f"cellbatch: starting {args.replicas} replicas × {threads} threads of "
+            f"{args.model or 'the default model'} on {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        replicas = ReplicaSet.start(
+            args.model,
+            replicas=args.replicas,
+            threads_per_replica=threads,
+            ray_address=args.ray_address,
+            dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+            kernels=args.kernels,
+            quantize=args.quantize,
+            admission=args.admission,
+            prefix_cache_entries=args.prefix_cache_entries,
+            **engine_shape(args, args.max_sessions),
+        )
+    except (RayUnavailable, RuntimeError, ValueError) as error:
+        raise UsageError(str(error)) from error
+    return ReplicaBackend(replicas)
