@@ -5,11 +5,15 @@ the same prompts and, optionally, any other OpenAI-compatible server (llama.cpp'
     python benchmarks/serve_load.py                       # default model, 1/8/32/64 clients
     python benchmarks/serve_load.py --clients 1,8 --requests 16 --max-tokens 32
     python benchmarks/serve_load.py --peer http://127.0.0.1:8080/v1 --peer-name llama.cpp
+    python benchmarks/serve_load.py --servers 1x2,2x1 --clients 32,64   # replicas on Ray
 
 Each client sends its requests one after another (streaming chat completions, greedy,
 the chat benchmark's prompts in turn); a level's figures cover every request of every
 client. The offline baseline runs before the server starts, in this process, on the same
-prompts and token budget, so that the two never share the CPU.
+prompts and token budget, so that the two never share the CPU. `--servers` measures
+several servers in turn, one after another: `plain` is `cellbatch serve` (with
+`--threads`), `RxT` is `cellbatch serve --replicas R --threads-per-replica T` on a local
+Ray instance.
 """
 
 from __future__ import annotations
@@ -125,7 +129,11 @@ def _offline(args, prompts: list[str]) -> dict[str, float]:
     return {"prompts": len(prompts), "tokens_per_s": tokens / wall, "wall_s": wall}
 
 
-def _start_server(args) -> tuple[subprocess.Popen, str]:
+def _server_name(config: str) -> str:
+    return "cellbatch serve" if config == "plain" else f"serve ray {config}"
+
+
+def _start_server(args, config: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -135,7 +143,10 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
     ]  # fmt: skip
     if args.model:
         command += ["--model", args.model]
-    if args.threads:
+    if config != "plain":
+        replicas, threads = config.split("x")
+        command += ["--replicas", replicas, "--threads-per-replica", threads]
+    elif args.threads:
         command += ["--threads", str(args.threads)]
     server = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -165,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", help="another OpenAI-compatible server's /v1 URL")
     parser.add_argument("--peer-name", default="peer")
     parser.add_argument("--peer-model", default="default")
+    parser.add_argument(
+        "--servers",
+        default="plain",
+        help="servers to measure in turn: plain (cellbatch serve) and/or RxT (R replicas x T "
+        "threads on a local Ray), comma-separated",
+    )
     parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     parser.add_argument(
         "--offline-prompts", type=int, default=32, help="prompts of the offline baseline"
@@ -174,24 +191,32 @@ def main(argv: list[str] | None = None) -> int:
     args.levels = [int(part) for part in args.clients.split(",")]
     if any(level < 1 for level in args.levels) or args.max_tokens < 1:
         parser.error("--clients levels and --max-tokens must be >= 1")
+    args.configs = args.servers.split(",")
+    for config in args.configs:
+        counts = config.split("x")
+        if config != "plain" and not (
+            len(counts) == 2 and all(c.isdigit() and int(c) >= 1 for c in counts)
+        ):
+            parser.error(f"--servers takes plain or RxT (say 2x1), got {config!r}")
 
     figures: dict[str, object] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
     prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(args.offline_prompts)]
     if not args.no_offline:
         figures["offline"] = _offline(args, prompts)
         print(f"offline Engine.chat, {len(prompts)} prompts: {figures['offline']}", flush=True)
-    server, base = _start_server(args)
     levels: list[Level] = []
-    try:
-        name = "cellbatch serve"
-        warm_up = argparse.Namespace(**{**vars(args), "requests": 2})
-        asyncio.run(_run_level(base, name, "any", 2, warm_up))
-        for clients in args.levels:
-            levels.append(asyncio.run(_run_level(base, name, "any", clients, args)))
-            print(json.dumps(levels[-1].summary()), flush=True)
-    finally:
-        server.terminate()
-        server.wait(60)
+    for config in args.configs:
+        server, base = _start_server(args, config)
+        try:
+            name = _server_name(config)
+            warm_up = argparse.Namespace(**{**vars(args), "requests": 2})
+            asyncio.run(_run_level(base, name, "any", 2, warm_up))
+            for clients in args.levels:
+                levels.append(asyncio.run(_run_level(base, name, "any", clients, args)))
+                print(json.dumps(levels[-1].summary()), flush=True)
+        finally:
+            server.terminate()
+            server.wait(60)
     if args.peer:
         for clients in args.levels:
             level = _run_level(args.peer, args.peer_name, args.peer_model, clients, args)
@@ -200,16 +225,27 @@ def main(argv: list[str] | None = None) -> int:
     figures["levels"] = [level.summary() for level in levels]
     figures["raw"] = [asdict(level) for level in levels]
     print(
-        f"{'server':<16} {'clients':>7} {'req/s':>7} {'tok/s':>8} "
+        f"{'server':<18} {'clients':>7} {'req/s':>7} {'tok/s':>8} "
         f"{'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16}"
     )
     for level in levels:
         row = level.summary()
         print(
-            f"{row['server']:<16} {row['clients']:>7} {row['requests_per_s']:>7.2f} "
+            f"{row['server']:<18} {row['clients']:>7} {row['requests_per_s']:>7.2f} "
             f"{row['tokens_per_s']:>8.1f} {row['ttft_p50_ms']:>8.0f}/{row['ttft_p99_ms']:<9.0f} "
             f"{row['itl_p50_ms']:>7.1f}/{row['itl_p99_ms']:<8.1f}"
         )
+    # Each other server against the first one, level by level (measured in the same run).
+    names = [_server_name(config) for config in args.configs]
+    first = {level.clients: level.summary() for level in levels if level.server == names[0]}
+    for level in levels:
+        if level.server in names[1:] and level.clients in first:
+            row, peer = level.summary(), first[level.clients]
+            print(
+                f"{row['server']} / {names[0]} at {level.clients} clients: tokens/s "
+                f"{row['tokens_per_s'] / peer['tokens_per_s']:.2f}, TTFT p50 "  # type: ignore[operator]
+                f"{row['ttft_p50_ms'] / peer['ttft_p50_ms']:.2f}"  # type: ignore[operator]
+            )
     if "offline" in figures:
         offline = figures["offline"]["tokens_per_s"]  # type: ignore[index]
         for level in levels:
