@@ -49,8 +49,12 @@ class Level:
     wall_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    # CPU time of the server's own process (with replicas, the front alone: HTTP,
+    # tokenizing, routing, streaming); None where /proc cannot tell.
+    server_cpu_s: float | None = None
 
     def summary(self) -> dict[str, float | int | str]:
+        cpu = self.server_cpu_s
         return {
             "server": self.server,
             "clients": self.clients,
@@ -61,7 +65,19 @@ class Level:
             "ttft_p99_ms": 1000 * _percentile(self.ttft_s, 99),
             "itl_p50_ms": 1000 * _percentile(self.itl_s, 50),
             "itl_p99_ms": 1000 * _percentile(self.itl_s, 99),
+            "server_cpu_ms_per_token": float("nan")
+            if cpu is None or not self.generated_tokens
+            else 1000 * cpu / self.generated_tokens,
         }
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -212,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             warm_up = argparse.Namespace(**{**vars(args), "requests": 2})
             asyncio.run(_run_level(base, name, "any", 2, warm_up))
             for clients in args.levels:
+                before = _cpu_seconds(server.pid)
                 levels.append(asyncio.run(_run_level(base, name, "any", clients, args)))
+                after = _cpu_seconds(server.pid)
+                if before is not None and after is not None:
+                    levels[-1].server_cpu_s = after - before
                 print(json.dumps(levels[-1].summary()), flush=True)
         finally:
             server.terminate()
@@ -226,14 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     figures["raw"] = [asdict(level) for level in levels]
     print(
         f"{'server':<18} {'clients':>7} {'req/s':>7} {'tok/s':>8} "
-        f"{'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16}"
+        f"{'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16} {'server CPU ms/token':>19}"
     )
     for level in levels:
         row = level.summary()
         print(
             f"{row['server']:<18} {row['clients']:>7} {row['requests_per_s']:>7.2f} "
             f"{row['tokens_per_s']:>8.1f} {row['ttft_p50_ms']:>8.0f}/{row['ttft_p99_ms']:<9.0f} "
-            f"{row['itl_p50_ms']:>7.1f}/{row['itl_p99_ms']:<8.1f}"
+            f"{row['itl_p50_ms']:>7.1f}/{row['itl_p99_ms']:<8.1f} "
+            f"{row['server_cpu_ms_per_token']:>19.2f}"
         )
     # Each other server against the first one, level by level (measured in the same run).
     names = [_server_name(config) for config in args.configs]
