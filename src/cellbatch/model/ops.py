@@ -128,10 +128,13 @@ _FAKES: dict[str, Callable[..., Any]] = {
 
 def _define(namespace: str) -> torch.library.Library:
     """Defines every op under `namespace` with its torch implementation for any device
-    (a backend kernel registered later, such as the compiled CPU one, takes precedence)."""
+    (a backend kernel registered later, such as the compiled CPU one, takes precedence).
+    An op a program loaded earlier has defined (`cellbatch.export.custom_ops`, from the
+    same schema) only gets its implementations."""
     library = torch.library.Library(namespace, "FRAGMENT")
     for name, schema in SCHEMAS.items():
-        library.define(schema)
+        if not hasattr(getattr(torch.ops, namespace), name):
+            library.define(schema)
         library.impl(name, _TORCH_IMPLS[name], "CompositeExplicitAutograd")
         torch.library.register_fake(f"{namespace}::{name}", _FAKES[name], lib=library)
     return library

@@ -1,7 +1,8 @@
 """The tokenizer and chat template of a model, read from the model's own files.
 
 Owns: `Tokenizer`, a thin wrapper over a transformers tokenizer loaded from a Hugging Face
-folder or from a GGUF file (`load_tokenizer`), and the model's stop tokens.
+folder or from a GGUF file (`load_tokenizer`), or from the files a program stores
+(`tokenizer_from_files`), and the model's stop tokens.
 Promises: `apply_chat_template` returns exactly the token ids transformers produces for
 the same messages (generation prompt added); `stop_tokens` holds the EOS ids of the
 config and generation config plus the end-of-turn tokens present in the vocabulary.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of the model at `path` (a Hugging Face folder or a GGUF file)."""
     files = locate_model(path)
     return _load_cached(files, files.path.stat().st_mtime_ns)
+
+
+def tokenizer_from_files(files: Mapping[str, str], stop_tokens: Iterable[int]) -> Tokenizer:
+    """The tokenizer saved as `files` (file name -> text: tokenizer.json, its config and
+    chat template, as a program file stores them), stopping at `stop_tokens` too."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name, text in files.items():
+            (Path(folder) / name).write_text(text, encoding="utf-8")
+        backend = AutoTokenizer.from_pretrained(folder)
+    return Tokenizer(backend, extra_eos_ids=stop_tokens)
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,0 +1,163 @@
+"""ProgramExecutor: runs packed steps through an exported program's methods (DESIGN §6, §8).
+
+Owns: the map from a packed step onto a program's methods, and the inputs of one method
+call (the step's tokens, positions and cells, its attention plan in flat form, the rows
+whose logits it returns, padded to the method's width).
+Promises: the same `SessionTable`, `pack`, `select_rows`, placement and sampling as
+`ModuleExecutor` (both are `CellExecutor`s): only the forward differs. The step plan
+(`plan_slices` with the program's `max_step_tokens` and `min_prefill_tokens`) cuts a step;
+a slice of at least `min_prefill_tokens` runs `prefill`; the shorter rest runs as rows
+of the narrowest static decode width that holds them (`pick_width`; wider runs are cut
+at the widest). Padding rows take token 0 at position 0, write the scratch cell and
+attend to it alone: no real token ever reads them. Construction refuses, with the
+numbers, limits the program cannot hold: a KV dtype other than the program's, sessions
+longer than its positions, a step wider than its widest method, a pool larger than its
+methods take.
+Never: imports model code (`cellbatch.model`), compiles or traces, or calls a method
+outside the sizes its manifest declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, KVGeometry
+from cellbatch.executor.step_plan import pick_width, plan_slices
+from cellbatch.export.manifest import MethodSpec
+from cellbatch.export.program import Program
+from cellbatch.types import BatchInput, BatchOutput, InvalidArgumentError, Output
+
+# Dynamic sizes of a method start at 2 (torch.export specialises 0 and 1).
+MIN_DYNAMIC = 2
+
+
+class ProgramExecutor(CellExecutor):
+    """An exported program's methods, one call per slice of a packed step."""
+
+    def __init__(self, program: Program, shape: ExecutorShape) -> None:
+        model = program.manifest.model
+        super().__init__(KVGeometry(model.num_layers, model.num_kv_heads, model.head_dim), shape)
+        self.program = program
+        manifest = program.manifest
+        self._prefill = manifest.prefill
+        self._decodes = manifest.decode_methods
+        self._method: MethodSpec | None = None  # the method of the forward being run
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        manifest, shape = self.program.manifest, self.shape
+        problems = []
+        if shape.kv_dtype != self.program.kv_dtype:
+            problems.append(
+                f"its KV cache is {manifest.kv_dtype}, not "
+                f"{str(shape.kv_dtype).removeprefix('torch.')} (export with --kv-dtype for "
+                "another)"
+            )
+        if shape.max_session_tokens > manifest.model.max_positions:
+            problems.append(
+                f"max_session_tokens={shape.max_session_tokens} is above the "
+                f"{manifest.model.max_positions} positions it takes"
+            )
+        if shape.max_batch_tokens > manifest.max_step_tokens:
+            problems.append(
+                f"max_batch_tokens={shape.max_batch_tokens} is above its widest method, "
+                f"{manifest.max_step_tokens} tokens (export with --max-step-tokens)"
+            )
+        if shape.max_cells + 1 > manifest.max_pool_rows:
+            problems.append(
+                f"max_cells={shape.max_cells} (+ the scratch row) is above the "
+                f"{manifest.max_pool_rows} pool rows its methods take"
+            )
+        if problems:
+            raise InvalidArgumentError(
+                f"program {self.program.path} cannot run this engine: " + "; ".join(problems)
+            )
+
+    # -- steps ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchInput) -> BatchOutput:
+        step = self.pack(batch)
+        outputs: list[Output | None] = [None] * len(batch.inputs)
+        for offset, length, method in self.calls(step.num_tokens):
+            self._method = method
+            self.run_forward(batch, step, offset, length, outputs)
+        return BatchOutput(tuple(outputs))
+
+    def calls(self, total: int) -> Iterator[tuple[int, int, MethodSpec]]:
+        """(offset, length, method) of each call covering a step of `total` tokens, in
+        order: wide slices run prefill; each run of one-token slices runs as decode rows."""
+        manifest = self.program.manifest
+        pending = None  # the run of one-token slices not yet given to a decode call: [from, to)
+        for piece in plan_slices(total, manifest.max_step_tokens, manifest.min_prefill_tokens):
+            if not piece.wide:
+                start = piece.offset if pending is None else pending[0]
+                pending = (start, piece.offset + piece.length)
+                continue
+            if pending is not None:
+                yield from self._decode_calls(*pending)
+                pending = None
+            yield piece.offset, piece.length, self._prefill
+        if pending is not None:
+            yield from self._decode_calls(*pending)
+
+    def _decode_calls(self, start: int, end: int) -> Iterator[tuple[int, int, MethodSpec]]:
+        widest = self._decodes[-1].max_tokens
+        while start < end:
+            length = min(end - start, widest)
+            width = pick_width(length, [method.max_tokens for method in self._decodes])
+            yield start, length, next(m for m in self._decodes if m.max_tokens == width)
+            start += length
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        plan: AttentionPlan,
+        logit_rows: np.ndarray,
+    ) -> torch.Tensor:
+        method = self._method
+        flat = flatten_plan(plan, self.program.manifest.query_block)
+        count = tokens.shape[0]
+        pad = method.max_tokens - count if method.static else 0
+        attention_cells, block_starts = flat.cells, flat.block_starts
+        rows, attention_positions, offsets = flat.rows, flat.positions, flat.cell_offsets
+        if pad:
+            # Each padding row is a query of its own, at position 0 of a sequence whose
+            # only cell is the scratch cell it writes.
+            zeros = torch.zeros(pad, dtype=torch.long)
+            tokens, positions = torch.cat([tokens, zeros]), torch.cat([positions, zeros])
+            cells = torch.cat([cells, zeros + SCRATCH_CELL])
+            rows = torch.cat([rows, torch.arange(count, count + pad)])
+            attention_positions = torch.cat([attention_positions, zeros])
+            offsets = torch.cat([offsets, zeros + attention_cells.shape[0]])
+            attention_cells = torch.cat([attention_cells, zeros[:1] + SCRATCH_CELL])
+            block_starts = torch.cat([block_starts, block_starts[-1] + torch.arange(1, pad + 1)])
+        if attention_cells.shape[0] < MIN_DYNAMIC:  # unread entries, to the least it takes
+            attention_cells = torch.cat([attention_cells, torch.full((1,), SCRATCH_CELL)])
+        # A static method returns all its rows' logits (at least 2), prefill at least 2:
+        # the extra rows repeat the last wanted one.
+        wanted = len(logit_rows)
+        returned = max(method.max_tokens if method.static else wanted, MIN_DYNAMIC)
+        picked = torch.from_numpy(logit_rows)
+        if returned > wanted:
+            picked = torch.cat([picked, picked[-1:].expand(returned - wanted)])
+        inputs = [
+            tokens,
+            positions,
+            cells,
+            attention_cells,
+            rows,
+            attention_positions,
+            offsets,
+            block_starts,
+            picked,
+            *self.pool.k,
+            *self.pool.v,
+        ]
+        return self.program.methods[method.name](inputs)[:wanted]
