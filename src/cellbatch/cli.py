@@ -1,8 +1,12 @@
-"""The `cellbatch` command line: `run` (a list of prompts through one model) and `bench`
+"""The `cellbatch` command line: `run` (a list of prompts through one model), `serve`,
+`export` (a model compiled into a program file that `run --model` runs) and `bench`
 (throughput against transformers: runs benchmarks/throughput.py of the source checkout).
 
 Owns: argument parsing, reading prompt files, printing, the JSON run report.
-Promises: a missing or unreadable prompt file is an error before the model loads;
+Promises: a missing or unreadable prompt file, and an option that is wrong whatever the
+model, are errors before the model loads (exit status 2); loading says on stderr what it
+did, phase by phase, with the time each took (not with --quiet), and Ctrl-C or SIGTERM
+while it loads ends the process at once with one line (exit status 130 or 143);
 a bad prompt line fails alone with its line number and the others still run; the
 exit status is 0 only when every generation ended by a stop token, a stop string or
 the token limit.
@@ -17,7 +21,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,6 +136,30 @@ def _parser() -> argparse.ArgumentParser:
         "--ray-address", help="join this Ray cluster (default: start a local Ray instance)"
     )
     serve.set_defaults(func=_serve_command)
+
+    export = commands.add_parser(
+        "export", help="compile a model into a program file that `run --model` runs"
+    )
+    export.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
+    export.add_argument("-o", "--output", type=Path, required=True, help="the program (.pt2)")
+    export.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    export.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    export.add_argument(
+        "--max-step-tokens", type=int, default=544, help="tokens per forward, at most"
+    )
+    export.add_argument(
+        "--decode-widths",
+        default="1",
+        help="static widths of the decode methods, comma-separated (e.g. 1,8,32)",
+    )
+    export.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=2,
+        help="the prefill method's lower bound (>= 2); shorter slices run as decode rows",
+    )
+    export.add_argument("--threads", type=int, help="torch and compile threads")
+    export.set_defaults(func=_export_command)
 
     # Listed for --help only: main() hands `bench` and its arguments to the benchmark.
     commands.add_parser(
@@ -249,6 +278,64 @@ def _check_options(args: argparse.Namespace) -> None:
             )
 
 
+# Engine options whose values are counts: none can be below 1, whatever the model.
+_COUNT_OPTIONS = (
+    "max_sessions",
+    "max_session_tokens",
+    "max_batch_tokens",
+    "max_decode_sequences",
+    "max_prefill_chunk",
+    "max_cells",
+    "threads",
+)
+
+
+def _check_engine_options(args: argparse.Namespace) -> None:
+    """Refuses engine options that are wrong whatever the model, before it loads."""
+    for name in _COUNT_OPTIONS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    from cellbatch.model.transformer import resolve_dtype
+    from cellbatch.types import InvalidArgumentError
+
+    for flag, value in (("--dtype", args.dtype), ("--kv-dtype", args.kv_dtype)):
+        try:
+            if value is not None:
+                resolve_dtype(value)
+        except InvalidArgumentError as error:
+            raise UsageError(f"{flag}: {error}") from error
+
+
+@contextmanager
+def _exit_on_signal(doing: str) -> Iterator[None]:
+    """While the block runs, Ctrl-C (SIGINT) or SIGTERM ends the process at once with one
+    line and the status 128 + signal. For loading: it writes nothing that needs undoing, and
+    its thread cannot be stopped part-way (an exception would wait for it, then trace)."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        sys.stdout.flush()
+        name = signal.Signals(signum).name
+        print(f"cellbatch: interrupted by {name} while {doing}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    # A signal the process was started ignoring (nohup, a background job) stays ignored.
+    signals = [
+        sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) != signal.SIG_IGN
+    ]
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _say_loaded(what: str, seconds: float) -> None:
+    """The load's progress line for one phase."""
+    print(f"cellbatch: {what} in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The model and engine-shape options `run` and `serve` share."""
     parser.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
@@ -264,8 +351,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--kernels",
         default="auto",
         choices=("auto", "compiled", "torch"),
-        help="attention and per-layer ops: compiled for this CPU (built on first use), "
-        "pure torch, or auto (compiled where they build)",
+        help="attention and per-layer ops: compiled for this CPU (built when cellbatch was "
+        "installed), pure torch, or auto (compiled where they were built)",
     )
     parser.add_argument("--threads", type=int, help="torch threads")
     parser.add_argument(
@@ -301,24 +388,61 @@ def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str
 
 
 def load_engine(args: argparse.Namespace, shape: dict[str, int], **options: Any):  # -> Engine
-    """The Engine the shared options ask for; a bad option is a UsageError."""
-    from cellbatch.engine import Engine
+    """The Engine the shared options ask for; a bad option is a UsageError, before anything
+    loads. Unless --quiet, each phase of the load says what it did on stderr."""
+    _check_engine_options(args)
+    try:
+        with _exit_on_signal("loading the model"):
+            if not args.quiet:
+                print(f"cellbatch: loading {args.model or 'the default model'}", file=sys.stderr)
+            from cellbatch.engine import Engine
+
+            return Engine.from_pretrained(
+                args.model,
+                dtype=args.dtype,
+                kv_dtype=args.kv_dtype,
+                threads=args.threads,
+                kernels=args.kernels,
+                quantize=args.quantize,
+                admission=args.admission,
+                progress=None if args.quiet else _say_loaded,
+                **options,
+                **shape,
+            )
+    except (ValueError, FileNotFoundError) as error:  # InvalidArgumentError among them
+        raise UsageError(str(error)) from error
+
+
+def _export_command(args: argparse.Namespace) -> int:
+    from cellbatch.export.exporter import ExportOptions, export_program
     from cellbatch.types import InvalidArgumentError
 
     try:
-        return Engine.from_pretrained(
-            args.model,
-            dtype=args.dtype,
-            kv_dtype=args.kv_dtype,
-            threads=args.threads,
-            kernels=args.kernels,
-            quantize=args.quantize,
-            admission=args.admission,
-            **options,
-            **shape,
-        )
+        widths = tuple(int(width) for width in args.decode_widths.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--decode-widths takes comma-separated integers, got {args.decode_widths!r}"
+        ) from None
+    if args.model is not None and not Path(args.model).exists():
+        raise UsageError(f"model {args.model} does not exist (give a folder or a .gguf file)")
+    options = ExportOptions(
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        max_step_tokens=args.max_step_tokens,
+        decode_widths=widths,
+        min_prefill_tokens=args.min_prefill_tokens,
+        threads=args.threads,
+    )
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    try:
+        export_program(args.model, args.output, options, progress)
     except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
         raise UsageError(str(error)) from error
+    return 0
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -350,11 +474,12 @@ def run_command(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from error
     shape = engine_shape(args, max_sessions)
 
-    memory = {"before_load": memory_snapshot()}
-    load_started = time.perf_counter()
-    engine = load_engine(args, shape)
-    load_seconds = time.perf_counter() - load_started
-    memory["after_load"] = memory_snapshot()
+    with _exit_on_signal("loading the model"):
+        memory = {"before_load": memory_snapshot()}
+        load_started = time.perf_counter()
+        engine = load_engine(args, shape)
+        load_seconds = time.perf_counter() - load_started
+        memory["after_load"] = memory_snapshot()
 
     with engine:
         inputs, failures = _encode(prompts, engine)
@@ -512,6 +637,7 @@ def _report(
             "dtype": str(engine.dtype).removeprefix("torch."),
             "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "kernels": engine.kernels,
+            "executor": engine.executor_kind,
             "weight_format": engine.weights.format,
             "weight_formats": engine.weights.formats,
             "weight_kernel": engine.weights.kernel,
