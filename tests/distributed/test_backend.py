@@ -10,6 +10,7 @@ import concurrent.futures
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
+from cellbatch.distributed import backend as replica_backend
 from cellbatch.distributed.backend import ReplicaBackend
 from cellbatch.distributed.cluster import import_ray
 from cellbatch.distributed.replica import Delivery, ReplicaInfo
@@ -140,7 +141,7 @@ def test_a_replica_failing_before_streaming_is_retried_once_on_another() -> None
         assert choices[1].handle.metrics().cached_tokens == 8
         assert (first.calls, second.calls) == (1, 1)
         assert backend.retries[0] == 1 and not backend.failures
-        assert backend.down == {0} and backend.router.load == [0, 0]
+        assert backend.down() == {0} and backend.router.load == [0, 0]
 
     run(check, first, second)
 
@@ -166,7 +167,7 @@ def test_two_failures_end_the_request_without_hanging() -> None:
         assert all(s[-1].finish_reason is FinishReason.FAILED for s in streams)
         assert "replica 1" in streams[0][-1].error
         assert backend.retries[0] == 1 and backend.failures[1] == 1
-        assert backend.down == {0, 1}
+        assert backend.down() == {0, 1}
 
     run(check, first, second)
 
@@ -177,7 +178,7 @@ def test_a_single_replica_is_tried_again_itself() -> None:
     async def check(backend: ReplicaBackend) -> None:
         streams = await follow(await backend.start(PLAN))
         assert streams[0][-1].finish_reason is FinishReason.TOKEN_LIMIT
-        assert only.calls == 2 and backend.down == set()
+        assert only.calls == 2 and backend.down() == set()
 
     run(check, only)
 
@@ -207,3 +208,14 @@ def test_health_shows_replicas_down_and_restarted() -> None:
         assert rows[2]["pid"] == 321  # type: ignore[index]
 
     run(check, first, second, third)
+
+
+def test_a_failed_replica_is_avoided_for_a_while_only(monkeypatch) -> None:
+    backend = ReplicaBackend(Replicas(Actor(), Actor()))  # type: ignore[arg-type]
+    backend.failed(1)
+    assert backend.down() == {1}
+    backend.answered(1)
+    assert backend.down() == set()
+    backend.failed(0)
+    monkeypatch.setattr(replica_backend, "DOWN_S", 0.0)  # the time ran out
+    assert backend.down() == set()

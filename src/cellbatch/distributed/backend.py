@@ -10,8 +10,9 @@ started once more on another replica (or on the same one once Ray brought it bac
 one whose replica fails later ends every unfinished choice `failed` with a message
 naming the replica, which the app turns into an OpenAI error; other requests are
 untouched and nothing waits forever on a dead replica (Ray fails the calls in flight
-on an actor whose process died). Routing goes around replicas that failed and have
-not answered since. `/health` lists every replica (status, pid, requests running,
+on an actor whose process died). Routing goes around a replica that failed, until it
+answers again or `DOWN_S` have passed (Ray then holds new calls until it is back, or
+fails them, and the request moves on). `/health` lists every replica (status, pid, requests running,
 restarts seen); it serves while any replica answers. `/metrics` sums the engine
 figures and labels each replica's, with its up/down, running requests, routing
 decisions, retries, failures and restarts seen.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -39,6 +41,8 @@ from cellbatch.types import FinishReason, GenerationUpdate, Token
 
 # A replica that does not answer a ping (or a figures call) this fast is shown down.
 PING_TIMEOUT_S = 2.0
+# How long routing avoids a replica after a call to it failed, unless it answers first.
+DOWN_S = 10.0
 
 
 class ReplicaBackend:
@@ -51,7 +55,7 @@ class ReplicaBackend:
         self.router = router or PrefixRouter(len(replicas))
         self.ray = replicas.cluster.ray
         self._pids = [replica.pid for replica in replicas.infos]
-        self.down: set[int] = set()  # failed a call and has not answered since
+        self._failed_at: dict[int, float] = {}  # replica -> when a call to it last failed
         self.restarts: Counter[int] = Counter()
         self.retries: Counter[int] = Counter()  # requests moved off a failed replica
         self.failures: Counter[int] = Counter()  # requests ended by their replica's failure
@@ -113,14 +117,19 @@ class ReplicaBackend:
 
     def answered(self, replica: int, pid: int | None = None) -> None:
         """The replica works (as process `pid`, when known)."""
-        self.down.discard(replica)
+        self._failed_at.pop(replica, None)
         if pid is not None and pid != self._pids[replica]:
             self._pids[replica] = pid
             self.restarts[replica] += 1
             self.router.forget(replica)  # a new process: its prefix cache is empty
 
+    def down(self) -> set[int]:
+        """The replicas routing avoids now."""
+        since = time.monotonic() - DOWN_S
+        return {replica for replica, when in self._failed_at.items() if when > since}
+
     def failed(self, replica: int) -> None:
-        self.down.add(replica)
+        self._failed_at[replica] = time.monotonic()
         self.router.forget(replica)
 
 
@@ -173,7 +182,7 @@ class _RemoteRequest:
         completed = False
         try:
             for attempt in range(2):
-                route = router.choose(prompt, down=backend.down | avoid)
+                route = router.choose(prompt, down=backend.down() | avoid)
                 router.started(route, prompt, weight)
                 self.replica = route.replica
                 try:
