@@ -185,10 +185,11 @@ def decode_sweep_point(
     """
     opened = [engine.open_session() for _ in range(sessions)]
     contexts = [prompts[index % len(prompts)] for index in range(sessions)]
+    none: frozenset[Token] = frozenset()  # GenConfig's None would mean the model's own
     try:
         _wait_all(
             [
-                session.generate_async(list(context), GenConfig(max_new_tokens=1))
+                session.generate_async(list(context), GenConfig(max_new_tokens=1, stop_tokens=none))
                 for session, context in zip(opened, contexts, strict=True)
             ],
             FinishReason.TOKEN_LIMIT,
@@ -197,7 +198,9 @@ def decode_sweep_point(
         started = perf_counter()
         _wait_all(
             [
-                session.generate_async([context[-1]], GenConfig(max_new_tokens=new_tokens))
+                session.generate_async(
+                    [context[-1]], GenConfig(max_new_tokens=new_tokens, stop_tokens=none)
+                )
                 for session, context in zip(opened, contexts, strict=True)
             ],
             FinishReason.TOKEN_LIMIT,
