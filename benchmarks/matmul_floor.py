@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    _, model = load_model(default_model_path(), args.dtype)
+    _, model = load_model(default_model_path(), args.dtype, quantize="none")  # float products
     layers = list(model.layers)
     cases = {
         "all layers (weights streamed)": layers,

@@ -106,6 +106,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
         with Engine.from_pretrained(
             path,
             dtype=options.dtype,
+            quantize="none",  # float weights, as the transformers peers have them
             threads=options.threads,
             max_sessions=max((count, *options.sessions)),
             max_batch_tokens=options.max_batch_tokens,

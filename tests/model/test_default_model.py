@@ -46,7 +46,8 @@ def test_package_without_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 def ours():
     from cellbatch.model.loading import load_model
 
-    return load_model(default_model_path(), "float32")
+    # Float weights: the default ("auto") would keep the file's int4 class.
+    return load_model(default_model_path(), "float32", quantize="none")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,11 @@ def test_default_model_is_batch_invariant(ours, first_sequence_logits, dtype) ->
     # Contexts past 256 keys: fp32 GEMMs over padded key lengths rounded differently there.
     from cellbatch.model.loading import load_model
 
-    _, model = ours if dtype == "float32" else load_model(default_model_path(), dtype)
+    _, model = (
+        ours
+        if dtype == "float32"
+        else load_model(default_model_path(), dtype, quantize="none")
+    )
     generator = torch.Generator().manual_seed(11)
     prompts = [
         torch.randint(0, 49152, (n,), generator=generator).tolist() for n in (300, 520, 9, 40)
