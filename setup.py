@@ -106,7 +106,7 @@ def kernel_build() -> dict:
             try:
                 super().run()
             except Exception as error:  # a missing compiler or a compile error alike
-                _skip(_summary(error))
+                _skip(f"{_summary(error)}; the compiler's messages are above")
                 self.extensions = []  # nothing to install or copy into the source tree
                 return
             info = json.dumps(

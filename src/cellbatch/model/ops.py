@@ -13,7 +13,8 @@ install, and the torch implementations elsewhere (other devices, or no library);
 namespace, so a model has one code path whichever it got; `Ops.kind` says which
 ("compiled" or "torch"). The torch implementations follow transformers' roundings: RMSNorm
 normalises in float32 and scales in the compute dtype, RoPE multiplies and adds in the
-compute dtype with cos/sin rounded to it, SiLU runs in the compute dtype.
+compute dtype with cos/sin rounded to it, SiLU is rounded to the compute dtype and then
+multiplied by `up` in it.
 Never: compiles anything, or loads the compiled library unless a choice asks for it.
 """
 
