@@ -1,4 +1,5 @@
-"""Engine: a model, its tokenizer, a ModuleExecutor, a scheduler and a Runner in one.
+"""Engine: a model (or an exported program), its tokenizer, an executor, a scheduler and a
+Runner in one.
 
 Owns: the loaded model and tokenizer, and the Runner driving them.
 Promises: `generate` / `chat` take many prompts at once and return one result per
@@ -27,13 +28,16 @@ import torch
 
 from cellbatch.cache import kv_bytes_per_cell
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
+from cellbatch.executor.program_executor import ProgramExecutor
+from cellbatch.export import is_program
+from cellbatch.export.program import Program, load_program
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
 from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.quantized import WeightsSummary, resolve_quantize
 from cellbatch.model.quantized import describe as describe_weights
-from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
+from cellbatch.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_files
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.prefix_cache import common_prefix_length
 from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
@@ -102,7 +106,7 @@ class Engine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Program,
         config: Any,
         tokenizer: Tokenizer | None,
         *,
@@ -119,21 +123,25 @@ class Engine:
         # The activations' dtype: quantised weights have integer parameters.
         self.dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
         self.kv_dtype = kv_dtype
-        self.kernels = model.ops.kind  # "compiled" or "torch"
+        # A program runs the compiled kernels it carries.
+        self.kernels = "compiled" if isinstance(model, Program) else model.ops.kind
         self.stop_tokens = frozenset(
             tokenizer.stop_tokens if tokenizer is not None else config.eos_token_ids
         )
         self.shape = _resolve_shape(shape, config, kv_dtype)
-        self.executor = ModuleExecutor(
-            model,
-            config,
-            ExecutorShape(
-                max_sessions=self.shape.max_sessions,
-                max_session_tokens=self.shape.max_session_tokens,
-                max_cells=self.shape.max_cells,
-                max_batch_tokens=self.shape.max_batch_tokens,
-                kv_dtype=kv_dtype,
-            ),
+        executor_shape = ExecutorShape(
+            max_sessions=self.shape.max_sessions,
+            max_session_tokens=self.shape.max_session_tokens,
+            max_cells=self.shape.max_cells,
+            max_batch_tokens=self.shape.max_batch_tokens,
+            kv_dtype=kv_dtype,
+        )
+        # "program": an exported program's methods; "module": the torch module itself.
+        self.executor_kind = "program" if isinstance(model, Program) else "module"
+        self.executor = (
+            ProgramExecutor(model, executor_shape)
+            if isinstance(model, Program)
+            else ModuleExecutor(model, config, executor_shape)
         )
         self.scheduler = DecodeFirstScheduler.create(
             max_batch_tokens=self.shape.max_batch_tokens,
@@ -166,8 +174,9 @@ class Engine:
         progress: LoadProgress | None = None,
         **shape: Any,
     ) -> Engine:
-        """Load a Hugging Face folder or a GGUF file (default: the embedded
-        SmolLM2-135M-Instruct). `shape` takes EngineShape's fields. `kv_dtype`
+        """Load a Hugging Face folder, a GGUF file (default: the embedded
+        SmolLM2-135M-Instruct) or a program file (`.pt2`, from `cellbatch export`: see
+        `from_program`). `shape` takes EngineShape's fields. `kv_dtype`
         defaults to the weight dtype. `kernels`: "auto" (the compiled CPU kernels where
         they build, else pure torch), "compiled" or "torch". `quantize`: "auto" (a GGUF
         file keeps its precision class, e.g. Q4_1 -> int4; other models stay float),
@@ -175,6 +184,18 @@ class Engine:
         phase of the load as it ends (what it did, and its seconds). The options are
         checked before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
+        if model is not None and is_program(model):
+            return cls.from_program(
+                model,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+                threads=threads,
+                kernels=kernels,
+                quantize=quantize,
+                admission=admission,
+                prefix_cache_entries=prefix_cache_entries,
+                **shape,
+            )
         if threads is not None:
             if threads < 1:
                 raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
@@ -204,6 +225,64 @@ class Engine:
         )
         clock.done("started the engine")
         return engine
+
+    @classmethod
+    def from_program(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str | torch.dtype = "auto",
+        kv_dtype: str | torch.dtype | None = None,
+        threads: int | None = None,
+        kernels: str = "auto",
+        quantize: str = "auto",
+        admission: str = "optimistic",
+        prefix_cache_entries: int = 0,
+        **shape: Any,
+    ) -> Engine:
+        """Load a program file (`cellbatch export`) and run it with a ProgramExecutor: no
+        model code runs, and the tokenizer comes from the program's own files. Its dtypes
+        and kernels were fixed at export: options asking for others are refused. The
+        step width defaults to the program's widest method."""
+        if threads is not None:
+            if threads < 1:
+                raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        program = in_short_lived_thread(lambda: load_program(path))
+        manifest = program.manifest
+        fixed = (
+            ("dtype", dtype, program.dtype),
+            ("kv_dtype", kv_dtype, program.kv_dtype),
+        )
+        for name, asked, has in fixed:
+            if asked not in (None, "auto") and resolve_dtype(asked) != has:
+                raise InvalidArgumentError(
+                    f"program {path} runs in {str(has).removeprefix('torch.')} ({name} is fixed "
+                    f"at export); drop {name} or export the model again with the one you want"
+                )
+        if kernels == "torch" or quantize not in ("auto", "none"):
+            raise InvalidArgumentError(
+                f"program {path} runs its own compiled kernels and {manifest.dtype} weights; "
+                "kernels and quantize apply to models, not programs"
+            )
+        shape.setdefault(
+            "max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, manifest.max_step_tokens)
+        )
+        tokenizer = (
+            tokenizer_from_files(program.tokenizer_files, manifest.stop_tokens)
+            if program.tokenizer_files
+            else None
+        )
+        return cls(
+            program,
+            manifest.model,
+            tokenizer,
+            shape=EngineShape(**shape),
+            admission=admission,
+            prefix_cache_entries=prefix_cache_entries,
+            kv_dtype=program.kv_dtype,
+            model_path=program.path,
+        )
 
     # -- sessions ------------------------------------------------------------
 
@@ -325,12 +404,18 @@ class Engine:
 
     @property
     def weights_bytes(self) -> int:
+        if isinstance(self.model, Program):
+            return self.model.weights_bytes
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @property
     def weights(self) -> WeightsSummary:
         """Which weight format ran: in words, per role, the quantised products' kernel,
         and bytes per format."""
+        if isinstance(self.model, Program):
+            dtype = self.model.manifest.dtype
+            roles = dict.fromkeys(("projections", "embedding", "lm_head"), dtype)
+            return WeightsSummary(dtype, roles, "none", {dtype: self.model.weights_bytes})
         return describe_weights(self.model)
 
     @property
