@@ -51,11 +51,12 @@ using cellbatch::Vec;
 using cellbatch::widen;
 // Keys per tile: the unit of the online softmax, aligned on absolute positions (so it is
 // part of the numerics: changing it changes results by rounding, never their invariance).
-constexpr int64_t kKeyTile = 32;
+// 64 rather than 32 halves the per-tile bookkeeping of each score row.
+constexpr int64_t kKeyTile = 64;
 constexpr int64_t kTileVectors = kKeyTile / kLanes;
 // Keys transposed at a time (at::vec's 8 x 8 float transpose).
 constexpr int64_t kTransposeRows = 8;
-// Score rows computed together in registers: kRowGroup rows x kTileVectors accumulators.
+// Score rows computed together in registers: kRowGroup rows x (up to) 4 vectors of keys.
 constexpr int kRowGroup = 3;
 // Value columns accumulated together: kRowGroup rows x kValueVectors accumulators.
 constexpr int kValueVectors = 4;
@@ -78,8 +79,9 @@ inline void load_row(const C* src, float* dst, int64_t n) {
   if constexpr (!std::is_same_v<T, C> && !std::is_same_v<T, float>) round_all<T>(dst, n);
 }
 
-// Asks for the cache lines of a row that will be read soon: a sequence's cells need not be
-// adjacent, so the hardware prefetcher cannot be relied on.
+// Asks for the cache lines of a row that will be read soon. Only for a row whose cell does
+// not follow the previous one's: the hardware prefetcher follows adjacent cells, and asking
+// for lines it already brings costs more than it saves.
 template <typename C>
 inline void prefetch_row(const C* row, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -95,25 +97,36 @@ inline float max_lanes(Vec x) {
   return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, x);
 }
 
-// scores[r][0, kKeyTile) = q[r] . keys, for R rows of q (dim floats apart) against the tile's
-// keys transposed (keys_t[d][j], kKeyTile floats apart): one fused multiply-add per d, in
-// ascending d, for every score.
-template <int R>
-inline void tile_scores(const float* q, int64_t dim, const float* keys_t, float* scores) {
-  Vec acc[R][kTileVectors];
+// scores[r][c0 * kLanes, (c0 + NC) * kLanes) = q[r] . keys, for R rows of q (dim floats
+// apart) against the tile's keys transposed (keys_t[d][j], kKeyTile floats apart): one
+// fused multiply-add per d, in ascending d, for every score.
+template <int R, int NC>
+inline void tile_scores_part(const float* q, int64_t dim, const float* keys_t, int64_t c0,
+                             float* scores) {
+  Vec acc[R][NC];
   for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kTileVectors; ++c) acc[r][c] = Vec(0.f);
+    for (int c = 0; c < NC; ++c) acc[r][c] = Vec(0.f);
   for (int64_t d = 0; d < dim; ++d) {
     Vec qd[R];
     for (int r = 0; r < R; ++r) qd[r] = Vec(q[r * dim + d]);
-    const float* k = keys_t + d * kKeyTile;
-    for (int64_t c = 0; c < kTileVectors; ++c) {
+    const float* k = keys_t + d * kKeyTile + c0 * kLanes;
+    for (int c = 0; c < NC; ++c) {
       const Vec kc = Vec::loadu(k + c * kLanes);
       for (int r = 0; r < R; ++r) acc[r][c] = at::vec::fmadd(qd[r], kc, acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kTileVectors; ++c) acc[r][c].store(scores + r * kKeyTile + c * kLanes);
+    for (int c = 0; c < NC; ++c) acc[r][c].store(scores + r * kKeyTile + (c0 + c) * kLanes);
+}
+
+// The scores of keys [a, b) of the tile (and of neighbours that share their parts).
+template <int R>
+inline void tile_scores(const float* q, int64_t dim, const float* keys_t, int64_t a, int64_t b,
+                        float* scores) {
+  constexpr int kPart = kTileVectors < 4 ? kTileVectors : 4;
+  static_assert(kTileVectors % kPart == 0);
+  for (int64_t c0 = a / (kPart * kLanes) * kPart; c0 * kLanes < b; c0 += kPart)
+    tile_scores_part<R, kPart>(q, dim, keys_t, c0, scores);
 }
 
 // acc[r][d0, d0 + NV * kLanes) += sum over keys j in [j0, j1), ascending, of
@@ -243,20 +256,28 @@ struct CellAttention {
     }
     // Whole vectors covering [j0, j1); lanes are aligned on absolute positions.
     const int64_t v0 = j0 / kLanes * kLanes, v1 = (j1 + kLanes - 1) / kLanes * kLanes;
-    round_all<T>(row + j0, j1 - j0);
+    // In float32 the scaling joins the exp's pass: rounding is monotonic, so the top of the
+    // scaled scores is the scaled top, and each weight sees the same scaled score.
+    constexpr bool kScaleLate = std::is_same_v<T, float>;
+    if constexpr (!kScaleLate) {
+      round_all<T>(row + j0, j1 - j0);
 #pragma omp simd
-    for (int64_t j = j0; j < j1; ++j) row[j] *= scale;
-    round_all<T>(row + j0, j1 - j0);
+      for (int64_t j = j0; j < j1; ++j) row[j] *= scale;
+      round_all<T>(row + j0, j1 - j0);
+    }
     std::fill(row + v0, row + j0, kNegInf);
     std::fill(row + j1, row + v1, kNegInf);
     Vec top(kNegInf);
     for (int64_t j = v0; j < v1; j += kLanes) top = at::vec::maximum(top, Vec::loadu(row + j));
-    const float new_max = std::max(running_max, max_lanes(top));
+    const float tile_max = kScaleLate ? max_lanes(top) * scale : max_lanes(top);
+    const float new_max = std::max(running_max, tile_max);
     const float factor = std::exp(running_max - new_max);
-    const Vec shift(new_max);
+    const Vec shift(new_max), factor_in(kScaleLate ? scale : 1.f);
     Vec total(0.f);
     for (int64_t j = v0; j < v1; j += kLanes) {
-      const Vec e = (Vec::loadu(row + j) - shift).exp_u20();
+      Vec x = Vec::loadu(row + j);
+      if constexpr (kScaleLate) x = x * factor_in;
+      const Vec e = (x - shift).exp_u20();
       e.store(row + j);
       total = total + e;
     }
@@ -302,6 +323,7 @@ struct CellAttention {
       const int64_t a = std::max(t0, block_lo) - t0, b = std::min(t0 + kKeyTile, block_hi) - t0;
       if (t0 < last_tile) {
         for (int64_t j = t0 + kKeyTile; j < std::min(t0 + 2 * kKeyTile, block_hi); ++j) {
+          if (seq_cells[j] == seq_cells[j - 1] + 1) continue;
           prefetch_row(k_cache + seq_cells[j] * kv_width(), kv_width());
           prefetch_row(v_cache + seq_cells[j] * kv_width(), kv_width());
         }
@@ -311,10 +333,10 @@ struct CellAttention {
         load_keys(seq_cells, t0, a, b, g, s);
         int64_t r = 0;
         for (; r + kRowGroup <= group_rows; r += kRowGroup)
-          tile_scores<kRowGroup>(&s.queries[(base + r) * dim], dim, s.keys_t.data(),
+          tile_scores<kRowGroup>(&s.queries[(base + r) * dim], dim, s.keys_t.data(), a, b,
                                  &s.scores[r * kKeyTile]);
         for (; r < group_rows; ++r)
-          tile_scores<1>(&s.queries[(base + r) * dim], dim, s.keys_t.data(),
+          tile_scores<1>(&s.queries[(base + r) * dim], dim, s.keys_t.data(), a, b,
                          &s.scores[r * kKeyTile]);
         load_values(seq_cells, t0, a, b, g, s);
         for (int64_t i = 0; i < count; ++i) {
