@@ -16,6 +16,7 @@ Never: generates anything itself; the Engine does.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -475,6 +476,8 @@ def run_command(args: argparse.Namespace) -> int:
     shape = engine_shape(args, max_sessions)
 
     with _exit_on_signal("loading the model"):
+        # The libraries are the baseline, not part of the model's load.
+        importlib.import_module("cellbatch.engine")
         memory = {"before_load": memory_snapshot()}
         load_started = time.perf_counter()
         engine = load_engine(args, shape)
