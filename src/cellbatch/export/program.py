@@ -52,6 +52,9 @@ class Program:
     path: Path
     manifest: Manifest
     methods: dict[str, Method]
+    # The methods' constants: the methods hold bare pointers to these (user-managed), so
+    # the program keeps them alive.
+    constants: dict[str, torch.Tensor]
     weights_bytes: int  # the stored weights, once
     tokenizer_files: dict[str, str]  # file name -> text (tokenizer.json, its config, ...)
     load_seconds: float
@@ -89,6 +92,7 @@ def load_program(path: str | Path) -> Program:
         archive.path,
         manifest,
         methods,
+        constants,
         weights_bytes,
         tokenizer,
         time.perf_counter() - start,

@@ -17,8 +17,9 @@ Never: writes the KV pool, or loops in Python over tokens or sequences.
 The two implementations agree to rounding (not bit for bit: their sums run in different
 orders), so a model uses one of them for its whole life.
 
-The op's arguments (`AttentionArgs`): query i is token row `rows[i]` at position `pos[i]`;
-its sequence's cells, in position order (index = position), start at
+The op's arguments (`AttentionArgs`, the plan in flat form: `cellbatch.cache.flatten_plan`,
+which an exported program's runtime builds too): query i is token row `rows[i]` at
+position `pos[i]`; its sequence's cells, in position order (index = position), start at
 `cells[cell_offsets[i]]`; a sequence's queries are consecutive, and `block_starts` cuts
 them into blocks of at most QUERY_BLOCK queries of one sequence.
 """
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cellbatch.cache import SCRATCH_CELL, AttentionPlan
+from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
+from cellbatch.cache import FlatAttentionPlan as AttentionArgs
 
 # The torch implementation sums keys in blocks of this many positions (see _weighted_values).
 KEY_BLOCK = 64
@@ -63,18 +65,6 @@ class HeadShape:
         return self.head_dim**-0.5
 
 
-@dataclass
-class AttentionArgs:
-    """A step's queries as the op `cell_attention` takes them (see the module docstring)."""
-
-    cells: torch.Tensor  # every plan group's [G, Tk] cells, flattened and concatenated
-    rows: torch.Tensor  # [Q] token row of each query
-    positions: torch.Tensor  # [Q]
-    cell_offsets: torch.Tensor  # [Q] where the query's sequence starts in `cells`
-    block_starts: torch.Tensor  # [blocks + 1] query index at which each block starts
-    num_tokens: int
-
-
 class CellAttention:
     """What every decoder layer calls: `prepare(plan)` once per step, `attend` per layer.
     `op` is `cell_attention` of the model's ops table (`cellbatch.model.ops.Ops`)."""
@@ -84,34 +74,7 @@ class CellAttention:
         self.op = op
 
     def prepare(self, plan: AttentionPlan) -> AttentionArgs:
-        cells, rows, positions, offsets, starts = [], [], [], [], []
-        base = 0
-        for group in plan.groups:
-            num_groups, keys = group.cells.shape
-            valid = group.query_valid
-            query_index = torch.arange(valid.shape[1]).expand_as(valid)
-            sequence_start = base + torch.arange(num_groups)[:, None] * keys
-            cells.append(group.cells.reshape(-1))
-            rows.append(group.rows[valid])
-            positions.append(group.query_pos[valid])
-            offsets.append(sequence_start.expand_as(valid)[valid])
-            # Valid queries are a prefix of each row, so this marks every QUERY_BLOCK-th
-            # query of each sequence, its first included.
-            starts.append(query_index[valid] % QUERY_BLOCK == 0)
-            base += num_groups * keys
-        if not cells:
-            empty = torch.zeros(0, dtype=torch.long)
-            return AttentionArgs(empty, empty, empty, empty, torch.zeros(1, dtype=torch.long), 0)
-        flags = torch.cat(starts)
-        block_starts = torch.cat([torch.nonzero(flags).reshape(-1), torch.tensor([flags.shape[0]])])
-        return AttentionArgs(
-            cells=torch.cat(cells).contiguous(),
-            rows=torch.cat(rows),
-            positions=torch.cat(positions),
-            cell_offsets=torch.cat(offsets),
-            block_starts=block_starts,
-            num_tokens=plan.num_tokens,
-        )
+        return flatten_plan(plan, QUERY_BLOCK)
 
     def attend(
         self,
