@@ -194,6 +194,7 @@ class Engine:
                 quantize=quantize,
                 admission=admission,
                 prefix_cache_entries=prefix_cache_entries,
+                progress=progress,
                 **shape,
             )
         if threads is not None:
@@ -238,6 +239,7 @@ class Engine:
         quantize: str = "auto",
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
+        progress: LoadProgress | None = None,
         **shape: Any,
     ) -> Engine:
         """Load a program file (`cellbatch export`) and run it with a ProgramExecutor: no
@@ -248,23 +250,25 @@ class Engine:
             if threads < 1:
                 raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
+        asked = {
+            name: None if value in (None, "auto") else resolve_dtype(value)
+            for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype))
+        }
+        if kernels == "torch" or quantize not in ("auto", "none"):
+            raise InvalidArgumentError(
+                f"program {path} runs its own compiled kernels and the weights it was "
+                "exported with; kernels and quantize apply to models, not programs"
+            )
+        clock = PhaseClock(progress)
         program = in_short_lived_thread(lambda: load_program(path))
         manifest = program.manifest
-        fixed = (
-            ("dtype", dtype, program.dtype),
-            ("kv_dtype", kv_dtype, program.kv_dtype),
-        )
-        for name, asked, has in fixed:
-            if asked not in (None, "auto") and resolve_dtype(asked) != has:
+        clock.done(f"loaded the program ({len(program.methods)} methods)")
+        for name, has in (("dtype", program.dtype), ("kv_dtype", program.kv_dtype)):
+            if asked[name] is not None and asked[name] != has:
                 raise InvalidArgumentError(
                     f"program {path} runs in {str(has).removeprefix('torch.')} ({name} is fixed "
                     f"at export); drop {name} or export the model again with the one you want"
                 )
-        if kernels == "torch" or quantize not in ("auto", "none"):
-            raise InvalidArgumentError(
-                f"program {path} runs its own compiled kernels and {manifest.dtype} weights; "
-                "kernels and quantize apply to models, not programs"
-            )
         shape.setdefault(
             "max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, manifest.max_step_tokens)
         )
@@ -273,7 +277,8 @@ class Engine:
             if program.tokenizer_files
             else None
         )
-        return cls(
+        clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
+        engine = cls(
             program,
             manifest.model,
             tokenizer,
@@ -283,6 +288,8 @@ class Engine:
             kv_dtype=program.kv_dtype,
             model_path=program.path,
         )
+        clock.done("started the engine")
+        return engine
 
     # -- sessions ------------------------------------------------------------
 
