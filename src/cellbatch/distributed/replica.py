@@ -85,7 +85,10 @@ class Replica:
     ) -> AsyncIterator[list[Delivery]]:
         from cellbatch.server.backend import start_generations
 
-        handles = await asyncio.to_thread(start_generations, self.engine, prompts, configs, n)
+        if len(prompts) * n == 1:  # nothing to share: submitting does not wait
+            handles = start_generations(self.engine, prompts, configs, n)
+        else:
+            handles = await asyncio.to_thread(start_generations, self.engine, prompts, configs, n)
         self._streaming[request_id] = handles
         if request_id in self._early_cancels:
             del self._early_cancels[request_id]
