@@ -338,6 +338,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "torch":
             rows = x.to(torch.bfloat16).contiguous()
+            if rows.data_ptr() % 64:  # the int8 kernel's loads need aligned rows
+                rows = rows.clone()
             if self.format == "int4":
                 out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                     rows, self.codes, GROUP_SIZE, self.scale
