@@ -291,7 +291,7 @@ _COUNT_OPTIONS = (
 )
 
 
-def _check_engine_options(args: argparse.Namespace) -> None:
+def check_engine_options(args: argparse.Namespace) -> None:
     """Refuses engine options that are wrong whatever the model, before it loads."""
     for name in _COUNT_OPTIONS:
         value = getattr(args, name)
@@ -391,7 +391,7 @@ def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str
 def load_engine(args: argparse.Namespace, shape: dict[str, int], **options: Any):  # -> Engine
     """The Engine the shared options ask for; a bad option is a UsageError, before anything
     loads. Unless --quiet, each phase of the load says what it did on stderr."""
-    _check_engine_options(args)
+    check_engine_options(args)
     try:
         with _exit_on_signal("loading the model"):
             if not args.quiet:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from cellbatch.cli import UsageError, engine_shape, load_engine
+from cellbatch.cli import UsageError, check_engine_options, engine_shape, load_engine
 
 
 def serve_command(args: argparse.Namespace) -> NoReturn:
@@ -115,6 +115,7 @@ def _start_replicas(args: argparse.Namespace):  # -> ReplicaBackend
     from cellbatch.distributed.cluster import RayUnavailable
     from cellbatch.distributed.replicas import ReplicaSet
 
+    check_engine_options(args)  # before Ray and the replicas start
     threads = args.threads_per_replica
     if threads is None:
         # A local instance shares this machine's cores; on a cluster, say how many.
