@@ -254,9 +254,10 @@ def rss_bytes() -> int:
 
 
 def memory_snapshot() -> dict[str, int]:
-    snapshot = {"rss_bytes": rss_bytes()}
+    # torch first, so that "before load" holds the runtime however far the imports got.
     import torch
 
+    snapshot = {"rss_bytes": rss_bytes()}
     if torch.cuda.is_available():
         snapshot["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
     return snapshot
