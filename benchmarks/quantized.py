@@ -12,7 +12,8 @@ same file (its decode-only figure is its single-token steps).
     .venv/bin/python benchmarks/quantized.py [--threads 2] [--formats none,int8,int4]
         [--prompts 32] [--single-prompts 8] [--max-new-tokens 64] [--sessions 1,8,32]
         [--rounds 2] [--llama-python /tmp/llamacpp-venv/bin/python] [--output-json PATH]
-    .venv/bin/python benchmarks/quantized.py --products [--threads 2]   (kernels alone)
+    .venv/bin/python benchmarks/quantized.py --products [--threads 2] [--rows 1,8,32]
+        [--passes 5] [--layers 30]   (the model's products alone, per kernel)
 
 Owns: the per-format runs (one process each, so RSS and allocator state start clean) and
 the table. Never: judges the figures against targets (it prints them and float32 ratios).
@@ -122,43 +123,95 @@ def _best(kept: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def products(threads: int) -> None:
-    """Microseconds per call of the default model's product shapes, per kernel and row
-    count (interleaved, best of 5): what `quantized.weight_kernel` chose from."""
+# The default model's products (out, in features) per layer, and its LM head.
+LAYER_SHAPES = {
+    "qkv": (960, 576),
+    "o_proj": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+}
+HEAD_SHAPE = (49152, 576)
+PRODUCT_KERNELS = ("fp32", "int4", "int8", "aten int4", "aten int8")
+
+
+def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
+    """call(x) for one product of `shape` with random weights held as `kernel` holds them:
+    fp32 oneDNN-packed (PackedLinear), our int4/int8 ops, PyTorch's int4/int8 weight-only
+    kernels (bf16 activations, as the previous QuantizedLinear ran them)."""
     import torch
 
+    from cellbatch.model import ops, quantized
+
+    n, k = shape
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    if kernel == "fp32":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if kernel in ("int4", "int8"):
+        table = ops.table(ops.NAMESPACE)
+        op = table.int4_matmul if kernel == "int4" else table.int8_matmul
+        codes, scales = quantized.pack(quantized.from_float(weight, kernel))
+        return lambda x: op(x, codes, scales, n)
+    aten = torch.ops.aten
+    if kernel == "aten int4":
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
+        packed4 = aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        zeros = (torch.rand(k // 32, n, 2, generator=generator) * 0.01).bfloat16()
+        return lambda x: aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed4, 32, zeros)
+    codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    scale = (torch.rand(n, generator=generator) * 0.01).bfloat16()
+    return lambda x: aten._weight_int8pack_mm(x.bfloat16(), codes8, scale)
+
+
+def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
+    """Milliseconds per forward pass of the default model's products alone (`layers`
+    layers of distinct random weights, so that they come from memory as in the model, and
+    the LM head), per kernel and row count: best of `passes`, kernels interleaved."""
+    import torch
+
+    from cellbatch.model import kernels
+
+    if not kernels.load():
+        raise SystemExit(f"the compiled kernels are needed: {kernels.unavailable_reason()}")
     torch.set_num_threads(threads)
-    shapes = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-    shapes["lm_head"] = (49152, 576)
-    group = 32
-    print(f"products, {threads} threads, {torch.backends.cpu.get_cpu_capability()}: us per call")
-    for name, (n, k) in shapes.items():
-        codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
-        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        zeros = torch.rand(k // group, n, 2) * 0.01
-        codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        scale8 = torch.rand(n) * 0.01
-        dense = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k) * 0.02, None)
-        for rows in (1, 8, 32):
-            x = torch.randn(rows, k)
-            xb = x.bfloat16()
-            aten, mkldnn = torch.ops.aten, torch.ops.mkldnn
-            zeros16, scale16 = zeros.bfloat16(), scale8.bfloat16()
-            calls = {
-                "fp32 oneDNN": (mkldnn._linear_pointwise, (x, dense, None, "none", [], "")),
-                "int4 bf16": (aten._weight_int4pack_mm_for_cpu, (xb, packed4, group, zeros16)),
-                "int8 bf16": (aten._weight_int8pack_mm, (xb, codes8, scale16)),
-                "int4 fp32": (aten._weight_int4pack_mm_for_cpu, (x, packed4, group, zeros)),
-                "int8 fp32": (aten._weight_int8pack_mm, (x, codes8, scale8)),
-            }
-            best = dict.fromkeys(calls, float("inf"))
-            for _ in range(5):
-                for label, (op, operands) in calls.items():
+    generator = torch.Generator().manual_seed(0)
+    calls = {
+        kernel: {
+            name: [_product_calls(kernel, shape, generator) for _ in range(layers)]
+            for name, shape in LAYER_SHAPES.items()
+        }
+        | {"lm_head": [_product_calls(kernel, HEAD_SHAPE, generator)]}
+        for kernel in PRODUCT_KERNELS
+    }
+    names = [*LAYER_SHAPES, "lm_head"]
+    print(
+        f"products: {layers} layers + LM head, {threads} threads, "
+        f"{torch.backends.cpu.get_cpu_capability()}: ms per pass (best of {passes})"
+    )
+    for count in rows:
+        inputs = {name: torch.randn(count, shape[1]) for name, shape in LAYER_SHAPES.items()}
+        inputs["lm_head"] = torch.randn(count, HEAD_SHAPE[1])
+        best = {(kernel, name): float("inf") for kernel in PRODUCT_KERNELS for name in names}
+        for _ in range(passes):
+            for kernel in PRODUCT_KERNELS:  # interleaved: a load swing hits every kernel
+                for name in names:
                     began = perf_counter()
-                    op(*operands)
-                    best[label] = min(best[label], perf_counter() - began)
-            cells = " ".join(f"{label} {seconds * 1e6:8.0f}" for label, seconds in best.items())
-            print(f"{name:<8} rows {rows:>2}: {cells}", flush=True)
+                    for call in calls[kernel][name]:
+                        call(inputs[name])
+                    best[kernel, name] = min(best[kernel, name], perf_counter() - began)
+        print(f"rows {count}: " + " ".join(f"{kernel:>10}" for kernel in PRODUCT_KERNELS))
+        for name in names:
+            cells = " ".join(f"{best[k, name] * 1e3:10.2f}" for k in PRODUCT_KERNELS)
+            print(f"  {name:<8} {cells}")
+        # The int4 format keeps its LM head in int8.
+        total = {
+            kernel: sum(best[kernel, name] for name in LAYER_SHAPES)
+            + best[kernel.replace("int4", "int8"), "lm_head"]
+            for kernel in PRODUCT_KERNELS
+        }
+        cells = " ".join(f"{total[k] * 1e3:10.2f}" for k in PRODUCT_KERNELS)
+        ratios = " ".join(f"{total['fp32'] / total[k]:10.2f}" for k in PRODUCT_KERNELS)
+        print(f"  {'model':<8} {cells}\n  {'x fp32':<8} {ratios}", flush=True)
 
 
 def _tokens(outputs: list[list[int]]) -> int:
@@ -184,11 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-python", help="Python with llama-cpp-python (optional)")
     parser.add_argument("--rounds", type=int, default=1, help="runs per format, best kept")
     parser.add_argument("--products", action="store_true", help="only the per-kernel products")
+    parser.add_argument("--rows", default="1,8,32", help="--products: rows per product")
+    parser.add_argument("--passes", type=int, default=5, help="--products: passes, best kept")
+    parser.add_argument("--layers", type=int, default=30, help="--products: layers")
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.products:
-        products(args.threads)
+        rows = [int(count) for count in args.rows.split(",")]
+        products(args.threads, rows, args.passes, args.layers)
         return 0
     if args.child:
         json.dump(measure(args), sys.stdout)

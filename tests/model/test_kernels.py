@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache
-from cellbatch.model import kernels
+from cellbatch.model import kernels, quantized
 from cellbatch.model import ops as model_ops
 from cellbatch.model.attention import CellAttention, HeadShape
 from cellbatch.model.loading import load_model
@@ -160,7 +160,15 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         ),
         "silu_mul": (torch.randn(5, 48, generator=generator).to(dtype),),
         "cell_attention": attention_inputs(dtype),
+        "int4_matmul": quantized_inputs("int4", dtype, generator),
+        "int8_matmul": quantized_inputs("int8", dtype, generator),
     }
+
+
+def quantized_inputs(fmt: str, dtype: torch.dtype, generator: torch.Generator) -> tuple:
+    """x [3, 5, 64] and a 20 x 64 weight in `fmt`'s panels."""
+    weight = quantized.from_float(torch.randn(20, 64, generator=generator), fmt)
+    return (torch.randn(3, 5, 64, generator=generator).to(dtype), *quantized.pack(weight), 20)
 
 
 @pytest.mark.parametrize("name", list(model_ops.SCHEMAS))

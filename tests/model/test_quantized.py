@@ -1,7 +1,8 @@
 """Quantised weights (cellbatch.model.quantized): GGUF blocks convert to gguf's own values,
-quantised tiny models compute what their weights say and stay near fp32, a row's result
-never depends on the other rows, GGUF files keep their precision class, and a bad choice
-fails before anything loads."""
+the compiled int4/int8 kernels and their torch fallbacks compute what the weights say, a
+row's result never depends on the other rows or the thread count, quantised tiny models
+stay near fp32, GGUF files keep their precision class, and a bad choice fails before
+anything loads."""
 
 from __future__ import annotations
 
@@ -12,29 +13,41 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.model import quantized
+from cellbatch.model import ops, quantized
 from cellbatch.model.loading import load_model
-from cellbatch.model.quantized import QuantizedLinear
+from cellbatch.model.quantized import Int4Weight, Int8Weight, QuantizedEmbedding, QuantizedLinear
 from cellbatch.model.transformer import PackedLinear
 from cellbatch.types import InvalidArgumentError
 from tiny_models import make_tiny_checkpoint, write_gguf
 
-# The dequantising fallback everywhere; PyTorch's kernels where this CPU uses them.
-KERNELS = ["dequantize"] + (["torch"] if quantized.weight_kernel("cpu") == "torch" else [])
 STEPS = [
     [(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12, 77, 3, 50, 21, 8, 64, 30, 11])],
     [(1, [70]), (0, [4])],
     [(0, [19]), (1, [6, 44, 90])],
 ]
-# The torch kernels take bf16 inputs: logits (std ~1.25 here) move by up to ~0.07.
-BF16_TOLERANCE = 0.15
+# The compiled kernel sums in another order than F.linear: logits (std ~1.25) move by ~1e-6.
+ORDER_TOLERANCE = 1e-4
 
 
-@pytest.fixture(params=KERNELS)
-def kernel(request, monkeypatch) -> str:
-    """Loads during the test use this kernel for their quantised products."""
-    monkeypatch.setattr(quantized, "weight_kernel", lambda device="cpu": request.param)
+@pytest.fixture(params=["compiled", "torch"])
+def kernel(request) -> str:
+    """The ops choice a test loads its models with: "compiled" runs the compiled int4/int8
+    kernels (required, like `compiled_ops`), "torch" their dequantising fallbacks."""
+    if request.param == "compiled":
+        request.getfixturevalue("compiled_ops")
     return request.param
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def table(request) -> ops.Ops:
+    """Each ops table in turn."""
+    return request.getfixturevalue(f"{request.param}_ops")
+
+
+def _weight(fmt: str, rows: int, cols: int, seed: int = 0) -> Int4Weight | Int8Weight:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=generator) * 0.05
+    return quantized.from_float(weight + torch.randn(rows, 1, generator=generator) * 0.02, fmt)
 
 
 def _gguf_tensors(tmp_path, arrays: dict[str, tuple[np.ndarray, str]]) -> dict:
@@ -82,33 +95,129 @@ def test_gguf_blocks_convert_to_gguf_s_own_values(tmp_path) -> None:
         expected = torch.from_numpy(
             gguf.quants.dequantize(data, tensor.tensor_type).reshape(48, 512)
         )
-        if kind == "Q8_0":
+        if kind == "Q8_0":  # kept as it is: d and the codes
             got = quantized.from_gguf(data, kind, "int8")
-            assert got.format == "int8"
-            # Requantised per row: within half a step of the file's values.
-            error = (got.dequantize() - expected).abs().amax(dim=1)
-            assert (error <= got.scale * 0.5 * (1 + 1e-5)).all()
+            assert got.format == "int8" and got.scale.shape == (48, 512 // 32)
+            assert torch.equal(got.dequantize(), expected)
             continue
         got = quantized.from_gguf(data, kind, "int4")
         assert got.format == "int4" and got.codes.max() <= 15
         ulp = torch.finfo(torch.float32).eps * expected.abs().max()
         assert (got.dequantize() - expected).abs().max() <= 2 * ulp, kind
-        # The same blocks asked for as int8 go through gguf's dequantiser.
+        # The same blocks asked for as int8 go through gguf's dequantiser and are requantised
+        # per group of 32: within half a group's step of the file's values.
         as_int8 = quantized.from_gguf(data, kind, "int8")
-        error = (as_int8.dequantize() - expected).abs().amax(dim=1)
+        error = (as_int8.dequantize() - expected).view(48, -1, 32).abs().amax(dim=-1)
         assert (error <= as_int8.scale * 0.5 * (1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_quantized_product_row_does_not_depend_on_the_other_rows(kernel, fmt) -> None:
+def test_the_panel_layout_holds_the_weight(fmt) -> None:
+    """Packing, then the torch fallback's unpacking, gives Int*Weight.dequantize's values,
+    with outputs that do not fill the last panel."""
+    weight = _weight(fmt, 37, 96)
+    codes, scales = quantized.pack(weight)
+    assert codes.shape[0] == scales.shape[0] == 3
+    fallback = quantized.int4_matmul_torch if fmt == "int4" else quantized.int8_matmul_torch
+    assert torch.equal(fallback(torch.eye(96), codes, scales, 37).t(), weight.dequantize())
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rows", "cols"),
+    [
+        (fmt, *shape)
+        for fmt in ("int8", "int4")
+        for shape in ((1, 32), (37, 64), (100, 96), (16, 576))
+    ]
+    + [("int8", 50, 40)],
+)
+def test_a_quantized_product_is_the_float_product_of_its_weight(table, fmt, rows, cols) -> None:
+    """Against float64 products of the dequantised weight, for 1..70 rows, outputs that do
+    not fill a panel, and (int8) K not a multiple of 32, with one scale per row."""
+    weight = _weight(fmt, rows, cols)
+    assert weight.format == fmt
+    codes, scales = quantized.pack(weight)
+    op = table.int4_matmul if fmt == "int4" else table.int8_matmul
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(70, cols, generator=generator).double()
+    dense = weight.dequantize().double()
+    reference = x @ dense.t()
+    # float32 rounding of each running sum: at most K ulps of the sum of magnitudes.
+    bound = cols * torch.finfo(torch.float32).eps * (x.abs() @ dense.abs().t())
+    for count in range(1, 71):
+        got = op(x[:count].float(), codes, scales, rows)
+        assert got.shape == (count, rows) and got.dtype == torch.float32
+        assert ((got.double() - reference[:count]).abs() <= bound[:count]).all(), count
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_compiled_and_torch_products_agree(compiled_ops, torch_ops, fmt) -> None:
+    """Also through leading dimensions, strided rows and bf16 inputs."""
+    weight = _weight(fmt, 200, 576)
+    codes, scales = quantized.pack(weight)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 9, 1200, generator=generator)[..., 20:596]
+    name = f"{fmt}_matmul"
+    got = getattr(compiled_ops, name)(x, codes, scales, 200)
+    expected = getattr(torch_ops, name)(x, codes, scales, 200)
+    assert got.shape == (3, 9, 200)
+    assert (got - expected).abs().max() < 1e-4
+    got = getattr(compiled_ops, name)(x.bfloat16(), codes, scales, 200)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_threads(
+    compiled_ops, fmt
+) -> None:
+    weight = _weight(fmt, 1000, 1536)  # 63 panels, the last part-filled; 6 chunks of inputs
+    codes, scales = quantized.pack(weight)
+    op = compiled_ops.int4_matmul if fmt == "int4" else compiled_ops.int8_matmul
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(150, 1536, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
+        for count in (2, 5, 6, 7, 13, 64, 65, 150):
+            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+        torch.set_num_threads(max(2, threads))
+        for count in (1, 7, 70, 150):
+            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+        assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_quantized_embedding_gathers_its_head_s_rows(table) -> None:
+    weight = _weight("int8", 100, 64)
+    head = QuantizedLinear(weight, None, table)
+    embedding = QuantizedEmbedding(head, torch.float32)
+    assert embedding.codes is head.codes
+    tokens = torch.tensor([[0, 99, 16], [15, 17, 50]])
+    assert torch.equal(embedding(tokens), weight.dequantize()[tokens])
+
+
+def test_torch_export_traces_a_quantized_product(table) -> None:
+    linear = QuantizedLinear(_weight("int4", 40, 64), torch.randn(40), table)
+    x = torch.randn(5, 64)
+    exported = torch.export.export(linear, (x,))
+    namespace = ops.NAMESPACE if table.kind == "compiled" else ops.TORCH_NAMESPACE
+    assert f"{namespace}.int4_matmul" in str(exported.graph)
+    assert torch.equal(exported.module()(x), linear(x))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_product_row_does_not_depend_on_the_other_rows(table, fmt) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(576, 1536, generator=generator) * 0.05
     rows = torch.randn(300, 1536, generator=generator)
-    linear = QuantizedLinear(quantized.from_float(weight, fmt), None, kernel)
-    assert linear.kernel == kernel
+    linear = QuantizedLinear(quantized.from_float(weight, fmt), None, table)
+    assert linear.kernel == ("compiled" if table.kind == "compiled" else "dequantize")
     full = linear(rows)
     reference = rows @ quantized.from_float(weight, fmt).dequantize().t()
-    assert (full - reference).abs().max() < (0.1 if kernel == "torch" else 1e-3)
+    assert (full - reference).abs().max() < 1e-3
     for count in (1, 2, 3, 15, 16, 33, 128):
         assert torch.equal(linear(rows[:count]), full[:count]), count
     for start in (1, 7, 40):
@@ -140,19 +249,19 @@ def test_a_quantized_model_computes_its_weights_and_stays_near_fp32(
     tmp_path, packed_steps, kernel, kind, overrides, fmt
 ) -> None:
     hf_model, folder = make_tiny_checkpoint(kind, tmp_path / "model", **overrides)
-    _, model = load_model(folder, "float32", "torch", fmt)
+    _, model = load_model(folder, "float32", kernel, fmt)
     assert {m.format for m in model.modules() if isinstance(m, QuantizedLinear)} == (
         {"int4", "int8"} if fmt == "int4" else {"int8"}
     )
     got = torch.cat(packed_steps(model, STEPS, 2))
     twin = _dequantized_twin(hf_model, tmp_path / "twin", kind, fmt, overrides)
-    _, twin_model = load_model(twin, "float32", "torch", "none")
+    _, twin_model = load_model(twin, "float32", kernel, "none")
     expected = torch.cat(packed_steps(twin_model, STEPS, 2))
-    if kernel == "dequantize":
+    if kernel == "torch":
         assert torch.equal(got, expected)
     else:
-        assert (got - expected).abs().max() < BF16_TOLERANCE
-    _, fp32 = load_model(folder, "float32", "torch", "none")
+        assert (got - expected).abs().max() < ORDER_TOLERANCE
+    _, fp32 = load_model(folder, "float32", kernel, "none")
     reference = torch.cat(packed_steps(fp32, STEPS, 2))
     relative = ((got - reference).norm() / reference.norm()).item()
     # Random tiny weights are the worst case for 4 bits (the default model: see the notes).
@@ -165,7 +274,7 @@ def test_a_quantized_sequence_is_batch_invariant(
 ) -> None:
     """Sequence 0's logits are bit-identical alone, chunked, beside others, first or last."""
     _, folder = tiny_checkpoint("llama")
-    _, model = load_model(folder, "float32", "torch", fmt)
+    _, model = load_model(folder, "float32", kernel, fmt)
     generator = torch.Generator().manual_seed(5)
     lengths = [70, 3, 100, 17, 40, 9]
     prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in lengths]
@@ -192,23 +301,23 @@ def test_a_gguf_file_keeps_its_precision_class(
     file = tmp_path / "q.gguf"
     write_gguf(hf_model, file, "llama", kinds=_gguf_kind)
     with caplog.at_level(logging.WARNING):
-        _, model = load_model(file, "float32", "torch")
+        _, model = load_model(file, "float32", kernel)
     notes = [r.getMessage() for r in caplog.records if "quantised" in r.getMessage()]
     assert len(notes) == 1 and "Q5_0" in notes[0], notes
     summary = quantized.describe(model)
     assert summary.formats == {"projections": "int4", "embedding": "int8", "lm_head": "int8"}
-    assert summary.kernel == kernel
+    assert summary.kernel == ("compiled" if kernel == "compiled" else "dequantize")
     assert isinstance(model.layers[1].down, PackedLinear)  # the Q5_0 tensor, as float
     assert model.layers[0].down.format == "int4" and model.layers[1].qkv.format == "int4"
-    # The same file dequantised to float32: the int4 blocks are the file's own; the Q8_0
-    # embedding and head are requantised per row, and the torch kernel takes bf16 inputs.
-    _, dequantised = load_model(file, "float32", "torch", "none")
+    # The same file dequantised to float32: the int4 and int8 blocks are the file's own (the
+    # int4 zeros rounded once), so only the roundings of the products differ.
+    _, dequantised = load_model(file, "float32", kernel, "none")
     assert not any(isinstance(m, QuantizedLinear) for m in dequantised.modules())
     got = torch.cat(packed_steps(model, STEPS, 2))
     expected = torch.cat(packed_steps(dequantised, STEPS, 2))
-    assert (got - expected).abs().max() < BF16_TOLERANCE
+    assert (got - expected).abs().max() < ORDER_TOLERANCE
     # Asked for int8, the Q4_1 projections become int8 too.
-    _, as_int8 = load_model(file, "float32", "torch", "int8")
+    _, as_int8 = load_model(file, "float32", kernel, "int8")
     assert quantized.describe(as_int8).format == "int8"
 
 

@@ -131,7 +131,7 @@ def _load(
     loaded = model.load_state_dict(state, strict=False, assign=True)
     if loaded.unexpected_keys or set(loaded.missing_keys) != set(weights):
         raise CheckpointMismatchError(f"internal: model and assembled weights differ: {loaded}")
-    quantized.install(model, weights, quantized.weight_kernel("cpu"))
+    quantized.install(model, weights)
     model.reset_rope("cpu")
     model.requires_grad_(False)
     model.pack_linears()

@@ -1,10 +1,11 @@
-"""The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store` and
-`silu_mul`, and the table of them a model calls.
+"""The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store`,
+`silu_mul`, `int4_matmul` and `int8_matmul`, and the table of them a model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
-`cellbatch.model.attention.cell_attention_torch`); their fake implementations (shapes
-only, so that torch.export and torch.compile can trace a model through them); `Ops`, one
-table of the four; and `resolve`, which turns a user's choice ("auto", "compiled",
+`cellbatch.model.attention.cell_attention_torch`, the quantised products' are in
+`cellbatch.model.quantized`, which owns their weight layouts); their fake implementations
+(shapes only, so that torch.export and torch.compile can trace a model through them);
+`Ops`, one table of them; and `resolve`, which turns a user's choice ("auto", "compiled",
 "torch") into a table.
 Promises: two namespaces with the same schemas, defined on import. `cellbatch::` runs the
 compiled CPU kernels once `cellbatch.model.kernels` has loaded the library built at
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from cellbatch.model import kernels
 from cellbatch.model.attention import cell_attention_torch
+from cellbatch.model.quantized import int4_matmul_torch, int8_matmul_torch
 from cellbatch.types import InvalidArgumentError
 
 NAMESPACE = "cellbatch"
@@ -48,6 +50,12 @@ SCHEMAS: dict[str, str] = {
         "Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()"
     ),
     "silu_mul": "silu_mul(Tensor gate_up) -> Tensor",
+    "int4_matmul": (
+        "int4_matmul(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
+    ),
+    "int8_matmul": (
+        "int8_matmul(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
+    ),
 }
 
 
@@ -101,6 +109,8 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm_torch,
     "rope_store": rope_store_torch,
     "silu_mul": silu_mul_torch,
+    "int4_matmul": int4_matmul_torch,
+    "int8_matmul": int8_matmul_torch,
 }
 
 
@@ -119,11 +129,19 @@ def _silu_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
+def _matmul_fake(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 _FAKES: dict[str, Callable[..., Any]] = {
     "cell_attention": _returns_nothing,
     "rms_norm": _rms_norm_fake,
     "rope_store": _returns_nothing,
     "silu_mul": _silu_mul_fake,
+    "int4_matmul": _matmul_fake,
+    "int8_matmul": _matmul_fake,
 }
 
 
@@ -157,6 +175,8 @@ class Ops:
     rms_norm: Callable[..., torch.Tensor]
     rope_store: Callable[..., None]
     silu_mul: Callable[..., torch.Tensor]
+    int4_matmul: Callable[..., torch.Tensor]
+    int8_matmul: Callable[..., torch.Tensor]
 
 
 def table(namespace: str) -> Ops:

@@ -2,28 +2,34 @@
 that multiply with them.
 
 Owns: the `quantize` choice ("auto", "none", "int8", "int4") and which format each weight
-takes (`target_format`); `Int8Weight` (one scale per output row: w = q * s, q in
-[-127, 127]) and `Int4Weight` (groups of 32 inputs: w = (q - 8) * s + z, q in [0, 15]); their
-conversion from GGUF blocks and from float tensors (`from_gguf`, `from_float`); the kernel
-choice per CPU (`weight_kernel`); `QuantizedLinear`, `QuantizedEmbedding` and `install`,
-which puts them into a PackedTransformer; `describe`, what a model's weights are.
+takes (`target_format`); `Int8Weight` (groups of 32 inputs, or whole rows where K is not a
+multiple of 32: w = q * s, q int8) and `Int4Weight` (groups of 32 inputs: w = (q - 8) * s + z,
+q in [0, 15]); their conversion from GGUF blocks and from float tensors (`from_gguf`,
+`from_float`); the kernels' panel layouts (`pack`) and the torch implementations of the ops
+`int4_matmul`/`int8_matmul` (`int4_matmul_torch`, `int8_matmul_torch`); `QuantizedLinear`,
+`QuantizedEmbedding` and `install`, which puts them into a PackedTransformer; `describe`,
+what a model's weights are.
 Promises:
 - Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K: d * sc), zero
   m + 8d (Q4_0: 0; Q4_K: 8 d sc - dmin m), so its float32 dequantisation equals gguf's own
-  to the rounding of the zero (≤ 1 ulp). Q8_0 and every other kind are requantised per row.
+  to the rounding of the zero (≤ 1 ulp); Q8_0 blocks map onto Int8Weight exactly (scale d).
+  Every other kind is requantised by `from_float`. Scales and zeros are float32.
 - Conversion runs one tensor at a time in row chunks: the model never exists in float32.
-- A row's product never depends on the other rows of the call: PyTorch's weight-only
-  kernels compute each output row on its own, and the dequantising fallback pads its calls
-  to `FALLBACK_MIN_ROWS` rows like the float path.
-Never: quantises activations (they stay float; the PyTorch kernels take them as bf16),
-norms, biases or RoPE tables; reads files (the loader hands it arrays).
+- A row's product never depends on the other rows of the call or on the thread count: the
+  compiled kernel sums each output in input order whatever the rows and threads, and the
+  dequantising fallback pads its calls to `FALLBACK_MIN_ROWS` rows like the float path.
+Never: quantises activations (they stay in the model's dtype; the compiled kernel computes
+in float32), norms, biases or RoPE tables; reads files (the loader hands it arrays).
 
-Kernels, measured on an AVX2 CPU (AMD EPYC, 2 threads, torch 2.13.0;
-benchmarks/quantized.py): `aten._weight_int4pack_mm_for_cpu` and `aten._weight_int8pack_mm`
-are vectorised for bf16 activations, scales and outputs only; with float32 they run scalar
-code 50-200x slower. So on x86 with AVX2 or AVX-512 the products run in bf16 (inputs
-rounded to bf16, scales and zeros stored as bf16, outputs bf16 widened back); elsewhere the
-fallback dequantises the weight for each call (slow, but exact and available everywhere).
+Kernels: with the compiled ops (kernels/quantized_matmul.cpp) each panel of 16 outputs is
+dequantised once per 256 inputs into an L1 buffer and every row of the call runs over it.
+Measured on an AVX2 CPU (AMD EPYC, 2 threads, torch 2.13.0; `benchmarks/quantized.py
+--products`: the default model's 30 layers of products and its head, weights from memory),
+against float32 oneDNN-packed products (PackedLinear): int4 3.1x and int8 2.3x as fast at 1
+row, 2.0x and 1.9x at 8 rows, 1.2x at 32 rows; PyTorch's own weight-only kernels
+(`aten._weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`, vectorised for bf16 activations
+only) ran 2.2x/1.7x at 1 row but 0.6x at 32. The torch ops (other devices, no compiled
+library) rebuild the float weight for each call: exact, available everywhere, slow.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cellbatch.types import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from cellbatch.model.ops import Ops
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +62,7 @@ GGUF_FLOAT_KINDS = frozenset({"F32", "F16", "BF16", "F64"})
 # rows differently (see transformer.MIN_GEMM_ROWS).
 FALLBACK_MIN_ROWS = 16
 _CHUNK_ROWS = 4096  # rows converted at a time: bounds the float32 scratch of a conversion
-_KERNEL_CPUS = ("AVX2", "AVX512")
+PANEL = 16  # output features per panel of the kernels' layouts
 
 
 def resolve_quantize(quantize: str) -> str:
@@ -98,7 +108,8 @@ def target_format(quantize: str, role: str, gguf_kinds: list[str] | None) -> str
 
 @dataclass
 class Int8Weight:
-    """w[n, k] = codes[n, k] * scale[n]; codes int8 [N, K], scale float32 [N]."""
+    """w[n, k] = codes[n, k] * scale[n, k // (K / G)]; codes int8 [N, K], scale float32
+    [N, G]: one scale per group of K / G inputs (GROUP_SIZE where K allows, else the row)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -109,7 +120,10 @@ class Int8Weight:
         return tuple(self.codes.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.codes.float() * self.scale.float()[:, None]).to(dtype)
+        rows, cols = self.codes.shape
+        groups = self.scale.shape[1]
+        grouped = self.codes.view(rows, groups, cols // groups).float()
+        return (grouped * self.scale.float()[..., None]).view(rows, cols).to(dtype)
 
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight:
@@ -157,33 +171,31 @@ def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def from_float(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
-    """Round-to-nearest quantisation of a float [N, K] weight: int8 symmetric per row, or
-    int4 asymmetric per group of 32 (the group's min and max near codes 0 and 15). Scales
-    and zeros are bf16 values, so PyTorch's kernels hold them exactly. An int4 request for
-    K not a multiple of 32 gives int8."""
+    """Round-to-nearest quantisation of a float [N, K] weight: int8 symmetric per group of
+    32 inputs (per row when K is not a multiple of 32), or int4 asymmetric per group of 32
+    (the group's min and max near codes 0 and 15). An int4 request for K not a multiple of
+    32 gives int8."""
     if fmt == "int4" and weight.shape[1] % GROUP_SIZE == 0:
         return _int4_from_float(weight)
     return _int8_from_float(weight)
 
 
-def _bf16_values(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.bfloat16).float()
-
-
 def _int8_from_float(weight: torch.Tensor) -> Int8Weight:
-    w = weight.float()
-    scale = _bf16_values(w.abs().amax(dim=1) / 127)
+    rows, cols = weight.shape
+    size = GROUP_SIZE if cols % GROUP_SIZE == 0 else cols
+    groups = weight.float().reshape(rows, cols // size, size)
+    scale = groups.abs().amax(dim=-1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(codes, scale)
+    codes = torch.round(groups / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(codes.reshape(rows, cols), scale)
 
 
 def _int4_from_float(weight: torch.Tensor) -> Int4Weight:
     rows, cols = weight.shape
     groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = _bf16_values((high - low) / 15)
-    zero = _bf16_values(low + 8 * scale)
+    scale = (high - low) / 15
+    zero = low + 8 * scale
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - zero[..., None]) * inverse[..., None] + 8).clamp_(0, 15)
     return Int4Weight(codes.to(torch.uint8).reshape(rows, cols), scale, zero)
@@ -192,14 +204,14 @@ def _int4_from_float(weight: torch.Tensor) -> Int4Weight:
 def from_gguf(data: np.ndarray, kind: str, fmt: str) -> QuantizedWeight:
     """One GGUF tensor's data (rows in torch's order: [rows, bytes] for block kinds,
     [rows, cols] for float kinds) in format `fmt`, converted `_CHUNK_ROWS` rows at a time.
-    Q4_0/Q4_1/Q4_K to int4 take the blocks as they are; anything else is dequantised
-    (gguf's own dequantiser) chunk by chunk and quantised by `from_float`."""
-    direct = fmt == "int4" and kind in GGUF_INT4_KINDS
-    parts = [
-        _int4_from_blocks(chunk, kind) if direct else from_float(_dequantize(chunk, kind), fmt)
-        for chunk in _row_chunks(data)
-    ]
-    return cat(parts)
+    Q4_0/Q4_1/Q4_K to int4 and Q8_0 to int8 take the blocks as they are; anything else is
+    dequantised (gguf's own dequantiser) chunk by chunk and quantised by `from_float`."""
+    chunks = _row_chunks(data)
+    if fmt == "int4" and kind in GGUF_INT4_KINDS:
+        return cat([_int4_from_blocks(chunk, kind) for chunk in chunks])
+    if fmt == "int8" and kind in GGUF_INT8_KINDS:
+        return cat([_int8_from_blocks(chunk) for chunk in chunks])
+    return cat([from_float(_dequantize(chunk, kind), fmt) for chunk in chunks])
 
 
 def _row_chunks(data: np.ndarray) -> Iterator[np.ndarray]:
@@ -218,6 +230,14 @@ def _halves(array: np.ndarray, offset: int) -> np.ndarray:
     """float16 values stored as 2 bytes at `offset` of each block -> float32 [..]."""
     raw = np.ascontiguousarray(array[..., offset : offset + 2])
     return raw.view(np.float16)[..., 0].astype(np.float32)
+
+
+def _int8_from_blocks(blocks: np.ndarray) -> Int8Weight:
+    """Q8_0 blocks (d, 32 int8 codes) of [rows] rows -> Int8Weight: w = d q, exactly."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, 34)
+    codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
+    return Int8Weight(torch.from_numpy(codes), torch.from_numpy(_halves(b, 0)))
 
 
 def _int4_from_blocks(blocks: np.ndarray, kind: str) -> Int4Weight:
@@ -265,23 +285,84 @@ def _q4k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales.astype(np.float32), mins.astype(np.float32)
 
 
-# -- kernels and modules -------------------------------------------------------------
+# -- the kernels' panel layouts --------------------------------------------------------
+# Output features go in panels of PANEL (the last one padded with zero weights), each panel's
+# codes input-major, so that one input's codes for the whole panel lie together:
+# - int4: codes int32 [P, K / 8, PANEL], word (p, b, c) holding the codes of feature
+#   PANEL p + c for inputs 8b .. 8b + 7 (input 8b + i in bits 4i .. 4i + 3); scales float32
+#   [P, K / 32, 2, PANEL] (each group's scale, then its zero);
+# - int8: codes int8 [P, K, PANEL]; scales float32 [P, G, PANEL].
+# kernels/quantized_matmul.cpp reads them; the torch implementations below unpack them.
 
 
-def weight_kernel(device: str | torch.device = "cpu") -> str:
-    """The kernel for quantised products here: "torch" (PyTorch's int8/int4 weight-only
-    kernels, bf16 activations) on x86 CPUs with AVX2 or AVX-512, where they are vectorised;
-    "dequantize" anywhere else."""
-    if torch.device(device).type != "cpu":
-        return "dequantize"
-    return "torch" if torch.backends.cpu.get_cpu_capability() in _KERNEL_CPUS else "dequantize"
+def _panels(tensor: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / PANEL), PANEL, ...], zero rows appended."""
+    pad = -tensor.shape[0] % PANEL
+    if pad:
+        tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
+    return tensor.view(-1, PANEL, *tensor.shape[1:])
 
 
-def _kernel_takes(weight: QuantizedWeight) -> bool:
-    """Shapes PyTorch's kernels handle: int4 output blocks of 16 rows; the int8 kernel
-    steps and loads its inputs 16 at a time (aligned loads)."""
-    rows, cols = weight.shape
-    return rows % 16 == 0 if weight.format == "int4" else cols % 16 == 0
+def pack(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's (codes, scales) in its kernel layout."""
+    if isinstance(weight, Int8Weight):
+        codes = _panels(weight.codes).transpose(1, 2).contiguous()
+        return codes, _panels(weight.scale.float()).transpose(1, 2).contiguous()
+    codes = _panels(weight.codes.to(torch.int64))
+    panels, _, cols = codes.shape
+    nibbles = codes.view(panels, PANEL, cols // 8, 8) << (4 * torch.arange(8))
+    words = nibbles.sum(dim=-1)  # the nibbles' bits do not overlap: the sum is their OR
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    scale, zero = _panels(weight.scale.float()), _panels(weight.zero.float())
+    scales = torch.stack([scale.transpose(1, 2), zero.transpose(1, 2)], dim=2)
+    return words.transpose(1, 2).contiguous(), scales.contiguous()
+
+
+def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The float32 [rows, K] weight of int4 panels (Int4Weight.dequantize's values)."""
+    panels = codes.shape[0]
+    shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
+    nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
+    grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).float() - 8
+    weight = grouped * scales[:, :, 0, None, :] + scales[:, :, 1, None, :]
+    return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, -1)[:rows]
+
+
+def _int8_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The float32 [rows, K] weight of int8 panels (Int8Weight.dequantize's values)."""
+    panels, cols, _ = codes.shape
+    groups = scales.shape[1]
+    grouped = codes.view(panels, groups, cols // groups, PANEL).float()
+    weight = grouped * scales[:, :, None, :]
+    return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, cols)[:rows]
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight^T with at least FALLBACK_MIN_ROWS rows in the product."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    pad = FALLBACK_MIN_ROWS - count
+    padded = F.pad(rows, (0, 0, 0, pad)) if pad > 0 else rows
+    return F.linear(padded, weight.to(x.dtype))[:count].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int4_matmul_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The op `int4_matmul` in torch: x [..., K] times the int4 panels' weight, transposed,
+    rebuilt for the call."""
+    return _padded_linear(x, _int4_dense(codes, scales, out_features))
+
+
+def int8_matmul_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The op `int8_matmul` in torch: x [..., K] times the int8 panels' weight, transposed,
+    rebuilt for the call."""
+    return _padded_linear(x, _int8_dense(codes, scales, out_features))
+
+
+# -- modules ---------------------------------------------------------------------------
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
@@ -289,97 +370,55 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x w^T (+ bias) for an Int8Weight or Int4Weight, in the input's dtype.
+    """y = x w^T (+ bias) for an Int8Weight or Int4Weight, in the input's dtype, by the op
+    `int4_matmul` or `int8_matmul` of the model's ops table: the compiled kernel
+    ("compiled"), or the torch implementation that rebuilds the float weight for each call
+    ("dequantize"). The weight is held once, packed in the kernels' panel layout."""
 
-    kernel "torch": int4 weights packed once by `_convert_weight_to_int4pack_for_cpu` (a
-    CPU-specific layout) with scales and zeros as bf16 [K/32, N, 2]; int8 codes as they are
-    with bf16 scales; inputs go in as bf16. kernel "dequantize": codes kept (int4 two to a
-    byte), the weight rebuilt for each call in the input's dtype and multiplied by F.linear
-    on at least FALLBACK_MIN_ROWS rows. Shapes the kernels do not take use the fallback.
-    """
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: str) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: Ops) -> None:
         super().__init__()
         self.format = weight.format
         self.out_features, self.in_features = weight.shape
-        self.kernel = kernel if kernel == "torch" and _kernel_takes(weight) else "dequantize"
+        self.kernel = "compiled" if ops.kind == "compiled" else "dequantize"
+        codes, scales = pack(weight)
+        self.codes, self.scales = _param(codes), _param(scales)
         self.bias = None if bias is None else _param(bias.detach())
-        if self.kernel == "torch" and isinstance(weight, Int4Weight):
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                weight.codes.to(torch.int32), 1
-            )
-            self.codes = _param(packed)
-            self.scale = _param(
-                torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
-                .to(torch.bfloat16)
-                .contiguous()
-            )
-        elif self.kernel == "torch":
-            self.codes = _param(weight.codes.contiguous())
-            self.scale = _param(weight.scale.to(torch.bfloat16))
-        elif isinstance(weight, Int4Weight):
-            pairs = weight.codes.view(self.out_features, -1, 2)
-            self.codes = _param((pairs[..., 0] | (pairs[..., 1] << 4)).contiguous())
-            self.scale = _param(weight.scale)
-            self.zero = _param(weight.zero)
-        else:
-            self.codes = _param(weight.codes.contiguous())
-            self.scale = _param(weight.scale)
-
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The fallback's float weight [N, K] (kernel "dequantize" only)."""
-        if self.format == "int8":
-            return Int8Weight(self.codes, self.scale).dequantize(dtype)
-        codes = torch.stack([self.codes & 0x0F, self.codes >> 4], dim=-1)
-        return Int4Weight(codes.view(self.out_features, -1), self.scale, self.zero).dequantize(
-            dtype
-        )
+        self.matmul = ops.int4_matmul if self.format == "int4" else ops.int8_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "torch":
-            rows = x.to(torch.bfloat16).contiguous()
-            if rows.data_ptr() % 64:  # the int8 kernel's loads need aligned rows
-                rows = rows.clone()
-            if self.format == "int4":
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    rows, self.codes, GROUP_SIZE, self.scale
-                )
-            else:
-                out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
-            out = out.to(x.dtype)
-        else:
-            count = x.shape[0]
-            pad = FALLBACK_MIN_ROWS - count
-            padded = F.pad(x, (0, 0, 0, pad)) if pad > 0 else x
-            out = F.linear(padded, self.dense(x.dtype))[:count]
+        out = self.matmul(x, self.codes, self.scales, self.out_features)
         return out if self.bias is None else out + self.bias
 
 
 class QuantizedEmbedding(nn.Module):
-    """Token rows gathered from an int8 weight (shared with a tied LM head) and widened to
-    the model's dtype."""
+    """Token rows gathered from an int8 QuantizedLinear's panels (shared with a tied LM
+    head) and dequantised in the model's dtype."""
 
     def __init__(self, linear: QuantizedLinear, dtype: torch.dtype) -> None:
         super().__init__()
         if linear.format != "int8":
             raise ValueError("a quantised embedding is int8")
-        self.codes, self.scale = linear.codes, linear.scale
+        self.codes, self.scales = linear.codes, linear.scales
         self.format = linear.format
         self.dtype = dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = self.codes[tokens].to(torch.float32) * self.scale[tokens, None].to(torch.float32)
-        return rows.to(self.dtype)
+        panel, column = tokens // PANEL, tokens % PANEL
+        codes = self.codes[panel, :, column]  # [..., K]
+        scales = self.scales[panel, :, column]  # [..., G]
+        grouped = codes.unflatten(-1, (scales.shape[-1], -1)).float() * scales[..., None]
+        return grouped.flatten(-2).to(self.dtype)
 
 
-def install(model: nn.Module, weights: dict[str, QuantizedWeight], kernel: str) -> None:
+def install(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
     """Puts quantised weights into a PackedTransformer whose other weights are loaded:
     "layers.{i}.{name}.weight" replaces that projection (its bias kept), "lm_head.weight"
-    the head, "embed.weight" the embedding (and the head too, when tied)."""
+    the head, "embed.weight" the embedding (and the head too, when tied). Their products
+    use the model's ops table."""
     for target, weight in weights.items():
         path = target.removesuffix(".weight")
         if path == "embed":
-            linear = QuantizedLinear(weight, None, kernel)
+            linear = QuantizedLinear(weight, None, model.ops)
             model.embed = QuantizedEmbedding(linear, model.dtype)
             if model.lm_head is None:
                 model.lm_head = linear
@@ -387,7 +426,7 @@ def install(model: nn.Module, weights: dict[str, QuantizedWeight], kernel: str) 
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, name)
-        setattr(parent, name, QuantizedLinear(weight, getattr(old, "bias", None), kernel))
+        setattr(parent, name, QuantizedLinear(weight, getattr(old, "bias", None), model.ops))
 
 
 @dataclass(frozen=True)
