@@ -3,17 +3,17 @@ that multiply with them.
 
 Owns: the `quantize` choice ("auto", "none", "int8", "int4") and which format each weight
 takes (`target_format`); `Int8Weight` (groups of 32 inputs, or whole rows where K is not a
-multiple of 32: w = q * s, q int8) and `Int4Weight` (groups of 32 inputs: w = (q - 8) * s + z,
-q in [0, 15]); their conversion from GGUF blocks and from float tensors (`from_gguf`,
+multiple of 32: w = q * s, q int8) and `Int4Weight` (groups of 32 inputs: w = q * s + o, q in
+[0, 15]); their conversion from GGUF blocks and from float tensors (`from_gguf`,
 `from_float`); the kernels' panel layouts (`pack`) and the torch implementations of the ops
 `int4_matmul`/`int8_matmul` (`int4_matmul_torch`, `int8_matmul_torch`); `QuantizedLinear`,
 `QuantizedEmbedding` and `install`, which puts them into a PackedTransformer; `describe`,
 what a model's weights are.
 Promises:
-- Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K: d * sc), zero
-  m + 8d (Q4_0: 0; Q4_K: 8 d sc - dmin m), so its float32 dequantisation equals gguf's own
-  to the rounding of the zero (≤ 1 ulp); Q8_0 blocks map onto Int8Weight exactly (scale d).
-  Every other kind is requantised by `from_float`. Scales and zeros are float32.
+- Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K: d * sc), offset
+  m (Q4_0: -8d; Q4_K: -dmin * mn), all exact in float32, so the dequantised weights equal
+  gguf's own; Q8_0 blocks map onto Int8Weight exactly (scale d). Every other kind is
+  requantised by `from_float`. Scales and offsets are float32.
 - Conversion runs one tensor at a time in row chunks: the model never exists in float32.
 - A row's product never depends on the other rows of the call or on the thread count: the
   compiled kernel sums each output in input order whatever the rows and threads, and the
@@ -132,12 +132,12 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
-    """w[n, k] = (codes[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]; codes uint8
-    [N, K] in [0, 15], scale and zero float32 [N, K / 32]."""
+    """w[n, k] = codes[n, k] * scale[n, k // 32] + offset[n, k // 32]; codes uint8 [N, K] in
+    [0, 15], scale and offset float32 [N, K / 32]."""
 
     codes: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    offset: torch.Tensor
     format = "int4"
 
     @property
@@ -146,8 +146,8 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.codes.shape
-        grouped = self.codes.view(rows, cols // GROUP_SIZE, GROUP_SIZE).float() - 8
-        out = grouped * self.scale.float()[..., None] + self.zero.float()[..., None]
+        grouped = self.codes.view(rows, cols // GROUP_SIZE, GROUP_SIZE).float()
+        out = grouped * self.scale.float()[..., None] + self.offset.float()[..., None]
         return out.view(rows, cols).to(dtype)
 
     @staticmethod
@@ -155,7 +155,7 @@ class Int4Weight:
         return Int4Weight(
             torch.cat([p.codes for p in parts]),
             torch.cat([p.scale for p in parts]),
-            torch.cat([p.zero for p in parts]),
+            torch.cat([p.offset for p in parts]),
         )
 
 
@@ -173,8 +173,8 @@ def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
 def from_float(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     """Round-to-nearest quantisation of a float [N, K] weight: int8 symmetric per group of
     32 inputs (per row when K is not a multiple of 32), or int4 asymmetric per group of 32
-    (the group's min and max near codes 0 and 15). An int4 request for K not a multiple of
-    32 gives int8."""
+    (offset: the group's min; codes 0..15 span it to its max). An int4 request for K not a
+    multiple of 32 gives int8."""
     if fmt == "int4" and weight.shape[1] % GROUP_SIZE == 0:
         return _int4_from_float(weight)
     return _int8_from_float(weight)
@@ -195,10 +195,9 @@ def _int4_from_float(weight: torch.Tensor) -> Int4Weight:
     groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (high - low) / 15
-    zero = low + 8 * scale
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    codes = torch.round((groups - zero[..., None]) * inverse[..., None] + 8).clamp_(0, 15)
-    return Int4Weight(codes.to(torch.uint8).reshape(rows, cols), scale, zero)
+    codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp_(0, 15)
+    return Int4Weight(codes.to(torch.uint8).reshape(rows, cols), scale, low)
 
 
 def from_gguf(data: np.ndarray, kind: str, fmt: str) -> QuantizedWeight:
@@ -246,14 +245,15 @@ def _int4_from_blocks(blocks: np.ndarray, kind: str) -> Int4Weight:
 
     Q4_0/Q4_1: byte j of a block holds element j (low nibble) and j + 16 (high); w = d q + m
     (Q4_0: d (q - 8)). Q4_K: 256 elements in 8 sub-blocks of 32; each 32 bytes hold two
-    sub-blocks (low nibbles, then high ones); w = d sc q - dmin mn.
+    sub-blocks (low nibbles, then high ones); w = d sc q - dmin mn. Scales and offsets are
+    float16 values or their products with 6-bit integers: exact in float32.
     """
     rows = blocks.shape[0]
     if kind in ("Q4_0", "Q4_1"):
         quants = 4 if kind == "Q4_1" else 2
         b = blocks.reshape(rows, -1, quants + 16)
         d = _halves(b, 0)
-        zero = _halves(b, 2) + 8 * d if kind == "Q4_1" else np.zeros_like(d)
+        offset = _halves(b, 2) if kind == "Q4_1" else -8 * d
         qs = b[..., quants:]
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
         scale = d
@@ -262,7 +262,7 @@ def _int4_from_blocks(blocks: np.ndarray, kind: str) -> Int4Weight:
         d, dmin = _halves(b, 0), _halves(b, 2)
         sc, mn = _q4k_scales_and_mins(b[..., 4:16])
         scale = (d[..., None] * sc).reshape(rows, -1)
-        zero = 8 * scale - (dmin[..., None] * mn).reshape(rows, -1)
+        offset = -(dmin[..., None] * mn).reshape(rows, -1)
         qs = b[..., 16:].reshape(rows, -1, 4, 32)
         codes = np.stack([qs & 0x0F, qs >> 4], axis=-2)
     else:
@@ -270,7 +270,7 @@ def _int4_from_blocks(blocks: np.ndarray, kind: str) -> Int4Weight:
     return Int4Weight(
         torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
         torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32)),
     )
 
 
@@ -290,7 +290,7 @@ def _q4k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # codes input-major, so that one input's codes for the whole panel lie together:
 # - int4: codes int32 [P, K / 8, PANEL], word (p, b, c) holding the codes of feature
 #   PANEL p + c for inputs 8b .. 8b + 7 (input 8b + i in bits 4i .. 4i + 3); scales float32
-#   [P, K / 32, 2, PANEL] (each group's scale, then its zero);
+#   [P, K / 32, 2, PANEL] (each group's scale, then its offset);
 # - int8: codes int8 [P, K, PANEL]; scales float32 [P, G, PANEL].
 # kernels/quantized_matmul.cpp reads them; the torch implementations below unpack them.
 
@@ -313,8 +313,8 @@ def pack(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = codes.view(panels, PANEL, cols // 8, 8) << (4 * torch.arange(8))
     words = nibbles.sum(dim=-1)  # the nibbles' bits do not overlap: the sum is their OR
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    scale, zero = _panels(weight.scale.float()), _panels(weight.zero.float())
-    scales = torch.stack([scale.transpose(1, 2), zero.transpose(1, 2)], dim=2)
+    scale, offset = _panels(weight.scale.float()), _panels(weight.offset.float())
+    scales = torch.stack([scale.transpose(1, 2), offset.transpose(1, 2)], dim=2)
     return words.transpose(1, 2).contiguous(), scales.contiguous()
 
 
@@ -323,7 +323,7 @@ def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.T
     panels = codes.shape[0]
     shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
     nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
-    grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).float() - 8
+    grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).float()
     weight = grouped * scales[:, :, 0, None, :] + scales[:, :, 1, None, :]
     return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, -1)[:rows]
 
