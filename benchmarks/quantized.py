@@ -13,7 +13,7 @@ same file (its decode-only figure is its single-token steps).
         [--prompts 32] [--single-prompts 8] [--max-new-tokens 64] [--sessions 1,8,32]
         [--rounds 2] [--llama-python /tmp/llamacpp-venv/bin/python] [--output-json PATH]
     .venv/bin/python benchmarks/quantized.py --products [--threads 2] [--rows 1,8,32]
-        [--passes 5] [--layers 30]   (the model's products alone, per kernel)
+        [--passes 15] [--layers 30]   (the model's products alone, per kernel)
 
 Owns: the per-format runs (one process each, so RSS and allocator state start clean) and
 the table. Never: judges the figures against targets (it prints them and float32 ratios).
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="runs per format, best kept")
     parser.add_argument("--products", action="store_true", help="only the per-kernel products")
     parser.add_argument("--rows", default="1,8,32", help="--products: rows per product")
-    parser.add_argument("--passes", type=int, default=5, help="--products: passes, best kept")
+    parser.add_argument("--passes", type=int, default=15, help="--products: passes, best kept")
     parser.add_argument("--layers", type=int, default=30, help="--products: layers")
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
