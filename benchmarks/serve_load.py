@@ -49,6 +49,7 @@ class Level:
     wall_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    counted_from_deltas: int = 0  # requests whose tokens were counted from their deltas
     # CPU time of the server's own process (with replicas, the front alone: HTTP,
     # tokenizing, routing, streaming); None where /proc cannot tell.
     server_cpu_s: float | None = None
@@ -61,6 +62,8 @@ class Level:
             "requests": self.requests,
             "requests_per_s": self.requests / self.wall_s,
             "tokens_per_s": self.generated_tokens / self.wall_s,
+            "tokens_per_request": self.generated_tokens / max(1, self.requests),
+            "counted_from_deltas": self.counted_from_deltas,
             "ttft_p50_ms": 1000 * _percentile(self.ttft_s, 50),
             "ttft_p99_ms": 1000 * _percentile(self.ttft_s, 99),
             "itl_p50_ms": 1000 * _percentile(self.itl_s, 50),
@@ -99,18 +102,23 @@ async def _one_request(client: openai.AsyncOpenAI, model: str, prompt: str, args
         stream=True,
         stream_options={"include_usage": True},
     )
+    deltas = 0
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
+            deltas += 1
             if last is None:
                 level.ttft_s.append(now - started)
             else:
                 level.itl_s.append(now - last)
             last = now
     level.requests += 1
-    level.generated_tokens += tokens
+    # A server that sends no usage chunk (llama-cpp-python's ignores include_usage) is
+    # counted by its content deltas: one per token where it streams token by token.
+    level.generated_tokens += tokens if tokens else deltas
+    level.counted_from_deltas += 0 if tokens else 1
 
 
 async def _run_level(base_url: str, name: str, model: str, clients: int, args) -> Level:
@@ -135,7 +143,11 @@ def _offline(args, prompts: list[str]) -> dict[str, float]:
     from cellbatch.types import GenConfig
 
     with Engine.from_pretrained(
-        args.model, dtype=args.dtype, threads=args.threads, max_sessions=len(prompts)
+        args.model,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        threads=args.threads,
+        max_sessions=len(prompts),
     ) as engine:
         engine.chat(prompts[:4], GenConfig(max_new_tokens=4))  # warm-up
         started = time.perf_counter()
@@ -155,7 +167,8 @@ def _start_server(args, config: str) -> tuple[subprocess.Popen, str]:
         port = probe.getsockname()[1]
     command = [
         str(Path(sys.executable).with_name("cellbatch")), "serve", "--port", str(port),
-        "--dtype", args.dtype, "--max-sessions", str(max(args.levels)), "--quiet",
+        "--dtype", args.dtype, "--quantize", args.quantize,
+        "--max-sessions", str(max(args.levels)), "--quiet",
     ]  # fmt: skip
     if args.model:
         command += ["--model", args.model]
@@ -185,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--quantize",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="weight format, for the server and the offline baseline alike (as `cellbatch serve`)",
+    )
     parser.add_argument("--threads", type=int)
     parser.add_argument("--clients", default="1,8,32,64", help="concurrency levels")
     parser.add_argument("--requests", type=int, default=64, help="requests per level (total)")
@@ -196,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "--servers",
         default="plain",
         help="servers to measure in turn: plain (cellbatch serve) and/or RxT (R replicas x T "
-        "threads on a local Ray), comma-separated",
+        "threads on a local Ray), comma-separated; empty for --peer alone",
     )
     parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     parser.add_argument(
@@ -207,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args.levels = [int(part) for part in args.clients.split(",")]
     if any(level < 1 for level in args.levels) or args.max_tokens < 1:
         parser.error("--clients levels and --max-tokens must be >= 1")
-    args.configs = args.servers.split(",")
+    args.configs = [config for config in args.servers.split(",") if config]
     for config in args.configs:
         counts = config.split("x")
         if config != "plain" and not (
@@ -245,19 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     figures["levels"] = [level.summary() for level in levels]
     figures["raw"] = [asdict(level) for level in levels]
     print(
-        f"{'server':<18} {'clients':>7} {'req/s':>7} {'tok/s':>8} "
+        f"{'server':<18} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'tok/req':>7} "
         f"{'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16} {'server CPU ms/token':>19}"
     )
     for level in levels:
         row = level.summary()
         print(
             f"{row['server']:<18} {row['clients']:>7} {row['requests_per_s']:>7.2f} "
-            f"{row['tokens_per_s']:>8.1f} {row['ttft_p50_ms']:>8.0f}/{row['ttft_p99_ms']:<9.0f} "
+            f"{row['tokens_per_s']:>8.1f} {row['tokens_per_request']:>7.1f} "
+            f"{row['ttft_p50_ms']:>8.0f}/{row['ttft_p99_ms']:<9.0f} "
             f"{row['itl_p50_ms']:>7.1f}/{row['itl_p99_ms']:<8.1f} "
             f"{row['server_cpu_ms_per_token']:>19.2f}"
         )
     # Each other server against the first one, level by level (measured in the same run).
     names = [_server_name(config) for config in args.configs]
+    names += [args.peer_name] if args.peer else []
     first = {level.clients: level.summary() for level in levels if level.server == names[0]}
     for level in levels:
         if level.server in names[1:] and level.clients in first:
