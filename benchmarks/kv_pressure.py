@@ -75,6 +75,7 @@ _PER_CALL_COUNTERS = (
 class PressureOptions:
     model: Path | None  # None: the embedded default model
     dtype: str
+    quantize: str
     threads: int
     generations: int
     max_new_tokens: int
@@ -221,6 +222,12 @@ def parse_options(argv: Sequence[str] | None = None) -> PressureOptions:
     )
     parser.add_argument("--model", type=Path, help="HF folder or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        choices=("auto", "none", "int8", "int4"),
+        help="weight format of both engines (default none: the float weights)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--generations", type=int, help=f"default {DEFAULT_GENERATIONS} (the prompts in turn)"
@@ -271,6 +278,7 @@ def parse_options(argv: Sequence[str] | None = None) -> PressureOptions:
     return PressureOptions(
         model=args.model,
         dtype=args.dtype,
+        quantize=args.quantize,
         threads=values["threads"],
         generations=values["generations"],
         max_new_tokens=values["max-new-tokens"],
@@ -313,6 +321,7 @@ def run_benchmark(options: PressureOptions) -> PressureReport:
             engines[mode] = Engine.from_pretrained(
                 path,
                 dtype=options.dtype,
+                quantize=options.quantize,
                 threads=options.threads,
                 admission=mode,
                 max_cells=max_cells,
@@ -356,7 +365,8 @@ def format_report(report: PressureReport) -> str:
     longest = max(report.prompt_lengths)
     lines = [
         f"KV pressure: {options.generations} greedy generations of at most "
-        f"{options.max_new_tokens} new tokens, {options.dtype}, {options.threads} threads; "
+        f"{options.max_new_tokens} new tokens, {options.dtype}, weights {options.quantize}, "
+        f"{options.threads} threads; "
         f"pool {report.max_cells} cells = {options.worst_cases} x ({longest} + "
         f"{options.max_new_tokens}), {options.max_sessions} sessions; prompts "
         f"{min(report.prompt_lengths)}-{longest} tokens",
