@@ -44,10 +44,14 @@ def table(request) -> ops.Ops:
     return request.getfixturevalue(f"{request.param}_ops")
 
 
-def _weight(fmt: str, rows: int, cols: int, seed: int = 0) -> Int4Weight | Int8Weight:
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(rows, cols, generator=generator) * 0.05
-    return quantized.from_float(weight + torch.randn(rows, 1, generator=generator) * 0.02, fmt)
+def _weight(fmt: str, rows: int, cols: int, size: float = 0.05) -> Int4Weight | Int8Weight:
+    """Random weights of about `size`: scales that are float16 values (0.05), or too small
+    for float16's normal range (1e-7), so that the kernels read them as float32."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(rows, cols, generator=generator) + torch.randn(
+        rows, 1, generator=generator
+    )
+    return quantized.from_float(weight * size, fmt)
 
 
 def _gguf_tensors(tmp_path, arrays: dict[str, tuple[np.ndarray, str]]) -> dict:
@@ -130,12 +134,17 @@ def test_the_panel_layout_holds_the_weight(fmt) -> None:
     ]
     + [("int8", 50, 40)],
 )
-def test_a_quantized_product_is_the_float_product_of_its_weight(table, fmt, rows, cols) -> None:
+@pytest.mark.parametrize(("size", "scale_dtype"), [(0.05, torch.float16), (1e-7, torch.float32)])
+def test_a_quantized_product_is_the_float_product_of_its_weight(
+    table, fmt, rows, cols, size, scale_dtype
+) -> None:
     """Against float64 products of the dequantised weight, for 1..70 rows, outputs that do
-    not fill a panel, and (int8) K not a multiple of 32, with one scale per row."""
-    weight = _weight(fmt, rows, cols)
+    not fill a panel, (int8) K not a multiple of 32, with one scale per row, and scales
+    stored as float16 or float32."""
+    weight = _weight(fmt, rows, cols, size)
     assert weight.format == fmt
     codes, scales = quantized.pack(weight)
+    assert scales.dtype == scale_dtype
     op = table.int4_matmul if fmt == "int4" else table.int8_matmul
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(70, cols, generator=generator).double()

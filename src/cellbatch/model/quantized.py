@@ -13,7 +13,8 @@ Promises:
 - Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K: d * sc), offset
   m (Q4_0: -8d; Q4_K: -dmin * mn), all exact in float32, so the dequantised weights equal
   gguf's own; Q8_0 blocks map onto Int8Weight exactly (scale d). Every other kind is
-  requantised by `from_float`. Scales and offsets are float32.
+  requantised by `from_float`. Scales and offsets are float32 values; the kernels' layout
+  holds them as float16 when they all are float16 values (GGUF's Q4_0/Q4_1/Q8_0 are).
 - Conversion runs one tensor at a time in row chunks: the model never exists in float32.
 - A row's product never depends on the other rows of the call or on the thread count: the
   compiled kernel sums each output in input order whatever the rows and threads, and the
@@ -21,15 +22,17 @@ Promises:
 Never: quantises activations (they stay in the model's dtype; the compiled kernel computes
 in float32), norms, biases or RoPE tables; reads files (the loader hands it arrays).
 
-Kernels: with the compiled ops (kernels/quantized_matmul.cpp) each panel of 16 outputs is
-dequantised once per 256 inputs into an L1 buffer and every row of the call runs over it.
-Measured on an AVX2 CPU (AMD EPYC, 2 threads, torch 2.13.0; `benchmarks/quantized.py
---products`: the default model's 30 layers of products and its head, weights from memory),
-against float32 oneDNN-packed products (PackedLinear): int4 3.1x and int8 2.3x as fast at 1
-row, 2.0x and 1.9x at 8 rows, 1.2x at 32 rows; PyTorch's own weight-only kernels
-(`aten._weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`, vectorised for bf16 activations
-only) ran 2.2x/1.7x at 1 row but 0.6x at 32. The torch ops (other devices, no compiled
-library) rebuild the float weight for each call: exact, available everywhere, slow.
+Kernels: with the compiled ops (kernels/quantized_matmul.cpp) a panel of 16 outputs is
+dequantised input by input, in registers for calls of up to 3 rows, else once per 256
+inputs into an L1 buffer that every row of the call runs over. Measured on an AVX2 CPU
+(AMD EPYC, 2 threads, torch 2.13.0; `benchmarks/quantized.py --products`: the default
+model's 30 layers of products and its head, distinct weights read from memory, best of
+interleaved passes on a shared machine), against float32 oneDNN-packed products
+(PackedLinear): int4 7.3x and int8 6.7x as fast at 1 row, about 4x at 8 rows, 1.35x at 32
+rows; PyTorch's own weight-only kernels (`aten._weight_int4pack_mm_for_cpu`,
+`_weight_int8pack_mm`, vectorised for bf16 activations only) ran 3.2x/3.0x at 1 row but
+0.6x at 32. The torch ops (other devices, no compiled library) rebuild the float weight
+for each call: exact, available everywhere, slow.
 """
 
 from __future__ import annotations
@@ -173,8 +176,9 @@ def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
 def from_float(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     """Round-to-nearest quantisation of a float [N, K] weight: int8 symmetric per group of
     32 inputs (per row when K is not a multiple of 32), or int4 asymmetric per group of 32
-    (offset: the group's min; codes 0..15 span it to its max). An int4 request for K not a
-    multiple of 32 gives int8."""
+    (offset: the group's min; codes 0..15 span it to its max). Scales and offsets are
+    rounded to float16 values first where float16 holds them to its precision. An int4
+    request for K not a multiple of 32 gives int8."""
     if fmt == "int4" and weight.shape[1] % GROUP_SIZE == 0:
         return _int4_from_float(weight)
     return _int8_from_float(weight)
@@ -184,17 +188,30 @@ def _int8_from_float(weight: torch.Tensor) -> Int8Weight:
     rows, cols = weight.shape
     size = GROUP_SIZE if cols % GROUP_SIZE == 0 else cols
     groups = weight.float().reshape(rows, cols // size, size)
-    scale = groups.abs().amax(dim=-1) / 127
+    (scale,) = _half_values(groups.abs().amax(dim=-1) / 127)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(groups / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(codes.reshape(rows, cols), scale)
+
+
+def _half_values(scale: torch.Tensor, *offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(scale, *offsets) rounded to float16 values, which the kernels store in half the
+    bytes, when that costs no more than float16's precision of a quantisation step: every
+    scale zero or in float16's normal range and every offset within its range (a subnormal
+    offset moves by at most 2^-25, under 2^-11 of any such scale); else as they are."""
+    magnitude = scale.abs()
+    normal = (magnitude >= torch.finfo(torch.float16).tiny) & (magnitude <= 65504)
+    fits = bool(((magnitude == 0) | normal).all())
+    if not (fits and all(bool((offset.abs() <= 65504).all()) for offset in offsets)):
+        return (scale, *offsets)
+    return tuple(value.half().float() for value in (scale, *offsets))
 
 
 def _int4_from_float(weight: torch.Tensor) -> Int4Weight:
     rows, cols = weight.shape
     groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = (high - low) / 15
+    scale, low = _half_values((high - low) / 15, low)
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp_(0, 15)
     return Int4Weight(codes.to(torch.uint8).reshape(rows, cols), scale, low)
@@ -291,7 +308,9 @@ def _q4k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # - int4: codes int32 [P, K / 8, PANEL], word (p, b, c) holding the codes of feature
 #   PANEL p + c for inputs 8b .. 8b + 7 (input 8b + i in bits 4i .. 4i + 3); scales float32
 #   [P, K / 32, 2, PANEL] (each group's scale, then its offset);
-# - int8: codes int8 [P, K, PANEL]; scales float32 [P, G, PANEL].
+# - int8: codes int8 [P, K, PANEL]; scales float32 [P, G, PANEL];
+# scales in float16 instead where they are float16 values (GGUF's are; `from_float` rounds
+# them so when it can), which cuts the bytes read per int4 weight from 0.75 to 0.625.
 # kernels/quantized_matmul.cpp reads them; the torch implementations below unpack them.
 
 
@@ -304,10 +323,11 @@ def _panels(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def pack(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight's (codes, scales) in its kernel layout."""
+    """A weight's (codes, scales) in its kernel layout; the scales float16 when they are all
+    float16 values, else float32."""
     if isinstance(weight, Int8Weight):
         codes = _panels(weight.codes).transpose(1, 2).contiguous()
-        return codes, _panels(weight.scale.float()).transpose(1, 2).contiguous()
+        return codes, _compact(_panels(weight.scale.float()).transpose(1, 2).contiguous())
     codes = _panels(weight.codes.to(torch.int64))
     panels, _, cols = codes.shape
     nibbles = codes.view(panels, PANEL, cols // 8, 8) << (4 * torch.arange(8))
@@ -315,7 +335,13 @@ def pack(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     scale, offset = _panels(weight.scale.float()), _panels(weight.offset.float())
     scales = torch.stack([scale.transpose(1, 2), offset.transpose(1, 2)], dim=2)
-    return words.transpose(1, 2).contiguous(), scales.contiguous()
+    return words.transpose(1, 2).contiguous(), _compact(scales.contiguous())
+
+
+def _compact(scales: torch.Tensor) -> torch.Tensor:
+    """float32 scales as float16 if that holds them exactly."""
+    half = scales.half()
+    return half if torch.equal(half.float(), scales) else scales
 
 
 def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
@@ -324,6 +350,7 @@ def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.T
     shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
     nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
     grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).float()
+    scales = scales.float()
     weight = grouped * scales[:, :, 0, None, :] + scales[:, :, 1, None, :]
     return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, -1)[:rows]
 
@@ -333,7 +360,7 @@ def _int8_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.T
     panels, cols, _ = codes.shape
     groups = scales.shape[1]
     grouped = codes.view(panels, groups, cols // groups, PANEL).float()
-    weight = grouped * scales[:, :, None, :]
+    weight = grouped * scales.float()[:, :, None, :]
     return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, cols)[:rows]
 
 
@@ -405,7 +432,7 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         panel, column = tokens // PANEL, tokens % PANEL
         codes = self.codes[panel, :, column]  # [..., K]
-        scales = self.scales[panel, :, column]  # [..., G]
+        scales = self.scales[panel, :, column].float()  # [..., G]
         grouped = codes.unflatten(-1, (scales.shape[-1], -1)).float() * scales[..., None]
         return grouped.flatten(-2).to(self.dtype)
 

@@ -2,9 +2,11 @@
 // y[M, N] = x[M, K] w^T for float activations x and a weight w held in the panel layouts of
 // cellbatch.model.quantized (PANEL = 16 output features each, the last panel zero-padded):
 // - int4: codes int32 [P, K / 8, 16]: word (p, b, c) holds code q of feature 16p + c at inputs
-//   8b .. 8b + 7, input 8b + i in bits 4i .. 4i + 3; scales float32 [P, K / 32, 2, 16]: the
-//   scale s and offset o of each group of 32 inputs, w = q s + o;
-// - int8: codes int8 [P, K, 16]; scales float32 [P, G, 16] for G groups of K / G inputs: w = q s.
+//   8b .. 8b + 7, input 8b + i in bits 4i .. 4i + 3; scales [P, K / 32, 2, 16]: the scale s
+//   and offset o of each group of 32 inputs, w = q s + o;
+// - int8: codes int8 [P, K, 16]; scales [P, G, 16] for G groups of K / G inputs: w = q s;
+// scales are float32, or float16 where they are float16 values (half the bytes, widened
+// exactly).
 //
 // Owns: only the arithmetic. A panel's weights are dequantised input by input, 16 outputs
 // at a time (int4: fma(q, s, o), one rounding; int8: q * s), and each row of x runs over
@@ -22,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -60,6 +63,11 @@ inline void fma_lanes(const float* x, const Lanes& w, Lanes& acc) {
   acc.lo = _mm256_fmadd_ps(v, w.lo, acc.lo);
   acc.hi = _mm256_fmadd_ps(v, w.hi, acc.hi);
 }
+// Eight scales as floats.
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #else
 struct Lanes {
   float v[kPanel];
@@ -79,15 +87,15 @@ inline void fma_lanes(const float* x, const Lanes& w, Lanes& acc) {
 // -- dequantisers: fn(k, weights of input k) for k in [k0, k0 + len), in order ------------
 
 // int4 (one panel's codes and scales): k0 and len multiples of 32.
-template <typename Fn>
-inline void visit_int4(const int32_t* codes, const float* scales, int64_t k0, int64_t len,
+template <typename S, typename Fn>
+inline void visit_int4(const int32_t* codes, const S* scales, int64_t k0, int64_t len,
                        Fn&& fn) {
   for (int64_t g = k0 / kGroup; g < (k0 + len) / kGroup; ++g) {
-    const float* s = scales + g * 2 * kPanel;
-    const float* o = s + kPanel;
+    const S* s = scales + g * 2 * kPanel;
+    const S* o = s + kPanel;
 #ifdef CELLBATCH_QUANTIZED_AVX2
-    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-    const __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8);
+    const __m256 s0 = load_scales(s), s1 = load_scales(s + 8);
+    const __m256 o0 = load_scales(o), o1 = load_scales(o + 8);
     const __m256i nibble = _mm256_set1_epi32(0xF);
     for (int64_t b = 0; b < kGroup / 8; ++b) {
       const int32_t* words = codes + (g * (kGroup / 8) + b) * kPanel;
@@ -110,7 +118,8 @@ inline void visit_int4(const int32_t* codes, const float* scales, int64_t k0, in
         Lanes w;
         for (int64_t c = 0; c < kPanel; ++c) {
           const uint32_t q = (static_cast<uint32_t>(words[c]) >> (4 * i)) & 0xF;
-          w.v[c] = std::fma(static_cast<float>(q), s[c], o[c]);
+          w.v[c] = std::fma(static_cast<float>(q), static_cast<float>(s[c]),
+                            static_cast<float>(o[c]));
         }
         fn(g * kGroup + b * 8 + i, w);
       }
@@ -120,14 +129,14 @@ inline void visit_int4(const int32_t* codes, const float* scales, int64_t k0, in
 }
 
 // int8 (one panel's codes and scales): groups of `group` inputs share a scale.
-template <typename Fn>
-inline void visit_int8(const int8_t* codes, const float* scales, int64_t group, int64_t k0,
+template <typename S, typename Fn>
+inline void visit_int8(const int8_t* codes, const S* scales, int64_t group, int64_t k0,
                        int64_t len, Fn&& fn) {
   for (int64_t k = k0; k < k0 + len;) {
     const int64_t g = k / group, end = std::min(k0 + len, (g + 1) * group);
-    const float* s = scales + g * kPanel;
+    const S* s = scales + g * kPanel;
 #ifdef CELLBATCH_QUANTIZED_AVX2
-    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    const __m256 s0 = load_scales(s), s1 = load_scales(s + 8);
     for (; k < end; ++k) {
       const int8_t* q = codes + k * kPanel;
       const __m256 q0 = _mm256_cvtepi32_ps(
@@ -140,7 +149,7 @@ inline void visit_int8(const int8_t* codes, const float* scales, int64_t group, 
     for (; k < end; ++k) {
       Lanes w;
       for (int64_t c = 0; c < kPanel; ++c)
-        w.v[c] = static_cast<float>(codes[k * kPanel + c]) * s[c];
+        w.v[c] = static_cast<float>(codes[k * kPanel + c]) * static_cast<float>(s[c]);
       fn(k, w);
     }
 #endif
@@ -257,6 +266,17 @@ at::Tensor product(const at::Tensor& x, int64_t in_features, int64_t out_feature
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// fn(S{}) for the scales' dtype: float32 or float16.
+template <typename Fn>
+void for_scale_type(const at::Tensor& scales, const char* op, Fn&& fn) {
+  switch (scales.scalar_type()) {
+    case at::kFloat: return fn(float{});
+    case at::kHalf: return fn(c10::Half{});
+    default:
+      TORCH_CHECK(false, op, ": scales must be float32 or float16, got ", scales.scalar_type());
+  }
+}
+
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        int64_t out_features) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
@@ -266,17 +286,21 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(in_features % kGroup == 0, "int4_matmul: K must be a multiple of ", kGroup);
   TORCH_CHECK(scales.dim() == 4 && scales.size(0) == panels &&
                   scales.size(1) == in_features / kGroup && scales.size(2) == 2 &&
-                  scales.size(3) == kPanel && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat,
-              "int4_matmul: scales must be contiguous float32 [panels, K / ", kGroup, ", 2, ",
-              kPanel, "]");
+                  scales.size(3) == kPanel && scales.is_contiguous(),
+              "int4_matmul: scales must be contiguous [panels, K / ", kGroup, ", 2, ", kPanel,
+              "]");
   const int32_t* c = codes.data_ptr<int32_t>();
-  const float* s = scales.data_ptr<float>();
   const int64_t words = in_features / 8 * kPanel, pairs = in_features / kGroup * 2 * kPanel;
-  return product(x, in_features, out_features, panels, "int4_matmul",
-                 [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
-                   visit_int4(c + p * words, s + p * pairs, k0, len, fn);
-                 });
+  at::Tensor out;
+  for_scale_type(scales, "int4_matmul", [&](auto tag) {
+    using S = decltype(tag);
+    const S* s = scales.data_ptr<S>();
+    out = product(x, in_features, out_features, panels, "int4_matmul",
+                  [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
+                    visit_int4(c + p * words, s + p * pairs, k0, len, fn);
+                  });
+  });
+  return out;
 }
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -287,17 +311,22 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t panels = codes.size(0), in_features = codes.size(1);
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == panels && scales.size(1) > 0 &&
                   in_features % scales.size(1) == 0 && scales.size(2) == kPanel &&
-                  scales.is_contiguous() && scales.scalar_type() == at::kFloat,
-              "int8_matmul: scales must be contiguous float32 [panels, groups, ", kPanel,
+                  scales.is_contiguous(),
+              "int8_matmul: scales must be contiguous [panels, groups, ", kPanel,
               "] with K a multiple of groups");
   const int8_t* c = codes.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
   const int64_t groups = scales.size(1), group = in_features / groups;
-  return product(x, in_features, out_features, panels, "int8_matmul",
-                 [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
-                   visit_int8(c + p * in_features * kPanel, s + p * groups * kPanel, group, k0,
-                              len, fn);
-                 });
+  at::Tensor out;
+  for_scale_type(scales, "int8_matmul", [&](auto tag) {
+    using S = decltype(tag);
+    const S* s = scales.data_ptr<S>();
+    out = product(x, in_features, out_features, panels, "int8_matmul",
+                  [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
+                    visit_int8(c + p * in_features * kPanel, s + p * groups * kPanel, group,
+                               k0, len, fn);
+                  });
+  });
+  return out;
 }
 
 }  // namespace
