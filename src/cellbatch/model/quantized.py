@@ -28,7 +28,7 @@ inputs into an L1 buffer that every row of the call runs over. Measured on an AV
 (AMD EPYC, 2 threads, torch 2.13.0; `benchmarks/quantized.py --products`: the default
 model's 30 layers of products and its head, distinct weights read from memory, best of
 interleaved passes on a shared machine), against float32 oneDNN-packed products
-(PackedLinear): int4 7.3x and int8 6.7x as fast at 1 row, about 4x at 8 rows, 1.35x at 32
+(PackedLinear): int4 7.3x and int8 6.7x as fast at 1 row, 2.3x at 8 rows, 1.35x at 32
 rows; PyTorch's own weight-only kernels (`aten._weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`, vectorised for bf16 activations only) ran 3.2x/3.0x at 1 row but
 0.6x at 32. The torch ops (other devices, no compiled library) rebuild the float weight
