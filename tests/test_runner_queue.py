@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from cellbatch import GenerationHandle, Runner
+from cellbatch.runner.admission import GROWTH_CELLS
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
     FinishReason,
@@ -261,11 +262,12 @@ def test_generations_over_a_small_pool_are_preempted_and_give_the_same_tokens(
 ) -> None:
     sampling = SamplingParams(temperature=0.8) if seeded else SamplingParams()
     prompts = [make_tokens(6 + i % 5, start=10 + i) for i in range(24)]
+    new_tokens = GROWTH_CELLS + 24  # each outgrows the growth reserve it started with
 
     def run_all(fake: FakeExecutor) -> tuple[list[list[int]], Runner]:
         runner, _ = make(runners, fake)
         handles = [
-            runner.submit(p, GenConfig(max_new_tokens=24, sampling=sampling, seed=i))
+            runner.submit(p, GenConfig(max_new_tokens=new_tokens, sampling=sampling, seed=i))
             for i, p in enumerate(prompts)
         ]
         for handle in handles:
@@ -273,7 +275,7 @@ def test_generations_over_a_small_pool_are_preempted_and_give_the_same_tokens(
         return [handle.tokens() for handle in handles], runner
 
     free, _ = run_all(FakeExecutor())
-    pressed_fake = FakeExecutor(cell_limit=6 * (10 + 24))  # about 6 full contexts
+    pressed_fake = FakeExecutor(cell_limit=6 * (10 + new_tokens))  # about 6 full contexts
     pressed, runner = run_all(pressed_fake)
     assert pressed == free
     metrics = runner.metrics()
@@ -293,6 +295,27 @@ def test_a_preempted_generation_keeps_its_random_stream(runners) -> None:
         assert settle(h).finish_reason() == FinishReason.TOKEN_LIMIT, h.error()
     # set_sampling ran once per generation: a resumed generation is not re-seeded.
     assert sum(1 for sid, _, _ in fake.sampling if sid == session.id) == 1
+
+
+def test_a_turn_cancelled_while_it_waits_for_cells_leaves_its_delta_unfed(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(cell_limit=60))
+    busy, waiting = open_session(runner), open_session(runner)
+    fake.hold()
+    running = busy.generate_async(make_tokens(40), GenConfig(max_new_tokens=10))
+    assert fake.wait_held()
+    delta = make_tokens(30, start=50)
+    turn = waiting.generate_async(delta, GenConfig(max_new_tokens=3))  # 30 cells: 20 free
+    turn.cancel()
+    fake.release()
+    assert settle(turn).finish_reason() == FinishReason.CANCELLED
+    assert turn.tokens() == [] and runner.metrics().failed_steps == 0
+    # The session holds the delta, unfed, as after a turn cancelled once it had begun.
+    assert waiting.position() == 0 and list(waiting.unfed()) == delta
+    assert settle(running).finish_reason() == FinishReason.TOKEN_LIMIT
+    after = settle(waiting.generate_async([9], GenConfig(max_new_tokens=3)))
+    assert after.finish_reason() == FinishReason.TOKEN_LIMIT, after.error()
+    assert after.tokens() == expected_tokens(30 + 1, 3)
+    assert fake.contexts[waiting.id][:31] == [*delta, 9]
 
 
 def test_idle_sessions_give_their_cells_back_and_recompute_on_their_next_turn(runners) -> None:

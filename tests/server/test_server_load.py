@@ -18,11 +18,12 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from cellbatch.runner.admission import GROWTH_CELLS
 from cellbatch.types import GenConfig
 from served import API_KEY, MODEL_NAME
 
 CLIENTS = 64
-NEW_TOKENS = 24
+NEW_TOKENS = GROWTH_CELLS + 16  # each stream outgrows the growth reserve it started with
 TIME_LIMIT_S = 120.0
 
 

@@ -4,11 +4,11 @@ Owns: the queue of generations waiting to run (arrival order; a preempted one go
 back to its head) and the running generations in the order they were admitted.
 Promises: first come, first served: the head of the queue starts before anything
 behind it; under "optimistic" admission (the default) a generation starts when the
-cells it needs now fit (what it feeds, plus one decode cell per running generation),
-and the most recently admitted running generation is the one preempted when a step
-lacks cells; under "reserve" a generation starts only when its worst case (what it
-feeds plus every token it may generate) fits beside the worst cases of those
-running, and nothing is ever preempted.
+cells it needs now fit beside a growth reserve of GROWTH_CELLS per generation that
+would then be running, and the most recently admitted running generation is the one
+preempted when a step lacks cells; under "reserve" a generation starts only when its
+worst case (what it feeds plus every token it may generate) fits beside the worst
+cases of those running, and nothing is ever preempted.
 Never: calls the executor or the scheduler, or ends a generation; the runner loop
 acts on what this decides.
 """
@@ -19,6 +19,16 @@ import enum
 from collections import deque
 
 from cellbatch.runner.generation import Generation
+
+# Free cells kept per running generation when another starts under optimistic admission.
+# Without them a pool refills within a step or two of a start, and the generation that
+# started (the newest, so the one preempted) recomputes its whole context for those few
+# tokens; with them every start buys at least this many steps before a preemption.
+# Measured (64 chat generations of up to 256 tokens, fp32, one engine, /tmp A/B of this
+# constant): in a pool of 4 worst cases, 1 / 16 / 32 cells gave 95 / 48 / 19 preemptions,
+# 11249 / 6913 / 3393 recomputed tokens and 92 / 93 / 101 tokens/s, the same tokens; in
+# a pool of 16 worst cases preemptions stayed at 18-19 whatever the value.
+GROWTH_CELLS = 32
 
 
 class AdmissionPolicy(str, enum.Enum):
@@ -90,16 +100,20 @@ class Admission:
 
     def spoken_for(self) -> int:
         """Free cells the running generations will claim: their unfed context, plus
-        under "reserve" their remaining token budgets, and under "optimistic" one
-        decode cell each."""
+        under "reserve" their remaining token budgets, and under "optimistic" a growth
+        reserve each."""
         claimed = 0
         for generation in self._running:
             claimed += self.need(generation)
             if self.policy is AdmissionPolicy.OPTIMISTIC:
-                claimed += 1
+                claimed += GROWTH_CELLS
         return claimed
 
     def fits(self, generation: Generation, free_cells: int) -> bool:
-        """Whether the generation can start with `free_cells` cells free now."""
-        headroom = 1 if self.policy is AdmissionPolicy.OPTIMISTIC else 0
+        """Whether the generation can start with `free_cells` cells free now. A
+        generation that would run alone needs only its feed and one decode cell: it
+        must be able to start in any pool that holds it."""
+        headroom = 0
+        if self.policy is AdmissionPolicy.OPTIMISTIC:
+            headroom = GROWTH_CELLS if self._running else 1
         return self.need(generation) + headroom <= free_cells - self.spoken_for()

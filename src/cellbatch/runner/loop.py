@@ -506,6 +506,16 @@ class EngineLoop:
         state = generation.state
         if self._admission.is_running(generation) and state is not None:
             self._tasks.cancel(state.sid)
+        if (
+            reason is FinishReason.CANCELLED
+            and not generation.started
+            and generation.start is None
+            and state is not None
+        ):
+            # A turn cancelled while it waited for cells leaves its delta in the session,
+            # unfed, as a turn cancelled after it began does: what a session holds after
+            # a cancel never depends on whether the turn had left the queue.
+            state.context.extend(generation.delta)
         self._admission.remove(generation)
         self._sessions.release_source(generation)
         if state is not None and state.active is generation:
