@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def ask(python: str, request: dict, timeout: float = 3600) -> dict:
@@ -81,6 +82,16 @@ def perplexity(request: dict) -> dict:
     return {"nll": nll}
 
 
+def _greedy(llm: Any) -> int:
+    """The argmax of the last evaluated token's logits. Read from the context itself:
+    without logits_all, llama-cpp-python 0.3 leaves `Llama.scores` unwritten (zeros)."""
+    import llama_cpp
+    import numpy as np
+
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return int(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).argmax())
+
+
 def generate(request: dict) -> dict:
     stop = set(request["stop"])
     budget = request["max_new_tokens"]
@@ -92,13 +103,13 @@ def generate(request: dict) -> dict:
         llm.reset()
         began = time.perf_counter()
         llm.eval(prompt)
-        token = int(llm.scores[llm.n_tokens - 1].argmax())
+        token = _greedy(llm)
         prefill += time.perf_counter() - began
         out = [token]
         while token not in stop and len(out) < budget:
             began = time.perf_counter()
             llm.eval([token])
-            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            token = _greedy(llm)
             decode_seconds += time.perf_counter() - began
             decode_tokens += 1
             out.append(token)
