@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kv_pressure
+from cellbatch.runner.admission import GROWTH_CELLS
 from kv_pressure import OPTIMISTIC, RESERVE, ModeRun, PressureReport
 from throughput_report import Divergence
 
@@ -118,21 +119,22 @@ def test_both_modes_run_on_a_tiny_model_with_the_same_tokens(
     tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     output = tmp_path / "kv.json"
+    new_tokens = 4 * GROWTH_CELLS  # optimistic starts more than reserve only well past it
     argv = [
         "--model", str(tiny_chat_model),
         "--threads", str(torch.get_num_threads()),  # the run sets it process-wide
-        "--generations", "8", "--max-new-tokens", "12", "--worst-cases", "2",
+        "--generations", "8", "--max-new-tokens", str(new_tokens), "--worst-cases", "2",
         "--max-sessions", "8", "--repeats", "1", "--output-json", str(output),
     ]  # fmt: skip
     assert kv_pressure.main(argv) == 0
     data = json.loads(output.read_text())
-    assert data["max_cells"] == 2 * (max(data["prompt_tokens"]) + 12)
+    assert data["max_cells"] == 2 * (max(data["prompt_tokens"]) + new_tokens)
     optimistic, reserve = data["modes"][OPTIMISTIC], data["modes"][RESERVE]
     assert optimistic["outputs"] == reserve["outputs"] and len(reserve["outputs"]) == 8
     assert data["agreement"] == {"identical": 8, "total": 8, "divergences": []}
     for mode in (optimistic, reserve):
         (run,) = mode["runs"]
-        assert run["error"] == "" and 8 <= run["generated_tokens"] <= 8 * 12
+        assert run["error"] == "" and 8 <= run["generated_tokens"] <= 8 * new_tokens
         assert run["tokens_per_s"] > 0
     # A pool of two worst cases: reserve runs at most two at once and never preempts;
     # optimistic starts more, and has to preempt to finish them.
