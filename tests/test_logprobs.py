@@ -23,6 +23,7 @@ import torch
 from cellbatch import Runner
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
 from cellbatch.model.loading import load_model
+from cellbatch.runner.admission import GROWTH_CELLS
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, SamplingParams
 from fake_executor import (
@@ -93,11 +94,12 @@ def test_updates_keep_the_logprobs_of_the_tokens_they_keep(runners, max_new_toke
 
 
 def test_a_recomputed_prompt_does_not_send_prompt_logprobs_again(runners) -> None:
-    runner, fake = fake_runner(runners, cell_limit=6 * 30)
+    new_tokens = GROWTH_CELLS + 20  # each outgrows the growth reserve it started with
+    runner, fake = fake_runner(runners, cell_limit=6 * (10 + new_tokens))
     prompts = [make_tokens(6 + i % 5, start=10 + i) for i in range(16)]
     recorders = [Recorder() for _ in prompts]
     handles = [
-        runner.submit(p, GenConfig(max_new_tokens=20, sampling=ASK), on_update=r.on_update)
+        runner.submit(p, GenConfig(max_new_tokens=new_tokens, sampling=ASK), on_update=r.on_update)
         for p, r in zip(prompts, recorders, strict=True)
     ]
     for handle in handles:
@@ -218,9 +220,11 @@ def test_penalised_seeded_sampling_survives_preemption_unchanged(runners, tiny) 
         prompt_logprobs=1,
     )
 
+    new_tokens = GROWTH_CELLS + 14  # each outgrows the growth reserve it started with
+
     def run_all(runner: Runner) -> list[GenerationUpdate]:
         handles = [
-            runner.submit(p, GenConfig(max_new_tokens=14, sampling=sampling, seed=i))
+            runner.submit(p, GenConfig(max_new_tokens=new_tokens, sampling=sampling, seed=i))
             for i, p in enumerate(prompts)
         ]
         results = [handle.result(WAIT_S) for handle in handles]
@@ -229,12 +233,13 @@ def test_penalised_seeded_sampling_survives_preemption_unchanged(runners, tiny) 
         return results
 
     free = run_all(model_runner(runners, tiny, chunk=4))
-    pressed_runner = model_runner(runners, tiny, chunk=4, max_cells=48)
+    # Two start (the second beside the first's growth reserve), and outgrow the pool.
+    pressed_runner = model_runner(runners, tiny, chunk=4, max_cells=2 * GROWTH_CELLS + 32)
     pressed = run_all(pressed_runner)
     assert pressed_runner.metrics().preemptions > 0
     assert pressed == free
     assert [len(r.prompt_logprobs) for r in free] == [len(p) for p in prompts]
-    assert all(len(r.logprobs) == 14 for r in free)
+    assert all(len(r.logprobs) == new_tokens for r in free)
     # The penalties act: without them the same seeds draw other tokens.
     plain = dataclasses.replace(sampling, repetition_penalty=1.0, frequency_penalty=0.0)
     runner = model_runner(runners, tiny, chunk=4)
