@@ -105,9 +105,7 @@ def test_default_model_is_batch_invariant(ours, first_sequence_logits, dtype) ->
     from cellbatch.model.loading import load_model
 
     _, model = (
-        ours
-        if dtype == "float32"
-        else load_model(default_model_path(), dtype, quantize="none")
+        ours if dtype == "float32" else load_model(default_model_path(), dtype, quantize="none")
     )
     generator = torch.Generator().manual_seed(11)
     prompts = [
