@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from cellbatch.metrics import EngineMetrics
-from cellbatch.types import GenConfig, Token
+from cellbatch.types import QUANTIZE_CHOICES, GenConfig, Token
 from throughput import _cpu_name, _load_average
 from throughput_peers import cellbatch_generate, progress
 from throughput_report import Agreement, compare, dump_json
@@ -225,7 +225,7 @@ def parse_options(argv: Sequence[str] | None = None) -> PressureOptions:
     parser.add_argument(
         "--quantize",
         default="none",
-        choices=("auto", "none", "int8", "int4"),
+        choices=QUANTIZE_CHOICES,
         help="weight format of both engines (default none: the float weights)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")

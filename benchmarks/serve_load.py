@@ -33,6 +33,7 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cellbatch.types import QUANTIZE_CHOICES
 from throughput_workload import CHAT_PROMPTS
 
 STARTUP_TIMEOUT_S = 300.0
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantize",
         default="auto",
-        choices=("auto", "none", "int8", "int4"),
+        choices=QUANTIZE_CHOICES,
         help="weight format, for the server and the offline baseline alike (as `cellbatch serve`)",
     )
     parser.add_argument("--threads", type=int)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellbatch.types import Token
+from cellbatch.types import QUANTIZE_CHOICES, Token
 
 if TYPE_CHECKING:
     from cellbatch.engine import GenerationBatch
@@ -360,7 +360,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantize",
         default="auto",
-        choices=("auto", "none", "int8", "int4"),
+        choices=QUANTIZE_CHOICES,
         help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
         "other models stay float), none (float), int8 or int4",
     )

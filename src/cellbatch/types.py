@@ -30,6 +30,10 @@ class OutOfResourcesError(RuntimeError):
 
 
 MAX_LOGPROBS = 20
+# Weight formats a model can run in, and the `quantize` choices: "auto" keeps a GGUF
+# file's precision class (cellbatch.model.quantized.target_format).
+WEIGHT_FORMATS = ("none", "int8", "int4")
+QUANTIZE_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
 @dataclass(frozen=True)

@@ -47,15 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cellbatch.types import InvalidArgumentError
+from cellbatch.types import QUANTIZE_CHOICES, InvalidArgumentError
 
 if TYPE_CHECKING:
     from cellbatch.model.ops import Ops
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("none", "int8", "int4")
-QUANTIZE_CHOICES = ("auto", *WEIGHT_FORMATS)
 GROUP_SIZE = 32
 # GGUF kinds each format keeps (what `quantize="auto"` maps them to); other kinds load as float.
 GGUF_INT4_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
