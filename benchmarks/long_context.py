@@ -48,6 +48,7 @@ from cellbatch.model.default import default_model_path
 from cellbatch.model.transformer import cpu_has_fast_bf16
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import FinishReason, GenConfig, Token
+from throughput_peers import load_transformers_model
 from throughput_workload import CHAT_PROMPTS
 
 PREFILL_ROWS = ((1, 500), (1, 2000), (1, 4000), (8, 1000))
@@ -146,19 +147,6 @@ CELLBATCH = "cellbatch"
 
 
 # -- transformers -------------------------------------------------------------------
-
-
-def load_transformers(path: Path, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    from cellbatch.model.loading import locate_model
-
-    files = locate_model(path)
-    extra = {"gguf_file": files.path.name} if files.kind == "gguf" else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        str(files.folder), dtype=dtype, attn_implementation="sdpa", **extra
-    )
-    return model.eval()
 
 
 def timed(function: Callable[[], Any]) -> tuple[float, Any]:
@@ -411,7 +399,7 @@ def run(options: argparse.Namespace) -> Report:
     hf_model = None
     if parts and "transformers" not in options.skip:
         _progress(f"loading {path} in transformers ({options.dtype})")
-        hf_model = in_short_lived_thread(lambda: load_transformers(path, dtype))
+        hf_model = in_short_lived_thread(lambda: load_transformers_model(path, dtype))
     if parts:
         _progress(f"loading {path} in cellbatch")
         shape = {"max_batch_tokens": options.max_batch_tokens}
