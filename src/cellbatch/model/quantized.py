@@ -405,6 +405,9 @@ class QuantizedLinear(nn.Module):
         self.format = weight.format
         self.out_features, self.in_features = weight.shape
         self.kernel = "compiled" if ops.kind == "compiled" else "dequantize"
+        # The compiled kernel's rows do not depend on the call's other rows, so the model
+        # need not pad its products (PackedTransformer.pack_linears).
+        self.row_invariant = self.kernel == "compiled"
         codes, scales = pack(weight)
         self.codes, self.scales = _param(codes), _param(scales)
         self.bias = None if bias is None else _param(bias.detach())

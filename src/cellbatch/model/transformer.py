@@ -275,7 +275,13 @@ class PackedTransformer(nn.Module):
         """Swaps every projection and the LM head for a PackedLinear where that is faster
         (see can_pack_linears); a tied head gets its own packed copy of the embedding.
         Quantised ones (cellbatch.model.quantized) stay as they are.
-        Unless min_rows was given, products then pad only to PACKED_MIN_GEMM_ROWS."""
+        Unless min_rows was given, products then pad only to PACKED_MIN_GEMM_ROWS, or not
+        at all when every product is row-invariant (the compiled quantised kernels)."""
+        if not self._min_rows_given and all(
+            getattr(product, "row_invariant", False) for product in self._products()
+        ):
+            self.min_rows = 1
+            return
         if not can_pack_linears(self.dtype, self.norm.weight.device):
             return
         if not self._min_rows_given:
@@ -288,6 +294,13 @@ class PackedTransformer(nn.Module):
         if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
             head = self.embed.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head = PackedLinear(head, None)
+
+    def _products(self) -> list[nn.Module]:
+        """Every module that multiplies by a weight matrix: the projections and the head
+        (the embedding's own module when the head is tied to it)."""
+        names = ("qkv", "o_proj", "gate_up", "down")
+        head = self.embed if self.lm_head is None else self.lm_head
+        return [getattr(layer, name) for layer in self.layers for name in names] + [head]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
