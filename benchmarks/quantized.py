@@ -5,13 +5,16 @@ For each format (float32 "none", int8, int4) a fresh process loads the model wit
 `--single-prompts` chat prompts one at a time, "1 request alone"; all `--prompts` at once,
 "32 concurrent"), greedy, at most `--max-new-tokens` each; and decode-only tokens/s with
 1, 8 and 32 sessions decoding in lockstep. Each format's greedy tokens are compared with
-float32's. With `--llama-python PY` (llama-cpp-python built there, see
-benchmarks/llama_cpp_peer.py) llama.cpp runs the same prompt tokens one at a time on the
-same file (its decode-only figure is its single-token steps).
+float32's. `--program PATH` adds the same figures for a program of the model (`cellbatch
+export`, e.g. with its default `--quantize auto`), run by ProgramExecutor. With
+`--llama-python PY` (llama-cpp-python built there, see benchmarks/llama_cpp_peer.py)
+llama.cpp runs the same prompt tokens one at a time on the same file (its decode-only
+figure is its single-token steps).
 
     .venv/bin/python benchmarks/quantized.py [--threads 2] [--formats none,int8,int4]
         [--prompts 32] [--single-prompts 8] [--max-new-tokens 64] [--sessions 1,8,32]
-        [--rounds 2] [--llama-python /tmp/llamacpp-venv/bin/python] [--output-json PATH]
+        [--rounds 2] [--program model.pt2] [--llama-python /tmp/llamacpp-venv/bin/python]
+        [--output-json PATH]
     .venv/bin/python benchmarks/quantized.py --products [--threads 2] [--rows 1,8,32]
         [--passes 15] [--layers 30]   (the model's products alone, per kernel)
 
@@ -51,13 +54,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from throughput_workload import CHAT_PROMPTS, WARMUP_TOKENS
 
     torch.set_num_threads(args.threads)
-    path = args.model or default_model_path()
+    program = args.child.endswith(".pt2")
+    path = args.child if program else args.model or default_model_path()
     before = _rss()
     started = perf_counter()
     engine = Engine.from_pretrained(
         path,
-        dtype="float32",
-        quantize=args.child,
+        dtype="auto" if program else "float32",
+        quantize="auto" if program else args.child,
         threads=args.threads,
         max_sessions=max(args.prompts, *args.sessions),
     )
@@ -234,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sessions", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32]
     )
+    parser.add_argument(
+        "--program", type=Path, help="also a program of the model (`cellbatch export`), as is"
+    )
     parser.add_argument("--llama-python", help="Python with llama-cpp-python (optional)")
     parser.add_argument("--rounds", type=int, default=1, help="runs per format, best kept")
     parser.add_argument("--products", action="store_true", help="only the per-kernel products")
@@ -255,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):  # formats alternate, so a load swing hits them all
         for fmt in args.formats.split(","):
             runs[fmt] = _best(runs.get(fmt), _child(args, fmt))
+        if args.program:
+            runs["program"] = _best(runs.get("program"), _child(args, str(args.program)))
     first = next(iter(runs.values()))
     if args.llama_python:
         from cellbatch.model.default import default_model_path

@@ -146,6 +146,13 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     export.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
     export.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_CHOICES,
+        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
+        "other models stay float), none (float), int8 or int4",
+    )
+    export.add_argument(
         "--max-step-tokens", type=int, default=544, help="tokens per forward, at most"
     )
     export.add_argument(
@@ -430,6 +437,7 @@ def _export_command(args: argparse.Namespace) -> int:
     options = ExportOptions(
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
+        quantize=args.quantize,
         max_step_tokens=args.max_step_tokens,
         decode_widths=widths,
         min_prefill_tokens=args.min_prefill_tokens,

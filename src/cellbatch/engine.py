@@ -38,7 +38,7 @@ from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.quantized import WeightsSummary, resolve_quantize
 from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_files
-from cellbatch.model.transformer import resolve_dtype
+from cellbatch.model.transformer import DTYPES, resolve_dtype
 from cellbatch.prefix_cache import common_prefix_length
 from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
@@ -254,15 +254,21 @@ class Engine:
             name: None if value in (None, "auto") else resolve_dtype(value)
             for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype))
         }
-        if kernels == "torch" or quantize not in ("auto", "none"):
+        if kernels == "torch":
             raise InvalidArgumentError(
-                f"program {path} runs its own compiled kernels and the weights it was "
-                "exported with; kernels and quantize apply to models, not programs"
+                f"program {path} runs its own compiled kernels; kernels apply to models, "
+                "not programs"
             )
         clock = PhaseClock(progress)
         program = in_short_lived_thread(lambda: load_program(path))
         manifest = program.manifest
         clock.done(f"loaded the program ({len(program.methods)} methods)")
+        exported_as = program_weights(program).formats["projections"]
+        if quantize != "auto" and quantize != ("none" if exported_as in DTYPES else exported_as):
+            raise InvalidArgumentError(
+                f"program {path} holds {exported_as} weights (quantize is fixed at export); "
+                "drop quantize or export the model again with `cellbatch export --quantize`"
+            )
         for name, has in (("dtype", program.dtype), ("kv_dtype", program.kv_dtype)):
             if asked[name] is not None and asked[name] != has:
                 raise InvalidArgumentError(
@@ -420,9 +426,7 @@ class Engine:
         """Which weight format ran: in words, per role, the quantised products' kernel,
         and bytes per format."""
         if isinstance(self.model, Program):
-            dtype = self.model.manifest.dtype
-            roles = dict.fromkeys(("projections", "embedding", "lm_head"), dtype)
-            return WeightsSummary(dtype, roles, "none", {dtype: self.model.weights_bytes})
+            return program_weights(self.model)
         return describe_weights(self.model)
 
     @property
@@ -573,6 +577,22 @@ class GenerationBatch:
             result.error = summary.error
             result.metrics = handle.metrics()
         return self._results
+
+
+def program_weights(program: Program) -> WeightsSummary:
+    """What a program's weights are, from its manifest (one written before the manifest
+    said holds float weights of its dtype)."""
+    manifest = program.manifest
+    if manifest.weight_formats:
+        return WeightsSummary(
+            manifest.weights_format,
+            dict(manifest.weight_formats),
+            manifest.weight_kernel,
+            dict(manifest.weight_bytes_by_format),
+        )
+    dtype = manifest.dtype
+    roles = dict.fromkeys(("projections", "embedding", "lm_head"), dtype)
+    return WeightsSummary(dtype, roles, "none", {dtype: program.weights_bytes})
 
 
 def _gen_config(

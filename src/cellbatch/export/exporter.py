@@ -49,6 +49,7 @@ from cellbatch.model import kernels
 from cellbatch.model.attention import QUERY_BLOCK
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model, locate_model
+from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import load_tokenizer
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype
 from cellbatch.types import InvalidArgumentError
@@ -66,6 +67,7 @@ class ExportOptions:
 
     dtype: str = "auto"
     kv_dtype: str | None = None  # None: the weight dtype
+    quantize: str = "auto"  # as the eager model's (cellbatch.model.quantized.target_format)
     max_step_tokens: int = 544
     decode_widths: tuple[int, ...] = (1,)
     min_prefill_tokens: int = 2
@@ -129,9 +131,10 @@ def export_program(
     dtype = resolve_dtype(options.dtype)
     kv_dtype = dtype if options.kv_dtype is None else resolve_dtype(options.kv_dtype)
     progress(f"loading {path} in {str(dtype).removeprefix('torch.')}")
-    config, module = load_model(path, dtype, "compiled", quantize="none")
+    config, module = load_model(path, dtype, "compiled", quantize=options.quantize)
     methods = _method_specs(options, module.min_rows)
-    progress(f"loaded in {time.perf_counter() - started:.1f} s")
+    weights = describe_weights(module)
+    progress(f"loaded in {time.perf_counter() - started:.1f} s (weights {weights.format})")
     forward = ProgramForward(module).eval()
     num_inputs = len(METHOD_INPUTS) + 2 * config.num_layers
     files: dict[str, list[str]] = {}
@@ -172,6 +175,10 @@ def export_program(
         ),
         dtype=str(dtype).removeprefix("torch."),
         kv_dtype=str(kv_dtype).removeprefix("torch."),
+        weights_format=weights.format,
+        weight_formats=weights.formats,
+        weight_kernel=weights.kernel,
+        weight_bytes_by_format=weights.bytes_by_format,
         methods=methods,
         min_prefill_tokens=methods[0].min_tokens,
         max_step_tokens=options.max_step_tokens,

@@ -93,7 +93,7 @@ class Manifest:
     torch_version: str
     cpu_capability: str  # torch's CPU capability the code was compiled for
     model: ModelGeometry
-    dtype: str
+    dtype: str  # the activations' (and float weights') dtype
     kv_dtype: str
     methods: list[MethodSpec]
     min_prefill_tokens: int
@@ -108,6 +108,12 @@ class Manifest:
     kernel_library: str  # record holding the compiled library of the custom ops
     tokenizer_files: list[str] = field(default_factory=list)  # records under tokenizer/
     export_seconds: dict[str, float] = field(default_factory=dict)  # per method
+    # The weights as cellbatch.model.quantized.describe gave them (a program written
+    # before these fields holds float weights of `dtype`).
+    weights_format: str = ""  # in words, e.g. "int4, embedding int8, lm_head int8"
+    weight_formats: dict[str, str] = field(default_factory=dict)  # role -> format
+    weight_kernel: str = "none"  # the quantised products' kernel
+    weight_bytes_by_format: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefill(self) -> MethodSpec:
@@ -238,6 +244,7 @@ def _fits(value: Any, type_name: str) -> bool:
         and all(v is None or _fits(v, "int") for v in value),
         "dict[str, str]": isinstance(value, dict)
         and all(isinstance(v, str) for v in value.values()),
+        "dict[str, int]": isinstance(value, dict) and all(_fits(v, "int") for v in value.values()),
         "dict[str, float]": isinstance(value, dict)
         and all(isinstance(v, (int, float)) for v in value.values()),
     }

@@ -1,0 +1,102 @@
+"""A program with quantised weights (`cellbatch export --quantize int4`).
+
+A tiny random Llama exported with int4 projections (int8 embedding and head, as the eager
+model takes them) and decode widths 1 and 8 (about 40 s of compiling on 2 cores): the
+program's steps give the eager quantised model's tokens for every kind of step, its
+manifest says which weight format it holds, the Engine reports it, and a `quantize` that
+contradicts it is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cellbatch.engine import Engine
+from cellbatch.executor.cell_executor import ExecutorShape
+from cellbatch.executor.module_executor import ModuleExecutor
+from cellbatch.executor.program_executor import ProgramExecutor
+from cellbatch.export.exporter import ExportOptions, export_program
+from cellbatch.export.program import load_program
+from cellbatch.model.loading import load_model
+from cellbatch.model.quantized import describe
+from cellbatch.types import InvalidArgumentError
+from program_steps import GREEDY, MAX_STEP, MIN_PREFILL, SEEDED, run_scenario
+from tiny_models import make_tiny_checkpoint
+
+VOCAB = 512
+SHAPE = ExecutorShape(
+    max_sessions=8, max_session_tokens=128, max_cells=2048, max_batch_tokens=MAX_STEP
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("quantized-llama")
+    make_tiny_checkpoint(
+        "llama",
+        folder,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def program(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("program") / "int4.pt2"
+    options = ExportOptions(
+        dtype="float32",
+        quantize="int4",
+        max_step_tokens=MAX_STEP,
+        decode_widths=(1, 8),
+        min_prefill_tokens=MIN_PREFILL,
+    )
+    export_program(checkpoint, path, options)
+    return path
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_program_gives_the_eager_quantised_models_tokens(
+    checkpoint: Path, program: Path, sampling
+) -> None:
+    config, model = load_model(checkpoint, "float32", "compiled", quantize="int4")
+    eager = ModuleExecutor(model, config, SHAPE)
+    eager.initialize()
+    compiled = ProgramExecutor(load_program(program), SHAPE)
+    compiled.initialize()
+    assert run_scenario(compiled, VOCAB, sampling) == run_scenario(eager, VOCAB, sampling)
+
+
+def test_the_manifest_and_the_engine_say_which_weights_run(checkpoint: Path, program: Path) -> None:
+    manifest = load_program(program).manifest
+    assert manifest.weight_formats == {
+        "projections": "int4",
+        "embedding": "int8",
+        "lm_head": "int8",
+    }
+    assert manifest.weight_kernel == "compiled"
+    _, model = load_model(checkpoint, "float32", "compiled", quantize="int4")
+    assert manifest.weight_bytes_by_format == describe(model).bytes_by_format
+    with Engine.from_pretrained(program, max_sessions=2) as engine:
+        assert engine.weight_format == "int4, embedding int8, lm_head int8"
+        assert engine.weights.bytes_by_format == manifest.weight_bytes_by_format
+        # The program stores the quantised weights once, and no float copy of them: all it
+        # holds besides them is the RoPE tables.
+        rope = model.rope_cos.nbytes + model.rope_sin.nbytes
+        assert engine.weights_bytes == sum(manifest.weight_bytes_by_format.values()) + rope
+        [result] = engine.generate([[1, 2, 3]], max_new_tokens=4)
+        assert result.ok and result.tokens
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_quantize_the_program_does_not_hold_is_refused(program: Path, quantize: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"holds int4 weights.*export --quantize"):
+        Engine.from_pretrained(program, quantize=quantize)
+    Engine.from_pretrained(program, quantize="int4", max_sessions=1).close()
