@@ -14,9 +14,10 @@ both alike; the figures are each round's and their median, with the program's ra
 the eager model per round.
 
 Usage: .venv/bin/python benchmarks/program_throughput.py [--program model.pt2]
-       [--dtype float32] [--threads 2] [--prompts 32] [--max-new-tokens 64]
+       [--dtype float32] [--quantize none] [--threads 2] [--prompts 32] [--max-new-tokens 64]
        [--sessions 1,8,32] [--rounds 2] [--output-json PATH]
-Without --program it exports the model first (`cellbatch export`'s defaults, timed).
+Without --program it exports the model first (`cellbatch export`'s defaults but for
+--dtype and --quantize, timed). Both engines take --quantize (default none: float weights).
 
 Owns: this comparison's run and its JSON.
 Never: judges the figures (it prints them).
@@ -47,8 +48,8 @@ ENGINES = ("module", "program")
 _FIRST_TOKEN = """
 import sys
 from cellbatch.engine import Engine
-source, dtype, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-engine = Engine.from_pretrained(source, dtype=dtype, quantize="none", threads=threads)
+source, dtype, quantize, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+engine = Engine.from_pretrained(source, dtype=dtype, quantize=quantize, threads=threads)
 engine.chat(["Hello"], max_new_tokens=1)
 print("first token", flush=True)
 engine.close()
@@ -60,6 +61,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="model to export and compare (default: SmolLM2)")
     parser.add_argument("--program", type=Path, help="a program of that model (else exported)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", default="none", help="weights of both (none: float)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -83,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "model": str(model),
         "dtype": args.dtype,
+        "quantize": args.quantize,
         "threads": args.threads,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "load_average_1min_at_start": os.getloadavg()[0],
@@ -120,6 +123,7 @@ def export(model: Path, program: Path, args: argparse.Namespace) -> float:
     started = time.perf_counter()
     command = [sys.executable, "-c", "import sys; from cellbatch.cli import main; sys.exit(main())"]
     options = ["export", "--model", str(model), "-o", str(program), "--dtype", args.dtype]
+    options += ["--quantize", args.quantize]
     subprocess.run([*command, *options, "--threads", str(args.threads)], check=True)
     return round(time.perf_counter() - started, 1)
 
@@ -137,6 +141,8 @@ def child(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
         str(args.program),
         "--dtype",
         args.dtype,
+        "--quantize",
+        args.quantize,
         "--threads",
         str(args.threads),
         "--prompts",
@@ -164,7 +170,7 @@ def measure(source: Path, args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine.from_pretrained(
         source,
         dtype=args.dtype,
-        quantize="none",
+        quantize=args.quantize,
         threads=args.threads,
         max_sessions=max(len(prompts), *sessions),
     )
@@ -221,7 +227,8 @@ def median(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def first_token(source: Path, args: argparse.Namespace) -> float:
     """Seconds from starting a fresh process to its first generated token."""
     started = time.perf_counter()
-    command = [sys.executable, "-c", _FIRST_TOKEN, str(source), args.dtype, str(args.threads)]
+    command = [sys.executable, "-c", _FIRST_TOKEN, str(source), args.dtype, args.quantize]
+    command.append(str(args.threads))
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
         for line in process.stdout:
             if line.startswith("first token"):

@@ -26,7 +26,8 @@ def test_the_default_model_exported_gives_the_module_executors_tokens(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     program = tmp_path / "smollm2.pt2"
-    status = main(["export", "-o", str(program), "--dtype", "float32", "--max-step-tokens", "64"])
+    options = ["--dtype", "float32", "--quantize", "none", "--max-step-tokens", "64"]
+    status = main(["export", "-o", str(program), *options])
     progress = capsys.readouterr().err
     assert status == 0, progress
     assert "[1/2] prefill" in progress and "decode_1: done in" in progress
