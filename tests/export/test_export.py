@@ -235,6 +235,16 @@ def test_a_newer_format_is_refused(program: Path, tmp_path: Path) -> None:
         load_program(newer)
 
 
+def test_a_program_calling_kernel_entry_points_missing_here_is_refused(
+    program: Path, tmp_path: Path
+) -> None:
+    assert "aoti_torch_cpu_cell_attention" in load_program(program).manifest.c_shims
+    newer = tmp_path / "newer-kernels.pt2"
+    rewrite(program, newer, lambda m: m["c_shims"].append("aoti_torch_cpu_not_built_here"))
+    with pytest.raises(ProgramFormatError, match=r"aoti_torch_cpu_not_built_here.*upgrade"):
+        load_program(newer)
+
+
 def test_a_manifest_that_does_not_match_the_methods_is_refused(
     program: Path, tmp_path: Path
 ) -> None:

@@ -82,6 +82,10 @@ def test_the_manifest_and_the_engine_say_which_weights_run(checkpoint: Path, pro
         "lm_head": "int8",
     }
     assert manifest.weight_kernel == "compiled"
+    # Every custom op the methods call goes straight to the kernels' C entry point.
+    ops = ("cell_attention", "int4_matmul", "int8_matmul", "rms_norm", "rope_store", "silu_mul")
+    assert manifest.c_shims == [f"aoti_torch_cpu_{op}" for op in ops]
+    assert {name.removeprefix("cellbatch::") for name in manifest.custom_ops} == set(ops)
     _, model = load_model(checkpoint, "float32", "compiled", quantize="int4")
     assert manifest.weight_bytes_by_format == describe(model).bytes_by_format
     with Engine.from_pretrained(program, max_sessions=2) as engine:

@@ -19,6 +19,7 @@ Never: pickles Python objects, or writes a partial program file (see `archive`).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import tempfile
@@ -140,6 +141,7 @@ def export_program(
     files: dict[str, list[str]] = {}
     seconds: dict[str, float] = {}
     custom_ops: dict[str, str] = {}
+    c_shims: dict[torch._ops.OpOverload, str] = {}
     for index, spec in enumerate(methods, 1):
         began = time.perf_counter()
         progress(
@@ -147,10 +149,15 @@ def export_program(
             f"{_tokens(spec)}): tracing with torch.export"
         )
         exported = _export(forward, spec, options.max_step_tokens, kv_dtype)
-        custom_ops.update(_custom_ops(exported))
+        called = _custom_ops(exported)
+        custom_ops.update({str(op._schema.name): str(op._schema) for op in called})
+        c_shims.update({op: _c_shim(op) for op in called if _has_c_shim(op)})
         progress(f"[{index}/{len(methods)}] {spec.name}: compiling with AOTInductor")
         files[spec.name] = _compile(
-            exported, method_metadata(spec, num_inputs, FORMAT_VERSION), options.threads
+            exported,
+            method_metadata(spec, num_inputs, FORMAT_VERSION),
+            options.threads,
+            c_shims,
         )
         seconds[spec.name] = round(time.perf_counter() - began, 1)
         progress(f"[{index}/{len(methods)}] {spec.name}: done in {seconds[spec.name]:.1f} s")
@@ -179,6 +186,7 @@ def export_program(
         weight_formats=weights.formats,
         weight_kernel=weights.kernel,
         weight_bytes_by_format=weights.bytes_by_format,
+        c_shims=sorted(_c_shim_symbol(op) for op in c_shims),
         methods=methods,
         min_prefill_tokens=methods[0].min_tokens,
         max_step_tokens=options.max_step_tokens,
@@ -295,24 +303,58 @@ def _pool(rows: int, config, kv_dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(rows, config.num_kv_heads, config.head_dim, dtype=kv_dtype)
 
 
-def _custom_ops(exported: torch.export.ExportedProgram) -> dict[str, str]:
-    """qualified name -> schema of every op outside PyTorch's own namespaces it calls."""
-    ops = {}
+def _custom_ops(exported: torch.export.ExportedProgram) -> set[torch._ops.OpOverload]:
+    """Every op outside PyTorch's own namespaces that the method calls."""
+    ops = set()
     for node in exported.graph.nodes:
         for target in (node.target, *node.args[:1]):  # an auto_functionalized op's is args[0]
             if isinstance(target, torch._ops.OpOverload) and target.namespace.startswith(
                 "cellbatch"
             ):
-                ops[target._schema.name] = str(target._schema)
+                ops.add(target)
     return ops
 
 
+# How AOTInductor passes each schema type to an op's C entry point (kernels/aoti_shims.cpp).
+_C_TYPES = {"Tensor": "AtenTensorHandle", "int": "int64_t", "float": "double"}
+
+
+def _c_shim_symbol(op: torch._ops.OpOverload) -> str:
+    """The C entry point AOTInductor's generated code calls for `op` (its naming rule)."""
+    return f"aoti_torch_cpu_{op._schema.name.partition('::')[2]}"
+
+
+def _c_shim(op: torch._ops.OpOverload) -> str:
+    """The C declaration of `op`'s entry point, from its schema."""
+    schema = op._schema
+    parameters = [f"{_C_TYPES[str(a.type)]} {a.name}" for a in schema.arguments]
+    # An op that returns nothing still gets one (null) output handle.
+    parameters += [f"AtenTensorHandle* ret{i}" for i in range(max(1, len(schema.returns)))]
+    return f"AOTITorchError {_c_shim_symbol(op)}({', '.join(parameters)})"
+
+
+def _has_c_shim(op: torch._ops.OpOverload) -> bool:
+    """Whether the compiled kernels carry `op`'s C entry point, and its types have one."""
+    schema = op._schema
+    if any(str(a.type) not in _C_TYPES for a in schema.arguments) or any(
+        str(r.type) != "Tensor" for r in schema.returns
+    ):
+        return False
+    return hasattr(ctypes.CDLL(str(_kernel_library())), _c_shim_symbol(op))
+
+
 def _compile(
-    exported: torch.export.ExportedProgram, metadata: dict[str, str], threads: int | None
+    exported: torch.export.ExportedProgram,
+    metadata: dict[str, str],
+    threads: int | None,
+    c_shims: dict[torch._ops.OpOverload, str],
 ) -> list[str]:
     """AOTInductor's files for one method, its constants left out of the compiled code
-    (the program stores the weights once, for every method)."""
+    (the program stores the weights once, for every method), and the custom ops of
+    `c_shims` called through their C entry points (declarations) rather than through
+    torch's proxy executor, which boxes each call's arguments (~4 us a call)."""
     from torch._inductor import aot_compile
+    from torch._inductor import config as inductor_config
 
     options = {
         "aot_inductor.package": True,
@@ -325,7 +367,9 @@ def _compile(
     }
     if threads is not None:
         options["compile_threads"] = threads
-    files = aot_compile(exported.module(), exported.example_inputs[0], options=options)
+    shims = {op: [declaration] for op, declaration in c_shims.items()}
+    with inductor_config.patch({"aot_inductor.custom_ops_to_c_shims": shims}):
+        files = aot_compile(exported.module(), exported.example_inputs[0], options=options)
     # The C++ sources stay behind: the compiled libraries and their metadata run.
     return [file for file in files if not str(file).endswith(".cpp")]
 

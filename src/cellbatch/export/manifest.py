@@ -114,6 +114,9 @@ class Manifest:
     weight_formats: dict[str, str] = field(default_factory=dict)  # role -> format
     weight_kernel: str = "none"  # the quantised products' kernel
     weight_bytes_by_format: dict[str, int] = field(default_factory=dict)
+    # The kernels' C entry points the methods call directly, not through torch's proxy
+    # executor (a program written before this field calls every custom op through it).
+    c_shims: list[str] = field(default_factory=list)
 
     @property
     def prefill(self) -> MethodSpec:

@@ -75,7 +75,11 @@ def load_program(path: str | Path) -> Program:
     try:
         manifest = archive.manifest
         _check_machine(archive.path, manifest)
-        ensure_custom_ops(manifest.custom_ops, lambda: archive.read_bytes(manifest.kernel_library))
+        ensure_custom_ops(
+            manifest.custom_ops,
+            lambda: archive.read_bytes(manifest.kernel_library),
+            manifest.c_shims,
+        )
         stored = load_safetensors(archive.read_bytes(WEIGHTS))
         constants = _constants(archive.path, manifest, stored)
         methods = {}
