@@ -9,6 +9,7 @@ contradicts it is refused.
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,12 @@ def test_the_manifest_and_the_engine_say_which_weights_run(checkpoint: Path, pro
     ops = ("cell_attention", "int4_matmul", "int8_matmul", "rms_norm", "rope_store", "silu_mul")
     assert manifest.c_shims == [f"aoti_torch_cpu_{op}" for op in ops]
     assert {name.removeprefix("cellbatch::") for name in manifest.custom_ops} == set(ops)
+    with zipfile.ZipFile(program) as archive:
+        methods = [archive.read(n) for n in archive.namelist() if n.endswith(".wrapper.so")]
+    assert len(methods) == len(manifest.methods)
+    for code in methods:
+        assert all(f"aoti_torch_cpu_{op}".encode() in code for op in ops)
+        assert b"aoti_torch_proxy_executor_call_function" not in code
     _, model = load_model(checkpoint, "float32", "compiled", quantize="int4")
     assert manifest.weight_bytes_by_format == describe(model).bytes_by_format
     with Engine.from_pretrained(program, max_sessions=2) as engine:

@@ -334,7 +334,13 @@ def _c_shim(op: torch._ops.OpOverload) -> str:
 
 
 def _has_c_shim(op: torch._ops.OpOverload) -> bool:
-    """Whether the compiled kernels carry `op`'s C entry point, and its types have one."""
+    """Whether `op` can be called through its C entry point: this torch's AOTInductor
+    calls custom ops that way (2.7 and later), the op's types have a C form, and the
+    compiled kernels carry the entry point."""
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config.aot_inductor, "custom_ops_to_c_shims"):
+        return False
     schema = op._schema
     if any(str(a.type) not in _C_TYPES for a in schema.arguments) or any(
         str(r.type) != "Tensor" for r in schema.returns
@@ -354,7 +360,6 @@ def _compile(
     `c_shims` called through their C entry points (declarations) rather than through
     torch's proxy executor, which boxes each call's arguments (~4 us a call)."""
     from torch._inductor import aot_compile
-    from torch._inductor import config as inductor_config
 
     options = {
         "aot_inductor.package": True,
@@ -367,9 +372,11 @@ def _compile(
     }
     if threads is not None:
         options["compile_threads"] = threads
-    shims = {op: [declaration] for op, declaration in c_shims.items()}
-    with inductor_config.patch({"aot_inductor.custom_ops_to_c_shims": shims}):
-        files = aot_compile(exported.module(), exported.example_inputs[0], options=options)
+    if c_shims:
+        options["aot_inductor.custom_ops_to_c_shims"] = {
+            op: [declaration] for op, declaration in c_shims.items()
+        }
+    files = aot_compile(exported.module(), exported.example_inputs[0], options=options)
     # The C++ sources stay behind: the compiled libraries and their metadata run.
     return [file for file in files if not str(file).endswith(".cpp")]
 
