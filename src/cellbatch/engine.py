@@ -18,6 +18,7 @@ Runner's faces.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from time import perf_counter
@@ -30,7 +31,7 @@ from cellbatch.cache import kv_bytes_per_cell
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export import is_program
-from cellbatch.export.program import Program, load_program
+from cellbatch.export.program import Program, load_program, read_tokenizer
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
@@ -260,9 +261,15 @@ class Engine:
                 "not programs"
             )
         clock = PhaseClock(progress)
-        program = in_short_lived_thread(lambda: load_program(path))
+        # The tokenizer (transformers' import, mostly) is built while the methods load.
+        files, stop_tokens = read_tokenizer(path)
+        with ThreadPoolExecutor(1, thread_name_prefix="cellbatch-tokenizer") as pool:
+            pending = pool.submit(tokenizer_from_files, files, stop_tokens) if files else None
+            program = in_short_lived_thread(lambda: load_program(path))
+            clock.done(f"loaded the program ({len(program.methods)} methods)")
+            tokenizer = pending.result() if pending is not None else None
+        clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
         manifest = program.manifest
-        clock.done(f"loaded the program ({len(program.methods)} methods)")
         exported_as = program_weights(program).formats["projections"]
         if quantize != "auto" and quantize != ("none" if exported_as in DTYPES else exported_as):
             raise InvalidArgumentError(
@@ -278,12 +285,6 @@ class Engine:
         shape.setdefault(
             "max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, manifest.max_step_tokens)
         )
-        tokenizer = (
-            tokenizer_from_files(program.tokenizer_files, manifest.stop_tokens)
-            if program.tokenizer_files
-            else None
-        )
-        clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
         engine = cls(
             program,
             manifest.model,

@@ -1,6 +1,7 @@
 """A loaded program: its manifest, its methods and the one set of weights they share.
 
-Owns: `Program` and `load_program`, which turn a program file into callables: the checks
+Owns: `Program` and `load_program`, which turn a program file into callables (and
+`read_tokenizer`, the tokenizer's files alone): the checks
 of the file (`ProgramArchive`), of this machine against it (torch version, CPU
 capability), the custom ops it calls (`ensure_custom_ops`), the weights (read once,
 oneDNN-reordered where the manifest says, handed to every method as user-managed
@@ -86,9 +87,7 @@ def load_program(path: str | Path) -> Program:
         for spec in manifest.methods:
             archive.verify_method(spec.name)
             methods[spec.name] = _load_method(archive.path, manifest, spec, constants)
-        tokenizer = {
-            name: archive.read_text(TOKENIZER_DIR + name) for name in manifest.tokenizer_files
-        }
+        tokenizer = _tokenizer_files(archive, manifest)
     finally:
         archive.close()
     weights_bytes = sum(t.numel() * t.element_size() for t in stored.values())
@@ -101,6 +100,20 @@ def load_program(path: str | Path) -> Program:
         tokenizer,
         time.perf_counter() - start,
     )
+
+
+def read_tokenizer(path: str | Path) -> tuple[dict[str, str], list[int]]:
+    """The tokenizer files (name -> text) and stop tokens a program carries, read without
+    loading its methods (so that the tokenizer can be built while they load)."""
+    archive = ProgramArchive(path)
+    try:
+        return _tokenizer_files(archive, archive.manifest), archive.manifest.stop_tokens
+    finally:
+        archive.close()
+
+
+def _tokenizer_files(archive: ProgramArchive, manifest: Manifest) -> dict[str, str]:
+    return {name: archive.read_text(TOKENIZER_DIR + name) for name in manifest.tokenizer_files}
 
 
 def _check_machine(path: Path, manifest: Manifest) -> None:
