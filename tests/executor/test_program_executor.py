@@ -149,7 +149,7 @@ def stand_in_program(
     )
     manifest.check()
     stand_ins = {spec.name: StandIn(spec, model, calls) for spec in methods}
-    return Program(Path("stand-in.pt2"), manifest, stand_ins, {}, 0, {}, 0.0)
+    return Program(Path("stand-in.pt2"), manifest, stand_ins, {}, 0, 0.0)
 
 
 def executors(model: PackedTransformer, calls: list[str], **program: object):

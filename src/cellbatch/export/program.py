@@ -57,7 +57,6 @@ class Program:
     # the program keeps them alive.
     constants: dict[str, torch.Tensor]
     weights_bytes: int  # the stored weights, once
-    tokenizer_files: dict[str, str]  # file name -> text (tokenizer.json, its config, ...)
     load_seconds: float
 
     @property
@@ -87,7 +86,6 @@ def load_program(path: str | Path) -> Program:
         for spec in manifest.methods:
             archive.verify_method(spec.name)
             methods[spec.name] = _load_method(archive.path, manifest, spec, constants)
-        tokenizer = _tokenizer_files(archive, manifest)
     finally:
         archive.close()
     weights_bytes = sum(t.numel() * t.element_size() for t in stored.values())
@@ -97,7 +95,6 @@ def load_program(path: str | Path) -> Program:
         methods,
         constants,
         weights_bytes,
-        tokenizer,
         time.perf_counter() - start,
     )
 
@@ -107,13 +104,11 @@ def read_tokenizer(path: str | Path) -> tuple[dict[str, str], list[int]]:
     loading its methods (so that the tokenizer can be built while they load)."""
     archive = ProgramArchive(path)
     try:
-        return _tokenizer_files(archive, archive.manifest), archive.manifest.stop_tokens
+        manifest = archive.manifest
+        files = {name: archive.read_text(TOKENIZER_DIR + name) for name in manifest.tokenizer_files}
+        return files, manifest.stop_tokens
     finally:
         archive.close()
-
-
-def _tokenizer_files(archive: ProgramArchive, manifest: Manifest) -> dict[str, str]:
-    return {name: archive.read_text(TOKENIZER_DIR + name) for name in manifest.tokenizer_files}
 
 
 def _check_machine(path: Path, manifest: Manifest) -> None:
