@@ -42,6 +42,8 @@ _DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16":
 # oneDNN's products on reordered weights (PackedLinear) round only 1-row calls differently,
 # in fp32 and bf16 alike.
 PACKED_MIN_GEMM_ROWS = 2
+# A DecoderLayer's weight-matrix products, by attribute name.
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -287,7 +289,7 @@ class PackedTransformer(nn.Module):
         if not self._min_rows_given:
             self.min_rows = PACKED_MIN_GEMM_ROWS
         for layer in self.layers:
-            for name in ("qkv", "o_proj", "gate_up", "down"):
+            for name in PROJECTIONS:
                 linear = getattr(layer, name)
                 if isinstance(linear, nn.Linear):
                     setattr(layer, name, PackedLinear(linear.weight, linear.bias))
@@ -298,9 +300,8 @@ class PackedTransformer(nn.Module):
     def _products(self) -> list[nn.Module]:
         """Every module that multiplies by a weight matrix: the projections and the head
         (the embedding's own module when the head is tied to it)."""
-        names = ("qkv", "o_proj", "gate_up", "down")
         head = self.embed if self.lm_head is None else self.lm_head
-        return [getattr(layer, name) for layer in self.layers for name in names] + [head]
+        return [getattr(layer, name) for layer in self.layers for name in PROJECTIONS] + [head]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
