@@ -266,15 +266,13 @@ at::Tensor product(const at::Tensor& x, int64_t in_features, int64_t out_feature
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// fn(S{}) for the scales' dtype: float32 or float16.
+// fn(S{}) for the scales' dtype S: float32 or float16.
 template <typename Fn>
-void for_scale_type(const at::Tensor& scales, const char* op, Fn&& fn) {
-  switch (scales.scalar_type()) {
-    case at::kFloat: return fn(float{});
-    case at::kHalf: return fn(c10::Half{});
-    default:
-      TORCH_CHECK(false, op, ": scales must be float32 or float16, got ", scales.scalar_type());
-  }
+at::Tensor for_scale_type(const at::Tensor& scales, const char* op, Fn&& fn) {
+  const at::ScalarType type = scales.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf, op,
+              ": scales must be float32 or float16, got ", type);
+  return type == at::kHalf ? fn(c10::Half{}) : fn(float{});
 }
 
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -291,16 +289,14 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
               "]");
   const int32_t* c = codes.data_ptr<int32_t>();
   const int64_t words = in_features / 8 * kPanel, pairs = in_features / kGroup * 2 * kPanel;
-  at::Tensor out;
-  for_scale_type(scales, "int4_matmul", [&](auto tag) {
+  return for_scale_type(scales, "int4_matmul", [&](auto tag) {
     using S = decltype(tag);
     const S* s = scales.data_ptr<S>();
-    out = product(x, in_features, out_features, panels, "int4_matmul",
-                  [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
-                    visit_int4(c + p * words, s + p * pairs, k0, len, fn);
-                  });
+    return product(x, in_features, out_features, panels, "int4_matmul",
+                   [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
+                     visit_int4(c + p * words, s + p * pairs, k0, len, fn);
+                   });
   });
-  return out;
 }
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -316,17 +312,15 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
               "] with K a multiple of groups");
   const int8_t* c = codes.data_ptr<int8_t>();
   const int64_t groups = scales.size(1), group = in_features / groups;
-  at::Tensor out;
-  for_scale_type(scales, "int8_matmul", [&](auto tag) {
+  return for_scale_type(scales, "int8_matmul", [&](auto tag) {
     using S = decltype(tag);
     const S* s = scales.data_ptr<S>();
-    out = product(x, in_features, out_features, panels, "int8_matmul",
-                  [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
-                    visit_int8(c + p * in_features * kPanel, s + p * groups * kPanel, group,
-                               k0, len, fn);
-                  });
+    return product(x, in_features, out_features, panels, "int8_matmul",
+                   [&](int64_t p, int64_t k0, int64_t len, auto&& fn) {
+                     visit_int8(c + p * in_features * kPanel, s + p * groups * kPanel, group,
+                                k0, len, fn);
+                   });
   });
-  return out;
 }
 
 }  // namespace
