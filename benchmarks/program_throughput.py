@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from cellbatch.types import GenConfig
+from cellbatch.types import QUANTIZE_CHOICES, GenConfig
 from throughput_peers import cellbatch_generate, decode_sweep_point, progress
 from throughput_workload import CHAT_PROMPTS, WARMUP_TOKENS
 
@@ -61,7 +61,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="model to export and compare (default: SmolLM2)")
     parser.add_argument("--program", type=Path, help="a program of that model (else exported)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantize", default="none", help="weights of both (none: float)")
+    parser.add_argument(
+        "--quantize", default="none", choices=QUANTIZE_CHOICES, help="weights of both (none: float)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
