@@ -19,9 +19,7 @@ import torch
 
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model
-from cellbatch.threads import in_short_lived_thread
-
-PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+from cellbatch.model.transformer import PROJECTIONS
 
 
 def products(
@@ -72,7 +70,9 @@ def main() -> None:
     with torch.no_grad():
         for label, chosen in cases.items():
             step, flop = products(model, chosen, args.rows)
-            elapsed = in_short_lived_thread(lambda step=step: seconds_per_call(step, args.repeats))
+            # On the thread that loaded the model: a second OpenMP team would make libgomp
+            # stop spinning between parallel regions (cellbatch.threads) and slow every call.
+            elapsed = seconds_per_call(step, args.repeats)
             print(
                 f"  {label:<36} {elapsed * 1e3:7.1f} ms  {flop / elapsed / 1e9:6.0f} GFLOP/s  "
                 f"ceiling {args.rows / elapsed:7.0f} tokens/s"
