@@ -270,7 +270,7 @@ class CellbatchDecoder:
 _PRODUCT_OPS = ("mkldnn::_linear_pointwise", "aten::linear")
 
 
-class _Stepper:
+class Stepper:
     """Packed steps straight through the model over a CellCache + KVPool (the K/V of the
     context are left as the pool holds them: only the timing is of interest)."""
 
@@ -312,7 +312,7 @@ def profile_step(model: Any, kind: str, context: int) -> ProfileRow:
     (shorter when `context` is) whose context ends at `context`, under the profiler."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    stepper = _Stepper(model, PROFILE_DECODES * (context + 1) + PROFILE_CHUNK)
+    stepper = Stepper(model, PROFILE_DECODES * (context + 1) + PROFILE_CHUNK)
     if kind == "decode":
         seqs = [stepper.cache.seq_alloc() for _ in range(PROFILE_DECODES)]
         for seq in seqs:
