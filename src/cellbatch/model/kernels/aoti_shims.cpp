@@ -38,6 +38,23 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// int4_matmul and int8_matmul take the same arguments; each instantiation (one per op
+// name) keeps its own op in its static.
+using QuantizedMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   int64_t);
+constexpr char kInt4Matmul[] = "cellbatch::int4_matmul";
+constexpr char kInt8Matmul[] = "cellbatch::int8_matmul";
+
+template <const char* kName>
+AOTITorchError quantized_matmul(AtenTensorHandle x, AtenTensorHandle codes,
+                                AtenTensorHandle scales, int64_t out_features,
+                                AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    static const auto op = find<QuantizedMatmul>(kName);
+    *ret0 = new_tensor_handle(op.call(tensor(x), tensor(codes), tensor(scales), out_features));
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -62,23 +79,13 @@ AOTITorchError aoti_torch_cpu_silu_mul(AtenTensorHandle gate_up, AtenTensorHandl
 AOTITorchError aoti_torch_cpu_int4_matmul(AtenTensorHandle x, AtenTensorHandle codes,
                                           AtenTensorHandle scales, int64_t out_features,
                                           AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 int64_t);
-    static const auto op = find<Signature>("cellbatch::int4_matmul");
-    *ret0 = new_tensor_handle(op.call(tensor(x), tensor(codes), tensor(scales), out_features));
-  });
+  return quantized_matmul<kInt4Matmul>(x, codes, scales, out_features, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_int8_matmul(AtenTensorHandle x, AtenTensorHandle codes,
                                           AtenTensorHandle scales, int64_t out_features,
                                           AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 int64_t);
-    static const auto op = find<Signature>("cellbatch::int8_matmul");
-    *ret0 = new_tensor_handle(op.call(tensor(x), tensor(codes), tensor(scales), out_features));
-  });
+  return quantized_matmul<kInt8Matmul>(x, codes, scales, out_features, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_rope_store(AtenTensorHandle q, AtenTensorHandle k,
