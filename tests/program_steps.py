@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.types import BatchInput, Input, SamplingParams
 
 MAX_STEP = 64
 MIN_PREFILL = 9
 DECODE_WIDTHS = (1, 2, 4, 8)
+# The executors' limits for the scenario: 8 sessions, steps of MAX_STEP tokens.
+SCENARIO_SHAPE = ExecutorShape(
+    max_sessions=8, max_session_tokens=128, max_cells=2048, max_batch_tokens=MAX_STEP
+)
 PROMPT_LENGTHS = (3, 5, 9, 12, 17, 30, 41, 70)
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40)

@@ -36,7 +36,15 @@ from cellbatch.model.attention import QUERY_BLOCK
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.transformer import PackedTransformer
 from cellbatch.types import InvalidArgumentError
-from program_steps import DECODE_WIDTHS, GREEDY, MAX_STEP, MIN_PREFILL, SEEDED, run_scenario
+from program_steps import (
+    DECODE_WIDTHS,
+    GREEDY,
+    MAX_STEP,
+    MIN_PREFILL,
+    SCENARIO_SHAPE,
+    SEEDED,
+    run_scenario,
+)
 
 CONFIG = ModelConfig(
     architecture="llama",
@@ -59,7 +67,6 @@ CONFIG = ModelConfig(
     bos_token_id=None,
     eos_token_ids=(),
 )
-SHAPE = ExecutorShape(max_sessions=8, max_session_tokens=128, max_cells=2048, max_batch_tokens=64)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,9 +160,9 @@ def stand_in_program(
 
 
 def executors(model: PackedTransformer, calls: list[str], **program: object):
-    module = ModuleExecutor(model, CONFIG, SHAPE)
+    module = ModuleExecutor(model, CONFIG, SCENARIO_SHAPE)
     module.initialize()
-    executor = ProgramExecutor(stand_in_program(model, calls, **program), SHAPE)
+    executor = ProgramExecutor(stand_in_program(model, calls, **program), SCENARIO_SHAPE)
     executor.initialize()
     return module, executor
 

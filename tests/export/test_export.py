@@ -24,7 +24,6 @@ import pytest
 
 from cellbatch.cli import main
 from cellbatch.engine import Engine
-from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.archive import MANIFEST, METHODS_DIR, WEIGHTS
@@ -39,6 +38,7 @@ from program_steps import (
     MAX_STEP,
     MIN_PREFILL,
     PROMPT_LENGTHS,
+    SCENARIO_SHAPE,
     SEEDED,
     prompts,
     run_scenario,
@@ -46,9 +46,6 @@ from program_steps import (
 from tiny_models import make_tiny_checkpoint
 
 VOCAB = 32768
-SHAPE = ExecutorShape(
-    max_sessions=8, max_session_tokens=128, max_cells=2048, max_batch_tokens=MAX_STEP
-)
 ENGINE_SHAPE = dict(max_sessions=8, max_session_tokens=128, max_batch_tokens=MAX_STEP)
 
 
@@ -88,7 +85,7 @@ def module_tokens(checkpoint: Path) -> dict[str, list[list[int]]]:
     config, model = load_model(checkpoint, "float32", "compiled")
     results = {}
     for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
-        executor = ModuleExecutor(model, config, SHAPE)
+        executor = ModuleExecutor(model, config, SCENARIO_SHAPE)
         executor.initialize()
         results[name] = run_scenario(executor, VOCAB, sampling)
     return results
@@ -106,7 +103,7 @@ def counting(program_path: Path) -> tuple[ProgramExecutor, list[str]]:
         return call
 
     loaded.methods = {name: count(name, method) for name, method in loaded.methods.items()}
-    executor = ProgramExecutor(loaded, SHAPE)
+    executor = ProgramExecutor(loaded, SCENARIO_SHAPE)
     executor.initialize()
     return executor, calls
 
@@ -142,12 +139,10 @@ def test_engine_runs_a_program_like_a_model(checkpoint: Path, program: Path) -> 
 def test_a_fresh_process_runs_it_without_model_code(program: Path, module_tokens: dict) -> None:
     code = f"""
 import json, sys
-from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.program import load_program
-from program_steps import GREEDY, run_scenario
-executor = ProgramExecutor(load_program({str(program)!r}), ExecutorShape(
-    max_sessions=8, max_session_tokens=128, max_cells=2048, max_batch_tokens=64))
+from program_steps import GREEDY, SCENARIO_SHAPE, run_scenario
+executor = ProgramExecutor(load_program({str(program)!r}), SCENARIO_SHAPE)
 executor.initialize()
 tokens = run_scenario(executor, {VOCAB}, GREEDY)
 print(json.dumps({{"tokens": tokens,
@@ -200,7 +195,7 @@ def test_weights_are_stored_once_for_every_method(
     # The one-width program is a working program: decode rows pad to width 8.
     loaded = load_program(one_width)
     assert [m.name for m in loaded.manifest.decode_methods] == ["decode_8"]
-    executor = ProgramExecutor(loaded, SHAPE)
+    executor = ProgramExecutor(loaded, SCENARIO_SHAPE)
     executor.initialize()
     assert run_scenario(executor, VOCAB, GREEDY) == module_tokens["greedy"]
 

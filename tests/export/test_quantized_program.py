@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from cellbatch.engine import Engine
-from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.exporter import ExportOptions, export_program
@@ -23,13 +22,10 @@ from cellbatch.export.program import load_program
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import describe
 from cellbatch.types import InvalidArgumentError
-from program_steps import GREEDY, MAX_STEP, MIN_PREFILL, SEEDED, run_scenario
+from program_steps import GREEDY, MAX_STEP, MIN_PREFILL, SCENARIO_SHAPE, SEEDED, run_scenario
 from tiny_models import make_tiny_checkpoint
 
 VOCAB = 512
-SHAPE = ExecutorShape(
-    max_sessions=8, max_session_tokens=128, max_cells=2048, max_batch_tokens=MAX_STEP
-)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +64,9 @@ def test_the_program_gives_the_eager_quantised_models_tokens(
     checkpoint: Path, program: Path, sampling
 ) -> None:
     config, model = load_model(checkpoint, "float32", "compiled", quantize="int4")
-    eager = ModuleExecutor(model, config, SHAPE)
+    eager = ModuleExecutor(model, config, SCENARIO_SHAPE)
     eager.initialize()
-    compiled = ProgramExecutor(load_program(program), SHAPE)
+    compiled = ProgramExecutor(load_program(program), SCENARIO_SHAPE)
     compiled.initialize()
     assert run_scenario(compiled, VOCAB, sampling) == run_scenario(eager, VOCAB, sampling)
 
