@@ -5,12 +5,15 @@ Promises: construction checks the executor and the options, then starts the
 engine thread, which initialises the executor first; every request (a session, a
 submission) is a command posted to the inbox, answered through a future or a
 handle; `shutdown()` is idempotent, from any thread (also a callback), and waits
-for the full stop except on the engine thread itself.
+for the full stop except on the engine thread itself; a runner still running when
+the interpreter exits is shut down by an `atexit` hook before finalization, so that
+its engine thread never meets a finalizing interpreter inside a torch call.
 Never: touches engine state; it reads only the loop's published counters.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
 from collections.abc import Sequence
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from cellbatch.executor import Executor
 from cellbatch.metrics import EngineMetrics
 from cellbatch.runner.admission import AdmissionPolicy
-from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture
+from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture, Sync
 from cellbatch.runner.generation import (
     Generation,
     SessionStart,
@@ -42,6 +45,53 @@ _EXECUTOR_METHODS = (
     "execute",
     "kv_usage",
 )
+
+
+class _EngineThread:
+    """The engine thread of one runner, and how to stop it.
+
+    Every one that runs is in `_RUNNING` until its loop returns, so that the exit hook
+    reaches it even when its Runner was dropped without a shutdown (the thread holds
+    the loop, not the Runner).
+    """
+
+    def __init__(self, loop: EngineLoop, inbox: Inbox) -> None:
+        self._loop, self._inbox = loop, inbox
+        self.thread = threading.Thread(target=self._run, name="cellbatch-engine", daemon=True)
+
+    def start(self) -> None:
+        with _RUNNING_LOCK:
+            _RUNNING.add(self)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._loop.run()
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
+
+    def stop(self) -> None:
+        self._loop.stop_requested = True
+        self._inbox.wake()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+
+_RUNNING: set[_EngineThread] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_engines_at_exit() -> None:
+    # A daemon thread that is inside torch (its GIL released) when the interpreter
+    # finalizes is unwound through C++ frames on its next GIL acquire, and the C++
+    # runtime aborts the process (exit 134, "terminate called without an active
+    # exception"). atexit hooks run before finalization, while threads still run.
+    with _RUNNING_LOCK:
+        engines = list(_RUNNING)
+    for engine in engines:
+        engine.stop()
 
 
 class Runner:
@@ -102,8 +152,8 @@ class Runner:
             policy,
             prefix_cache_entries,
         )
-        self._thread = threading.Thread(target=self._loop.run, name="cellbatch-engine", daemon=True)
-        self._thread.start()
+        self._engine = _EngineThread(self._loop, self._inbox)
+        self._engine.start()
 
     def open_session_async(self) -> concurrent.futures.Future[Session | None]:
         """A new empty session, or None when the executor has no room (counted as
@@ -153,10 +203,20 @@ class Runner:
         """Cancel everything live, close every session once, stop the engine.
         Idempotent; from any thread. Waits for the full stop, except when called
         on the engine thread itself (from a callback), where it only asks."""
-        self._loop.stop_requested = True
-        self._inbox.wake()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._engine.stop()
+
+    def sync(self, timeout: float | None = None) -> bool:
+        """Wait until the engine has applied every command posted before this call (a
+        close, a settlement's release of its session) and `kv_usage()` counts what
+        they freed; True once so (at once on a stopped runner), False on timeout."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if not self._inbox.post(Sync(future)):
+            return True
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     def stopping(self) -> bool:
         """True once shutdown was asked for (or the engine stopped by itself)."""
