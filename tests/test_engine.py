@@ -216,6 +216,15 @@ def test_no_cell_is_in_use_once_every_session_has_closed(make_engine) -> None:
     assert engine.kv_usage()["cells_in_use"] == 0
 
 
+def test_generate_returns_once_its_sessions_cells_are_back(make_engine) -> None:
+    engine = make_engine()
+    for round_ in range(5):
+        generate(engine, random_prompts(PROMPT_LENGTHS, seed=20 + round_), 8)
+        # At once: no wait_until. Before, it could read hundreds of cells for ~50 ms.
+        assert engine.kv_usage()["cells_in_use"] == 0
+        assert engine.executor.cache.used_cells() == 0
+
+
 def test_cells_are_reused_across_rounds(make_engine) -> None:
     engine = make_engine()
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)

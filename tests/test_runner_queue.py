@@ -70,6 +70,28 @@ def expected_tokens(prompt_length: int, count: int) -> list[int]:
 # -- submissions wait in the runner ----------------------------------------------------------
 
 
+def test_sync_returns_once_a_settled_submission_has_given_its_cells_back(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(cell_limit=512))
+    slow_settle = threading.Event()
+
+    def on_settled(handle: GenerationHandle) -> None:
+        # Waiters wake before this runs, and the session is released after it returns.
+        slow_settle.wait(0.3)
+
+    handle = settle(runner.submit(make_tokens(40), GenConfig(max_new_tokens=4), None, on_settled))
+    assert runner.sync(WAIT_S)
+    usage = runner.kv_usage()
+    assert usage is not None and usage.cells_in_use == 0
+    assert fake.open_count == 0
+    assert handle.finish_reason() is FinishReason.TOKEN_LIMIT
+
+
+def test_sync_on_a_stopped_runner_returns_at_once(runners) -> None:
+    runner, _ = make(runners)
+    runner.shutdown()
+    assert runner.sync(0.0)
+
+
 def test_submissions_beyond_the_session_limit_wait_and_all_complete(runners) -> None:
     runner, fake = make(runners, FakeExecutor(max_sessions=3))
     handles = [runner.submit(make_tokens(5 + i), GenConfig(max_new_tokens=4)) for i in range(10)]

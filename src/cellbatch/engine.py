@@ -364,7 +364,9 @@ class Engine:
         results = [self._prepare(prompt, base) for prompt in prompts]
         jobs = [(index, result) for index, result in enumerate(results) if result.error == ""]
         root = self._feed_shared_prefix([result for _, result in jobs]) if share_prefix else None
-        batch = GenerationBatch(results, self.decode if self.tokenizer is None else None)
+        batch = GenerationBatch(
+            results, self.decode if self.tokenizer is None else None, self.runner.sync
+        )
 
         def progress(update: GenerationUpdate) -> None:
             if on_tokens is not None and update.tokens:
@@ -539,9 +541,12 @@ class GenerationBatch:
         self,
         results: list[GenerationResult],
         decode: Callable[[Sequence[Token]], str] | None,
+        released: Callable[[float | None], bool],
     ) -> None:
         self._results = results
         self._decode = decode  # for a model without a tokenizer: ids as text
+        # Waits until the engine has released what settled generations held.
+        self._released = released
         self._handles: list[tuple[GenerationResult, GenerationHandle]] = []
 
     def track(self, result: GenerationResult, handle: GenerationHandle) -> None:
@@ -559,13 +564,16 @@ class GenerationBatch:
             handle.cancel()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """True once every generation has settled."""
+        """True once every generation has settled and the engine has taken back their
+        sessions' cells (so `Engine.kv_usage()` no longer counts them)."""
         deadline = None if timeout is None else perf_counter() + timeout
-        for _, handle in self._handles:
-            left = None if deadline is None else max(0.0, deadline - perf_counter())
-            if not handle.wait(left):
-                return False
-        return True
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - perf_counter())
+
+        if not all(handle.wait(left()) for _, handle in self._handles):
+            return False
+        return self._released(left())
 
     def results(self) -> list[GenerationResult]:
         """Wait for every generation, then one result per prompt, in prompt order."""

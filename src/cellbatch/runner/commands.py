@@ -56,11 +56,21 @@ class CloseSession:
 
 
 @dataclass(frozen=True)
+class Sync:
+    """Answered once every command posted before it has been applied and the published
+    KV figures count what those commands (and the settlements before them) released."""
+
+    future: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True)
 class Wake:
     """Nothing to do: makes an idle engine look at its stop flag at once."""
 
 
-Command = OpenSession | CloneSession | StartGeneration | CancelGeneration | CloseSession | Wake
+Command = (
+    OpenSession | CloneSession | StartGeneration | CancelGeneration | CloseSession | Sync | Wake
+)
 
 
 class Inbox:

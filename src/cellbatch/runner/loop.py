@@ -21,6 +21,7 @@ forwards at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import itertools
 import logging
@@ -41,6 +42,7 @@ from cellbatch.runner.commands import (
     OpenSession,
     SessionFuture,
     StartGeneration,
+    Sync,
 )
 from cellbatch.runner.generation import (
     Generation,
@@ -208,6 +210,9 @@ class EngineLoop:
             self._clone(command.source, command.upto, command.future)
         elif isinstance(command, OpenSession):
             self._open(command.future)
+        elif isinstance(command, Sync):
+            self._refresh_kv()
+            command.future.set_result(None)
 
     def _stop(self, outcome: tuple[FinishReason, str]) -> None:
         """Answer what is still queued, end every live generation, close every
@@ -215,6 +220,7 @@ class EngineLoop:
         self._inbox.close(outcome)
         self.stop_requested = True
         reason, error = outcome
+        syncs: list[concurrent.futures.Future[None]] = []
         for command in self._inbox.take_queued():
             if isinstance(command, (OpenSession, CloneSession)):
                 if command.future.set_running_or_notify_cancel():
@@ -225,11 +231,18 @@ class EngineLoop:
                 self._end(command.generation, reason, error)
             elif isinstance(command, CloseSession):
                 self._close(command.state)
+            elif isinstance(command, Sync):
+                syncs.append(command.future)
         for generation in [*self._admission.waiting, *self._admission.running]:
             self._end(generation, reason, error)
         self._tasks.clear()
         for state in self._sessions.states():
             self._sessions.close(state)
+        try:
+            self._refresh_kv()
+        finally:
+            for future in syncs:
+                future.set_result(None)
 
     # -- engine thread: sessions ---------------------------------------------------
 
