@@ -28,6 +28,9 @@ VOCAB = 96
 WAIT_S = 60.0
 THREADS = 4
 OPERATIONS = 14
+# kind < 0.1: on_update raises; 0.1 <= kind < MID_CANCEL: cancelled after its first
+# token, always mid-generation; MID_CANCEL <= kind < 0.25: cancelled at a random moment.
+MID_CANCEL = 0.18
 NO_EOS = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
 
 
@@ -94,16 +97,24 @@ class Client:
 
     def turn(self, session: Session, context: list[int]) -> list[int]:
         delta = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, 40))]
-        max_new = self.rng.randint(1, 24)
         kind = self.rng.random()
+        # A turn that raises or is cancelled mid-generation needs tokens after its first.
+        max_new = self.rng.randint(3 if kind < MID_CANCEL else 1, 24)
         delivered: list[int] = []
         count_key = len(self.settle_counts)
         self.settle_counts[count_key] = 0
+
+        first_token, cancel_posted = threading.Event(), threading.Event()
 
         def on_update(update: GenerationUpdate) -> None:
             delivered.extend(update.tokens)
             if kind < 0.1 and len(delivered) >= 2 and update.finish_reason is None:
                 raise RuntimeError("a client callback failed")
+            if 0.1 <= kind < MID_CANCEL and delivered and update.finish_reason is None:
+                # Hold the engine until the client's cancel is posted: it lands
+                # mid-generation on any machine, however fast.
+                first_token.set()
+                cancel_posted.wait(WAIT_S)
 
         def on_settled(handle: GenerationHandle) -> None:
             self.settle_counts[count_key] += 1
@@ -111,7 +122,12 @@ class Client:
         handle = session.generate_async(
             delta, GenConfig(max_new_tokens=max_new), on_update, on_settled
         )
-        if 0.1 <= kind < 0.25:
+        if 0.1 <= kind < MID_CANCEL:
+            if not first_token.wait(WAIT_S):
+                self.problems.append("a turn to cancel mid-generation never delivered a token")
+            handle.cancel()
+            cancel_posted.set()
+        elif MID_CANCEL <= kind < 0.25:  # a cancel at a random moment, maybe after the end
             threading.Event().wait(self.rng.random() * 0.02)
             handle.cancel()
         if not handle.wait(WAIT_S):
