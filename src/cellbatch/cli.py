@@ -111,7 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_options(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", help="the model name clients use (default: file)")
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the model names clients may use; answers carry the first (default: the "
+        "model file's name, and its path as given)",
+    )
     serve.add_argument(
         "--api-key", help="require Authorization: Bearer KEY (default: $CELLBATCH_API_KEY)"
     )

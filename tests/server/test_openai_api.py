@@ -4,6 +4,7 @@ streaming and not, n, stop, logprobs, echo, seeds, penalties, keys and errors.""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import openai
@@ -164,7 +165,7 @@ def test_a_missing_or_wrong_key_is_401_and_health_needs_none(live) -> None:
         (
             json.dumps({"prompt": "hi " * CONTEXT, "max_tokens": 4}).encode(),
             400,
-            "messages",
+            "prompt",
             "context_length_exceeded",
         ),
         (
@@ -174,6 +175,19 @@ def test_a_missing_or_wrong_key_is_401_and_health_needs_none(live) -> None:
             "context_length_exceeded",
         ),
         (json.dumps({"prompt": "x" * 70_000}).encode(), 413, None, None),
+        (json.dumps({"prompt": "hi", "stop": [""]}).encode(), 400, "stop", None),
+        (json.dumps({"prompt": "hi", "stop": ""}).encode(), 400, "stop", None),
+        (json.dumps({"prompt": "hi", "n": 0}).encode(), 400, "n", None),
+        (json.dumps({"prompt": "hi", "max_tokens": -1}).encode(), 400, "max_tokens", None),
+        (json.dumps({"prompt": "hi", "model": "gpt-9"}).encode(), 404, "model", "model_not_found"),
+        (
+            json.dumps({"prompt": "hi", "response_format": {"type": "json_object"}}).encode(),
+            400,
+            "response_format",
+            None,
+        ),
+        (json.dumps({"prompt": "hi", "logit_bias": {"5": 100}}).encode(), 400, "logit_bias", None),
+        (json.dumps({"prompt": "hi", "ignore_eos": True}).encode(), 400, "ignore_eos", None),
     ],
 )
 def test_bad_requests_get_openai_errors_and_harm_no_one(live, body, status, param, code) -> None:
@@ -199,3 +213,62 @@ def test_chat_top_logprobs_over_20_is_refused(live) -> None:
             top_logprobs=21,
         )
     assert refused.value.status_code == 400
+
+
+def test_a_model_not_served_is_404_model_not_found(live) -> None:
+    with pytest.raises(openai.NotFoundError) as refused:
+        live.client().chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
+    assert refused.value.code == "model_not_found"
+    assert MODEL_NAME in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/nothing", 404), ("POST", "/v1/models", 405), ("GET", "/v1/completions", 405)],
+)
+def test_unknown_routes_and_methods_answer_in_openai_shape(live, method, path, status) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    answer = httpx.request(method, live.base_url + path, headers=headers)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert path in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_fields_that_ask_for_nothing_pass(live) -> None:
+    answer = live.client().chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+        extra_body={"logit_bias": None, "ignore_eos": False, "best_of": 1},
+    )
+    assert answer.choices[0].message.content is not None
+
+
+def test_an_unknown_field_is_logged_once_per_name(live, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="cellbatch.server.app")
+    for _ in range(3):
+        live.client().completions.create(
+            model=MODEL_NAME, prompt="hi", max_tokens=1, extra_body={"frobnicate": 1}
+        )
+    said = [r.getMessage() for r in caplog.records if "frobnicate" in r.getMessage()]
+    assert len(said) == 1 and "unknown request field" in said[0]
+
+
+def test_openapi_documents_the_request_bodies(live) -> None:
+    schema = httpx.get(live.base_url + "/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, model in (
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
+    chat = components["ChatCompletionRequest"]
+    assert {"messages", "max_tokens", "temperature", "stop", "stream"} <= set(chat["properties"])
+    assert "response_format" not in chat["properties"]  # refused, so not claimed
+    assert "ChatMessage" in components and "ErrorResponse" in components

@@ -6,11 +6,17 @@ limits, the mapping of every error onto OpenAI's error shape, and the server's
 life: the backend (one engine, or replicas) is closed when the app stops, and on
 SIGINT/SIGTERM running requests get `shutdown_timeout` seconds to finish before they
 are cancelled (their streams still end with a finish chunk).
-Promises: a bad request (bad JSON, wrong types, a prompt too long, n or top_logprobs
-too large) is a 400 that harms no other request; a body over the limit is a 413;
-beyond `max_queued_requests` waiting requests, a 429 with Retry-After; a missing or
-wrong key, a 401 (except `/health`); an unexpected exception, a 500 for that request
-alone; a client that disconnects cancels its generations within a step.
+Promises: every answer that is not a success is in OpenAI's error shape, unknown
+routes (404) and methods (405) included; a bad request (bad JSON, wrong types, a
+prompt too long, n or top_logprobs too large, an empty stop string, a field the server
+does not support given a value that asks for something) is a 400 naming the parameter
+that harms no other request; a `model` that is neither the served name nor one of its
+aliases, a 404 `model_not_found`; an unknown top-level field is logged (once per name)
+and otherwise ignored; a body over the limit is a 413; beyond `max_queued_requests`
+waiting requests, a 429 with Retry-After; a missing or wrong key, a 401 (except
+`/health`); an unexpected exception, a 500 for that request alone; a client that
+disconnects cancels its generations within a step. `/openapi.json` documents each
+POST route's request body (exactly the fields read) and its answers.
 Never: parses HTTP or frames server-sent events by hand (FastAPI/Starlette and
 `fastapi.sse` do), or touches the engine's internals.
 """
@@ -28,21 +34,27 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from cellbatch.engine import Engine
 from cellbatch.server.backend import Backend, LocalBackend
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
+    refused_fields,
 )
 from cellbatch.server.responses import Responses
 from cellbatch.server.service import ApiError, EngineService, Job, until_disconnected
@@ -53,8 +65,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerSettings:
-    served_model_name: str
+    served_model_name: str  # the name answers carry and /v1/models lists first
     api_key: str | None = None
+    model_aliases: tuple[str, ...] = ()  # other names a request's `model` may give
     max_queued_requests: int = 256
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 10.0
@@ -93,6 +106,19 @@ def create_app(
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return _error_response(error)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        # Starlette's own answers (no such route, method not allowed), in OpenAI's shape.
+        where = f"{request.method} {request.url.path}"
+        allowed = (error.headers or {}).get("Allow")
+        if error.status_code == 404:
+            message = f"Invalid URL ({where})"
+        elif error.status_code == 405 and allowed:
+            message = f"Method not allowed ({where}); this route takes {allowed}"
+        else:
+            message = f"{error.detail} ({where})"
+        return _error_response(ApiError(error.status_code, message), error.headers)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("request %s %s failed", request.method, request.url.path)
@@ -100,7 +126,7 @@ def create_app(
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if settings.api_key is not None and request.url.path != "/health":
+        if settings.api_key is not None and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return _error_response(
@@ -118,10 +144,12 @@ def create_app(
         serving, body = await backend.health()
         return JSONResponse(body, status_code=200 if serving else 503)
 
-    @app.get("/v1/models")
+    names = (settings.served_model_name, *settings.model_aliases)
+
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        card = ModelCard(id=settings.served_model_name, max_model_len=service.context_limit)
-        return ModelList(data=[card]).model_dump(mode="json")
+        cards = [ModelCard(id=name, max_model_len=service.context_limit) for name in names]
+        return ModelList(data=cards).model_dump(mode="json")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -133,6 +161,7 @@ def create_app(
         chat = endpoint == "chat/completions"
         kind = ChatCompletionRequest if chat else CompletionRequest
         parsed = _parse(kind, await _read_body(request, settings))
+        _check_fields(parsed, names, warned)
         service.admit()
         plan = service.plan_chat(parsed) if chat else service.plan_completion(parsed)
         job = await service.start(plan)
@@ -141,15 +170,109 @@ def create_app(
             return EventSourceResponse(_stream(service, responses, job, endpoint, include_usage))
         return await _collect(service, responses, job, request, endpoint, chat=chat)
 
-    @app.post("/v1/completions")
+    warned: set[str] = set()
+
+    @app.post("/v1/completions", responses=_answers(CompletionResponse, CompletionResponse))
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions", responses=_answers(ChatCompletionResponse, ChatCompletionChunk)
+    )
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat/completions")
 
+    _document_request_bodies(
+        app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    )
     return app
+
+
+# What a client reaches without the API key: the health check, and the API's own
+# description (FastAPI's schema and its pages).
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+# Unknown field names remembered so as to warn once each; past this many, no more
+# warnings (a client sending random names cannot grow the set without bound).
+MAX_WARNED_FIELDS = 1024
+
+
+def _check_fields(
+    request: CompletionRequest | ChatCompletionRequest,
+    names: tuple[str, ...],
+    warned: set[str],
+) -> None:
+    """Refuse a model that is not served and the fields that ask for what the server
+    does not do; log each unknown field name once."""
+    if request.model is not None and request.model not in names:
+        raise ApiError(
+            404,
+            f"the model `{request.model}` does not exist; this server serves "
+            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
+            "model",
+            code="model_not_found",
+        )
+    refused = refused_fields(request.model_extra)
+    if refused:
+        raise ApiError(
+            400,
+            f"{refused[0]} is not supported by this server, and a request that asks for it "
+            "is refused rather than answered without it; leave it out",
+            refused[0],
+        )
+    for name in request.model_extra or ():
+        if name not in warned and len(warned) < MAX_WARNED_FIELDS:
+            warned.add(name)
+            log.warning("ignoring the unknown request field %r (said once per field name)", name)
+
+
+def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict]:
+    """The OpenAPI answers of a generation route: its body, or (stream: true) a stream
+    of `chunk` events; errors in OpenAI's shape."""
+    success = {
+        "model": body,
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "description": f"a {body.__name__}, or with stream: true server-sent events, "
+        f"each a {chunk.__name__}, then [DONE]",
+    }
+    errors = {
+        status: {"model": ErrorResponse, "description": description}
+        for status, description in (
+            (400, "a bad request"),
+            (401, "a missing or wrong API key"),
+            (404, "the model is not served"),
+            (413, "the body is too large"),
+            (429, "too many requests wait"),
+            (500, "the generation failed"),
+        )
+    }
+    return {200: success, **errors}
+
+
+def _document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """FastAPI documents the bodies it parses itself; these routes read theirs (the size
+    limit comes first), so the published schema gets their models here."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
+                        }
+                    },
+                }
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _collect(
@@ -250,8 +373,9 @@ def _error_body(error: ApiError) -> ErrorResponse:
     )
 
 
-def _error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 429 else None
+def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if error.status == 429:
+        headers = {**(headers or {}), "Retry-After": "1"}
     return JSONResponse(
         _error_body(error).model_dump(mode="json"), status_code=error.status, headers=headers
     )

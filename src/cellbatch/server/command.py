@@ -47,9 +47,10 @@ def serve_command(args: argparse.Namespace) -> NoReturn:
         info = backend.replicas.info
         model, shape = info.model, info.shape
         where = f"{args.replicas} replicas × {info.threads} threads on Ray, "
-    name = args.served_model_name or Path(str(model)).name
+    name, *aliases = args.served_model_name or [Path(str(model)).name, str(model)]
     settings = ServerSettings(
         served_model_name=name,
+        model_aliases=tuple(alias for alias in dict.fromkeys(aliases) if alias != name),
         api_key=api_key,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,

@@ -2,10 +2,13 @@
 
 Owns: the fields cellbatch reads from `/v1/completions` and `/v1/chat/completions`
 requests, and the bodies and stream chunks it answers with, named as the OpenAI API
-names them (plus vLLM's `top_k`, `min_p` and `repetition_penalty`).
-Promises: unknown request fields are ignored; a field of the wrong type or out of
-range fails validation (the app answers 400 in OpenAI's error shape, naming the
-field); responses serialise exactly to the OpenAI shapes the official client parses.
+names them (plus vLLM's `top_k`, `min_p` and `repetition_penalty`); the fields that
+peers take and cellbatch does not (`UNSUPPORTED_FIELDS`).
+Promises: a field of the wrong type or out of range fails validation (the app
+answers 400 in OpenAI's error shape, naming the field); a request's other top-level
+fields are kept in `model_extra` for the app to refuse (an unsupported field that
+asks for something) or log (an unknown one); responses serialise exactly to the
+OpenAI shapes the official client parses.
 Never: tokenizes, generates or touches the engine.
 """
 
@@ -26,8 +29,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _asks_nothing(name: str, value: Any) -> bool:
+    if name == "best_of":
+        return value in (None, 1)
+    return value in (None, False, 0, "", [], {}, "none") or value == {"type": "text"}
+
+
+# Fields of OpenAI's, vLLM's or llama.cpp's requests that change what is generated and
+# that cellbatch does not do yet: a request giving one a value that asks for something
+# (not null, false, 0, empty, "none", {"type": "text"}, or best_of 1) is refused, never answered
+# as if the field were absent.
+UNSUPPORTED_FIELDS = (
+    "response_format", "tools", "tool_choice", "functions", "function_call",
+    "logit_bias", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "grammar", "json_schema", "stop_token_ids", "ignore_eos",
+    "min_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+    "best_of", "suffix", "prompt_logprobs", "logits_processors",
+)  # fmt: skip
+
+
+def refused_fields(extra: dict[str, Any] | None) -> list[str]:
+    """The unsupported fields of a request's extras that ask for something."""
+    return [
+        name for name in UNSUPPORTED_FIELDS
+        if extra and name in extra and not _asks_nothing(name, extra[name])
+    ]  # fmt: skip
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Other fields are kept (in model_extra), for the app to refuse or log: none is
+    # dropped without a word.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=0)] | None = None

@@ -27,6 +27,7 @@ from cellbatch.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from cellbatch.text_stream import check_stop_strings
 from cellbatch.types import (
     FinishReason,
     GenConfig,
@@ -139,7 +140,7 @@ class EngineService:
         if request.echo and request.logprobs is not None:
             sampling = replace(sampling, prompt_logprobs=request.logprobs)
         configs = [
-            self._config(request, prompt, 1 if drop else request.max_tokens, sampling)
+            self._config(request, prompt, 1 if drop else request.max_tokens, sampling, "prompt")
             for prompt in prompts
         ]
         return Plan(prompts, configs, request.n, request.echo, drop, request.logprobs)
@@ -163,7 +164,7 @@ class EngineService:
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens == 0:
             raise ApiError(400, "max_tokens must be at least 1", "max_tokens")
-        config = self._config(request, prompt, max_tokens, self._sampling(request, top))
+        config = self._config(request, prompt, max_tokens, self._sampling(request, top), "messages")
         return Plan([prompt], [config], request.n, logprobs=top)
 
     def _completion_prompts(self, prompt: object) -> list[list[Token]]:
@@ -207,6 +208,7 @@ class EngineService:
         prompt: Sequence[Token],
         max_tokens: int | None,
         sampling: SamplingParams,
+        prompt_param: str,
     ) -> GenConfig:
         room = self.context_limit - len(prompt)
         if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -215,7 +217,7 @@ class EngineService:
                 400,
                 f"this model's context holds {self.context_limit} tokens, but the prompt has "
                 f"{len(prompt)}{asked}; shorten the prompt or lower max_tokens",
-                "max_tokens" if room >= 1 else "messages",
+                "max_tokens" if room >= 1 else prompt_param,
                 code="context_length_exceeded",
             )
         if request.n > self.backend.shape.max_sessions:
@@ -225,12 +227,19 @@ class EngineService:
                 "server runs at once",
                 "n",
             )
-        return GenConfig(
-            max_new_tokens=max_tokens if max_tokens is not None else room,
-            sampling=sampling,
-            stop_strings=request.stop_strings(),
-            seed=request.seed,
-        )
+        try:
+            stop_strings = check_stop_strings(request.stop_strings())
+        except InvalidArgumentError as error:
+            raise ApiError(400, f"stop: {error}", "stop") from error
+        try:
+            return GenConfig(
+                max_new_tokens=max_tokens if max_tokens is not None else room,
+                sampling=sampling,
+                stop_strings=stop_strings,
+                seed=request.seed,
+            )
+        except InvalidArgumentError as error:
+            raise ApiError(400, str(error)) from error
 
     def _tokenizer(self, why: str):
         if self.backend.tokenizer is None:
