@@ -139,7 +139,16 @@ def create_app(
                 )
         return await call_next(request)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses={
+            200: {"description": "serving", "content": {"application/json": {}}},
+            503: {
+                "description": "not serving (yet, or any more)",
+                "content": {"application/json": {}},
+            },
+        },
+    )
     async def health() -> JSONResponse:
         serving, body = await backend.health()
         return JSONResponse(body, status_code=200 if serving else 503)
@@ -151,7 +160,16 @@ def create_app(
         cards = [ModelCard(id=name, max_model_len=service.context_limit) for name in names]
         return ModelList(data=cards).model_dump(mode="json")
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus' text format",
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}},
+            }
+        },
+    )
     async def prometheus() -> Response:
         # Off the event loop: a backend may read its figures from other processes.
         exposition = await asyncio.to_thread(metrics.exposition)
