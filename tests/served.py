@@ -12,8 +12,8 @@ from pathlib import Path
 import uvicorn
 
 from cellbatch.engine import Engine
+from cellbatch.server.api import Backend
 from cellbatch.server.app import ServerSettings, create_app
-from cellbatch.server.backend import Backend
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"

@@ -16,7 +16,7 @@ from cellbatch.distributed.cluster import import_ray
 from cellbatch.distributed.replica import Delivery, ReplicaInfo
 from cellbatch.engine import EngineShape
 from cellbatch.metrics import GenerationMetrics
-from cellbatch.server.service import Choice, Plan
+from cellbatch.server.api import Choice, Plan
 from cellbatch.types import FinishReason, GenConfig, GenerationUpdate
 
 ray = import_ray(local=True)

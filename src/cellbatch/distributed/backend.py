@@ -35,8 +35,8 @@ from cellbatch.distributed.replica import Delivery
 from cellbatch.distributed.replicas import ReplicaSet
 from cellbatch.distributed.routing import PrefixRouter
 from cellbatch.metrics import GenerationMetrics
+from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector
-from cellbatch.server.service import Choice, Plan
 from cellbatch.types import FinishReason, GenerationUpdate, Token
 
 # A replica that does not answer a ping (or a figures call) this fast is shown down.

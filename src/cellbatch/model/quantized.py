@@ -38,9 +38,9 @@ for each call: exact, available everywhere, slow.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -49,8 +49,15 @@ from torch import nn
 
 from cellbatch.types import QUANTIZE_CHOICES, InvalidArgumentError
 
-if TYPE_CHECKING:
-    from cellbatch.model.ops import Ops
+
+class ProductOps(Protocol):
+    """The part of an ops table (`cellbatch.model.ops.Ops`, which sits above this module
+    and imports its torch products) that a quantised product calls."""
+
+    kind: str
+    int4_matmul: Callable[..., torch.Tensor]
+    int8_matmul: Callable[..., torch.Tensor]
+
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +407,7 @@ class QuantizedLinear(nn.Module):
     ("compiled"), or the torch implementation that rebuilds the float weight for each call
     ("dequantize"). The weight is held once, packed in the kernels' panel layout."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: Ops) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: ProductOps) -> None:
         super().__init__()
         self.format = weight.format
         self.out_features, self.in_features = weight.shape

@@ -8,7 +8,8 @@ until the generation settles (never just until its next update); `stream()` yiel
 each update's tokens, logprobs and text once, merged when the reader is slower (the
 logprobs stay aligned with the tokens), and the prompt logprobs once, with the first
 tokens.
-Never: touches engine state; `cancel()` posts a command to the inbox it was given.
+Never: touches engine state or knows the inbox; `cancel()` calls the canceller it
+was bound with (which posts the command).
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cellbatch.metrics import GenerationMetrics
-from cellbatch.runner.commands import CancelGeneration, Inbox
 from cellbatch.types import FinishReason, GenerationUpdate, Token, TokenLogprob
 
-if TYPE_CHECKING:
-    from cellbatch.runner.generation import Generation
+
+class Observed(Protocol):
+    """What a handle reads and flags of its generation (a `Generation` is one; the
+    handle module sits below it, so it names only this)."""
+
+    metrics: GenerationMetrics
+    cancel_requested: bool
 
 
 class GenerationHandle:
@@ -33,8 +38,8 @@ class GenerationHandle:
     bound to no generation (`valid()` is False)."""
 
     def __init__(self) -> None:
-        self._generation: Generation | None = None
-        self._inbox: Inbox | None = None
+        self._generation: Observed | None = None
+        self._post_cancel: Callable[[], object] | None = None
         self._lock = threading.Lock()
         self._settled = threading.Event()
         self._tokens: list[Token] = []
@@ -45,8 +50,10 @@ class GenerationHandle:
         self._error = ""
         self._listeners: list[Callable[[], None]] = []
 
-    def _bind(self, generation: Generation, inbox: Inbox | None) -> None:
-        self._generation, self._inbox = generation, inbox
+    def _bind(self, generation: Observed, post_cancel: Callable[[], object] | None) -> None:
+        """Tie the handle to its generation; `post_cancel` asks the engine to end it
+        (None: it is settled already, or never runs)."""
+        self._generation, self._post_cancel = generation, post_cancel
 
     def valid(self) -> bool:
         return self._generation is not None
@@ -54,12 +61,12 @@ class GenerationHandle:
     def cancel(self) -> None:
         """End the generation `cancelled` within one step; a no-op once it settled."""
         generation = self._generation
-        if generation is None or self._inbox is None or self._settled.is_set():
+        if generation is None or self._post_cancel is None or self._settled.is_set():
             return
         # The flag reaches a step already under way; the command ends the generation
         # between steps even if nothing of it is in flight.
         generation.cancel_requested = True
-        self._inbox.post(CancelGeneration(generation))
+        self._post_cancel()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the generation has settled; False if `timeout` ran out first."""

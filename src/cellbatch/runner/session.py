@@ -14,8 +14,15 @@ import concurrent.futures
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
-from cellbatch.runner.commands import CloneSession, CloseSession, Inbox, StartGeneration
+from cellbatch.runner.commands import (
+    CancelGeneration,
+    CloneSession,
+    CloseSession,
+    Inbox,
+    StartGeneration,
+)
 from cellbatch.runner.generation import (
     Generation,
     SessionState,
@@ -45,7 +52,9 @@ def start_generation(
     """Check a generation's input, bind its handle and post it; a refused post
     settles it at once (on this thread)."""
     generation.prepare(delta, defaults.stop_tokens, defaults.tokenizer)
-    generation.handle._bind(generation, inbox)
+    generation.handle._bind(
+        generation, None if inbox is None else partial(inbox.post, CancelGeneration(generation))
+    )
     if inbox is None or not inbox.post(StartGeneration(generation)):
         reason, error = (
             inbox.closing_outcome

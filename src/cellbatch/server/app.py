@@ -42,7 +42,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from cellbatch.engine import Engine
-from cellbatch.server.backend import Backend, LocalBackend
+from cellbatch.server.api import ApiError, Backend
+from cellbatch.server.backend import LocalBackend
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.protocol import (
     ChatCompletionChunk,
@@ -57,7 +58,7 @@ from cellbatch.server.protocol import (
     refused_fields,
 )
 from cellbatch.server.responses import Responses
-from cellbatch.server.service import ApiError, EngineService, Job, until_disconnected
+from cellbatch.server.service import EngineService, Job, until_disconnected
 from cellbatch.types import FinishReason
 
 log = logging.getLogger(__name__)

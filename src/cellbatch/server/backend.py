@@ -1,12 +1,9 @@
-"""Where the server's generations run: the `Backend` interface and its one-engine form.
+"""Where the server's generations run in this process: one Engine.
 
-Owns: the interface the app and `EngineService` use to run planned requests
-(`Backend`: the tokenizer and limits to plan with, `start` to launch a plan's
-generations as streaming choices, health, the engine figures for `/metrics`, close),
-the handle a choice streams from (`ChoiceHandle`), `start_generations` (a plan's
-prompts onto one Engine, n choices of a prompt sharing its prefill), and
-`LocalBackend`, one Engine in this process. Replicas on Ray implement the same
-interface in `cellbatch.distributed.backend`.
+Owns: `start_generations` (a plan's prompts onto one Engine, n choices of a prompt
+sharing its prefill) and `LocalBackend`, the `cellbatch.server.api.Backend` of one Engine
+in this process. Replicas on Ray implement the same interface in
+`cellbatch.distributed.backend`.
 Promises: `start` returns the choices in plan order (prompt-major, then choice);
 every choice's stream ends with exactly one update that carries a finish reason;
 `close` is idempotent.
@@ -16,55 +13,17 @@ Never: plans requests or builds responses (the service and responses do).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from cellbatch.engine import Engine, EngineShape
-from cellbatch.metrics import GenerationMetrics
+from cellbatch.engine import Engine
 from cellbatch.runner import GenerationHandle
+from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector, engine_figures
-from cellbatch.server.service import Choice, Plan
-from cellbatch.types import GenConfig, GenerationUpdate, Token
+from cellbatch.types import GenConfig, Token
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
-
-    from cellbatch.model.tokenizer import Tokenizer
-
-
-class ChoiceHandle(Protocol):
-    """One choice's generation as the service follows it (a GenerationHandle is one)."""
-
-    def stream(self) -> AsyncIterator[GenerationUpdate]: ...
-
-    def cancel(self) -> None: ...
-
-    def metrics(self) -> GenerationMetrics: ...
-
-
-class Backend(Protocol):
-    tokenizer: Tokenizer | None
-    vocab_size: int
-    shape: EngineShape  # resolved: max_sessions and max_session_tokens are set
-
-    def decode(self, tokens: Sequence[Token]) -> str: ...
-
-    async def start(self, plan: Plan) -> list[Choice]:
-        """Launch every generation of the plan; the choices stream as they run."""
-        ...
-
-    async def health(self) -> tuple[bool, dict[str, object]]:
-        """(serving, what /health shows)."""
-        ...
-
-    def collector(self) -> Collector:
-        """The engine figures (and the backend's own) for /metrics, read at scrape
-        time, from any thread."""
-        ...
-
-    def stopping(self) -> bool: ...
-
-    def close(self) -> None: ...
 
 
 def start_generations(

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from cellbatch.server.api import FINISH_REASONS, ApiError, Backend, Choice, Plan
 from cellbatch.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -32,11 +32,8 @@ from cellbatch.server.protocol import (
     TopLogprob,
     Usage,
 )
-from cellbatch.server.service import FINISH_REASONS, ApiError, Choice, Job, Plan
+from cellbatch.server.service import Job
 from cellbatch.types import FinishReason, GenerationUpdate, Token, TokenLogprob
-
-if TYPE_CHECKING:
-    from cellbatch.server.backend import Backend
 
 
 class Responses:

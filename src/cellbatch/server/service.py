@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
+from cellbatch.server.api import FINISH_REASONS, ApiError, Backend, Choice, Plan
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
@@ -29,74 +29,12 @@ from cellbatch.server.protocol import (
 )
 from cellbatch.text_stream import check_stop_strings
 from cellbatch.types import (
-    FinishReason,
     GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
     SamplingParams,
     Token,
-    TokenLogprob,
 )
-
-if TYPE_CHECKING:
-    from cellbatch.server.backend import Backend, ChoiceHandle
-
-FINISH_REASONS = {
-    FinishReason.STOP_TOKEN: "stop",
-    FinishReason.STOP_STRING: "stop",
-    FinishReason.TOKEN_LIMIT: "length",
-    FinishReason.CANCELLED: "abort",
-}
-
-
-class ApiError(Exception):
-    """A request that cannot be served, with what the client is told."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = (
-            status,
-            message,
-            param,
-            kind,
-            code,
-        )
-
-
-@dataclass
-class Choice:
-    """One generation of a request, as it streams."""
-
-    index: int
-    prompt_index: int
-    handle: ChoiceHandle
-    tokens: list[Token] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
-    finish_reason: FinishReason | None = None
-    error: str = ""
-    echoed: bool = False  # streaming: the prompt went out with the first chunk
-    offset: int = 0  # streaming: characters of token text sent so far (logprobs offsets)
-
-
-@dataclass
-class Plan:
-    """What a request runs: token prompts, each with its config, n choices each."""
-
-    prompts: list[list[Token]]
-    configs: list[GenConfig]
-    n: int
-    echo: bool = False
-    drop_generated: bool = False  # echo with max_tokens 0: one token runs, none is shown
-    logprobs: int | None = None
 
 
 @dataclass(eq=False)

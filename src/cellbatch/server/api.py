@@ -1,0 +1,118 @@
+"""What the server's parts share: the backend interface, plans, choices and API errors.
+
+Owns: `Backend` (where a plan's generations run: one engine here, replicas on Ray in
+`cellbatch.distributed`) and `ChoiceHandle` (what a choice streams from), `Plan` (what a
+request runs) and `Choice` (one of its generations as it streams), `ApiError` (a
+request that cannot be served, with what the client is told) and the finish reasons'
+OpenAI names.
+Promises: a leaf of the server package: the app, the service, the responses, the local
+backend and the replicas' backend all import it, and it imports none of them.
+Never: plans, runs or answers anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from cellbatch.metrics import GenerationMetrics
+from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, Token, TokenLogprob
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
+    from cellbatch.engine import EngineShape
+    from cellbatch.model.tokenizer import Tokenizer
+
+FINISH_REASONS = {
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.TOKEN_LIMIT: "length",
+    FinishReason.CANCELLED: "abort",
+}
+
+
+class ApiError(Exception):
+    """A request that cannot be served, with what the client is told."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status,
+            message,
+            param,
+            kind,
+            code,
+        )
+
+
+@dataclass
+class Choice:
+    """One generation of a request, as it streams."""
+
+    index: int
+    prompt_index: int
+    handle: ChoiceHandle
+    tokens: list[Token] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    echoed: bool = False  # streaming: the prompt went out with the first chunk
+    offset: int = 0  # streaming: characters of token text sent so far (logprobs offsets)
+
+
+@dataclass
+class Plan:
+    """What a request runs: token prompts, each with its config, n choices each."""
+
+    prompts: list[list[Token]]
+    configs: list[GenConfig]
+    n: int
+    echo: bool = False
+    drop_generated: bool = False  # echo with max_tokens 0: one token runs, none is shown
+    logprobs: int | None = None
+
+
+class ChoiceHandle(Protocol):
+    """One choice's generation as the service follows it (a GenerationHandle is one)."""
+
+    def stream(self) -> AsyncIterator[GenerationUpdate]: ...
+
+    def cancel(self) -> None: ...
+
+    def metrics(self) -> GenerationMetrics: ...
+
+
+class Backend(Protocol):
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    shape: EngineShape  # resolved: max_sessions and max_session_tokens are set
+
+    def decode(self, tokens: Sequence[Token]) -> str: ...
+
+    async def start(self, plan: Plan) -> list[Choice]:
+        """Launch every generation of the plan; the choices stream as they run."""
+        ...
+
+    async def health(self) -> tuple[bool, dict[str, object]]:
+        """(serving, what /health shows)."""
+        ...
+
+    def collector(self) -> Collector:
+        """The engine figures (and the backend's own) for /metrics, read at scrape
+        time, from any thread."""
+        ...
+
+    def stopping(self) -> bool: ...
+
+    def close(self) -> None: ...
