@@ -18,6 +18,7 @@ import pytest
 
 from cellbatch import GenerationHandle, Runner, Session
 from cellbatch.runner import InitializationState
+from cellbatch.runner.generation import MOVES, Generation, GenerationKind, GenerationStatus
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError, SamplingParams, Task
 from fake_executor import WAIT_S, FakeExecutor, Recorder, make_tokens, open_session, wait_until
@@ -1090,3 +1091,24 @@ def test_a_generation_that_can_never_fit_fails_with_the_reason(start: Start) -> 
     assert "not enough KV cells" in handle.error()
     assert fake.batches == []
     assert run(session, make_tokens(10), max_new=5).finish_reason() == FinishReason.TOKEN_LIMIT
+
+
+# -- the generation lifecycle -----------------------------------------------------------------
+
+
+def test_a_generation_moves_only_along_its_lifecycle() -> None:
+    S = GenerationStatus
+    generation = Generation(GenConfig(), None, None)
+    assert generation.kind is GenerationKind.TURN and generation.status is S.POSTED
+    for status in (S.WAITING, S.RUNNING, S.PREEMPTED, S.RUNNING, S.ENDED):
+        generation.move(status)
+        assert generation.status is status
+    assert generation.ended and not generation.admitted
+    for source, targets in MOVES.items():
+        for target in set(GenerationStatus) - targets:
+            stuck = Generation(GenConfig(), None, None)
+            stuck.status = source
+            with pytest.raises(AssertionError, match=f"from {source.name} to {target.name}"):
+                stuck.move(target)
+    with pytest.raises(ValueError, match="SessionStart"):
+        Generation(GenConfig(), None, None, kind=GenerationKind.SUBMISSION)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 
-from cellbatch.runner.generation import Generation
+from cellbatch.runner.generation import Generation, GenerationStatus
 
 # Free cells kept per running generation when another starts under optimistic admission.
 # Without them a pool refills within a step or two of a start, and the generation that
@@ -41,7 +41,7 @@ def cells_to_feed(generation: Generation) -> int:
     context not in the executor's cells, plus the delta if the turn has not begun."""
     state = generation.state
     assert state is not None
-    pending_delta = 0 if generation.started else len(generation.delta)
+    pending_delta = 0 if generation.admitted else len(generation.delta)
     return len(state.context) - state.resident + pending_delta
 
 
@@ -64,6 +64,7 @@ class Admission:
         return generation in self._running
 
     def enqueue(self, generation: Generation) -> None:
+        generation.move(GenerationStatus.WAITING)
         self.waiting.append(generation)
 
     def head(self) -> Generation | None:
@@ -73,11 +74,13 @@ class Admission:
         """The head starts running."""
         assert self.waiting and self.waiting[0] is generation
         self.waiting.popleft()
+        generation.move(GenerationStatus.RUNNING)
         self._running[generation] = None
 
     def preempt(self, generation: Generation) -> None:
         """A running generation goes back to the head of the queue."""
         del self._running[generation]
+        generation.move(GenerationStatus.PREEMPTED)
         self.waiting.appendleft(generation)
 
     def remove(self, generation: Generation) -> None:
@@ -94,7 +97,7 @@ class Admission:
         """Cells the generation must find free to start: what it feeds now, and under
         "reserve" also every token it may still generate."""
         need = cells_to_feed(generation)
-        if self.policy is AdmissionPolicy.RESERVE and not generation.feed_only:
+        if self.policy is AdmissionPolicy.RESERVE and not generation.feeds_only:
             need += generation.config.max_new_tokens - generation.metrics.generated_tokens
         return need
 

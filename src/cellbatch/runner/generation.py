@@ -1,8 +1,14 @@
 """Engine-side state of sessions and generations, and how a generation stops.
 
 Owns: `SessionState` (a session's whole context and how much of it the executor
-holds) and `Generation` (one turn: its settings, callbacks, handle, counters, text
-stream and stopping rules), plus the checks on a turn's input.
+holds) and `Generation` (one turn: its kind, its status, settings, callbacks, handle,
+counters, text stream and stopping rules), plus the checks on a turn's input.
+Lifecycle: a generation's `status` (`GenerationStatus`) moves only along `MOVES`, and
+only through `Generation.move`:
+
+    POSTED --> WAITING --> RUNNING <--> PREEMPTED
+       |          |           |             |
+       +----------+-----------+-------------+--> ENDED
 Promises: written only by the engine thread (other threads read single attributes);
 `Generation.deliver` applies stop tokens, the token budget and stop strings to each
 new token, in that order per token, and never delivers a token past the one that
@@ -15,6 +21,7 @@ Never: talks to the executor or the scheduler; the runner loop does.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import operator
 from collections.abc import Callable, Sequence
@@ -95,6 +102,31 @@ class SessionStart:
     upto: int = 0
 
 
+class GenerationKind(enum.Enum):
+    TURN = "turn"  # a turn on a caller's session
+    PREFILL = "prefill"  # a prefill turn: feeds its delta, generates nothing
+    SUBMISSION = "submission"  # runs on a session of its own, closed when it ends
+
+
+class GenerationStatus(enum.IntEnum):
+    """Where a generation is in its life, in the order it goes through them."""
+
+    POSTED = 0  # handed to the inbox; the engine has not seen it yet
+    WAITING = 1  # queued for a session or cells, never admitted
+    RUNNING = 2  # admitted: its delta is in its session's context
+    PREEMPTED = 3  # gave its cells up under pressure; queued again, at the head
+    ENDED = 4  # settled, whatever the outcome
+
+
+MOVES: dict[GenerationStatus, frozenset[GenerationStatus]] = {
+    GenerationStatus.POSTED: frozenset({GenerationStatus.WAITING, GenerationStatus.ENDED}),
+    GenerationStatus.WAITING: frozenset({GenerationStatus.RUNNING, GenerationStatus.ENDED}),
+    GenerationStatus.RUNNING: frozenset({GenerationStatus.PREEMPTED, GenerationStatus.ENDED}),
+    GenerationStatus.PREEMPTED: frozenset({GenerationStatus.RUNNING, GenerationStatus.ENDED}),
+    GenerationStatus.ENDED: frozenset(),
+}
+
+
 class Generation:
     """One generation (engine thread only, except `cancel_requested`, which any
     thread may raise)."""
@@ -105,14 +137,17 @@ class Generation:
         on_update: UpdateCallback | None,
         on_settled: SettledCallback | None,
         *,
+        kind: GenerationKind = GenerationKind.TURN,
         state: SessionState | None = None,
         start: SessionStart | None = None,
-        feed_only: bool = False,
     ) -> None:
+        if (kind is GenerationKind.SUBMISSION) != (start is not None):
+            raise ValueError("a submission, and only a submission, has a SessionStart")
+        self.kind = kind
+        self.status = GenerationStatus.POSTED
         self.state = state
-        self.start = start  # a submission: it gets a session of its own, closed when it ends
+        self.start = start  # a submission's: where its session of its own comes from
         self.config = config
-        self.feed_only = feed_only  # a prefill turn: feed the delta, generate nothing
         self.on_update = on_update
         self.on_settled = on_settled
         self.handle = GenerationHandle()
@@ -122,13 +157,30 @@ class Generation:
         self.stop_tokens: frozenset[Token] = frozenset()
         self.text: TextStream | None = None
         self.cancel_requested = False
-        self.started = False  # admitted at least once: its delta is in the context
-        self.ended = False
         self.admitted_order = 0  # larger: admitted later (preempted first)
         self.deferred = False  # it once had to wait for cells
         self.queued_on_source = False  # a waiting submission counted in its source's waiters
         self.last_step = -1  # the last engine step that ran one of its inputs
         self.prompt_scored = False  # its prompt logprobs were delivered (never twice)
+
+    def move(self, to: GenerationStatus) -> None:
+        """The one place a generation's status changes."""
+        if to not in MOVES[self.status]:
+            raise AssertionError(f"a generation cannot go from {self.status.name} to {to.name}")
+        self.status = to
+
+    @property
+    def admitted(self) -> bool:
+        """Admitted at least once and not ended: its delta is in its session's context."""
+        return self.status in (GenerationStatus.RUNNING, GenerationStatus.PREEMPTED)
+
+    @property
+    def ended(self) -> bool:
+        return self.status is GenerationStatus.ENDED
+
+    @property
+    def feeds_only(self) -> bool:
+        return self.kind is GenerationKind.PREFILL
 
     def prepare(
         self,
@@ -141,7 +193,7 @@ class Generation:
         self.delta, self.input_error = read_delta(delta, self.config)
         config = self.config
         self.stop_tokens = default_stop_tokens if config.stop_tokens is None else config.stop_tokens
-        if self.input_error or self.feed_only:
+        if self.input_error or self.feeds_only:
             return
         try:
             stop_strings = check_stop_strings(config.stop_strings)
@@ -172,7 +224,7 @@ class Generation:
             return "the session already has an active generation; wait for it or cancel it"
         if not self.delta and not state.context:
             return "delta is empty: a turn must feed at least one new token"
-        if self.feed_only and not self.delta and not state.unfed():
+        if self.feeds_only and not self.delta and not state.unfed():
             return "delta is empty: a prefill turn must feed at least one new token"
         feed = len(state.unfed()) + len(self.delta)
         if state.committed + feed + self.config.max_new_tokens - 2 > MAX_POSITION:

@@ -46,6 +46,8 @@ from cellbatch.runner.commands import (
 )
 from cellbatch.runner.generation import (
     Generation,
+    GenerationKind,
+    GenerationStatus,
     SessionState,
 )
 from cellbatch.runner.pressure import KVPressure
@@ -301,7 +303,7 @@ class EngineLoop:
 
     def _count_start(self, generation: Generation) -> None:
         with self._metrics_lock:
-            if generation.feed_only:
+            if generation.feeds_only:
                 self._metrics.prefill_turns += 1
             else:
                 self._metrics.generations_started += 1
@@ -341,10 +343,10 @@ class EngineLoop:
         """Run the head: queue its feed (everything its session lacks) as prompt chunks."""
         state = generation.state
         assert state is not None
+        first_admission = generation.status is GenerationStatus.WAITING
         self._admission.start(generation)
         generation.admitted_order = next(self._admitted)
-        if not generation.started:
-            generation.started = True
+        if first_admission:
             state.context.extend(generation.delta)
             if state.resident == len(state.context):
                 # Nothing new to feed (an empty delta after a prefill turn, say): feed the
@@ -457,7 +459,7 @@ class EngineLoop:
                 cancelled[generation] = None  # ended once the whole batch is counted
             elif output is not None:
                 generated += self._accept(generation, output, end, next_decodes)
-            elif generation.feed_only and state.resident == len(state.context):
+            elif generation.feeds_only and state.resident == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
         with self._metrics_lock:
             self._metrics.record_step(
@@ -515,14 +517,15 @@ class EngineLoop:
         """Settle a live generation exactly once and release what it held."""
         if generation.ended:
             return
-        generation.ended = True
+        was_admitted = generation.admitted
+        generation.move(GenerationStatus.ENDED)
         state = generation.state
         if self._admission.is_running(generation) and state is not None:
             self._tasks.cancel(state.sid)
         if (
             reason is FinishReason.CANCELLED
-            and not generation.started
-            and generation.start is None
+            and not was_admitted
+            and generation.kind is not GenerationKind.SUBMISSION
             and state is not None
         ):
             # A turn cancelled while it waited for cells leaves its delta in the session,
@@ -537,10 +540,10 @@ class EngineLoop:
         outcome = generation.settle(
             reason, error, tokens, text + generation.closing_text(), logprobs, prompt_logprobs
         )
-        if generation.start is not None and state is not None:
+        if generation.kind is GenerationKind.SUBMISSION and state is not None:
             # A submission's session lives as long as it does, or on as a snapshot.
             self._sessions.finished(state, reusable=outcome is not FinishReason.FAILED)
-        if generation.feed_only:
+        if generation.feeds_only:
             return  # a prefill turn: counted when it started, it has no outcome to record
         ttft = generation.metrics.ttft
         with self._metrics_lock:

@@ -24,6 +24,7 @@ from cellbatch.runner.admission import AdmissionPolicy
 from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture, Sync
 from cellbatch.runner.generation import (
     Generation,
+    GenerationKind,
     SessionStart,
     SettledCallback,
     UpdateCallback,
@@ -186,7 +187,11 @@ class Runner:
         config = config if config is not None else GenConfig()
         source_state = source._state if source is not None else None
         generation = Generation(
-            config, on_update, on_settled, start=SessionStart(source_state, upto)
+            config,
+            on_update,
+            on_settled,
+            kind=GenerationKind.SUBMISSION,
+            start=SessionStart(source_state, upto),
         )
         if source is not None and (source_state is None or not isinstance(upto, int) or upto < 0):
             generation.handle._bind(generation, None)

@@ -25,6 +25,7 @@ from cellbatch.runner.commands import (
 )
 from cellbatch.runner.generation import (
     Generation,
+    GenerationKind,
     SessionState,
     SettledCallback,
     UpdateCallback,
@@ -140,7 +141,11 @@ class Session:
         # max_new_tokens=1 sizes the position checks: the last position fed is that of
         # the delta's last token, as for a one-token generation.
         generation = Generation(
-            GenConfig(max_new_tokens=1), None, on_settled, state=self._state, feed_only=True
+            GenConfig(max_new_tokens=1),
+            None,
+            on_settled,
+            kind=GenerationKind.PREFILL,
+            state=self._state,
         )
         return self._start(generation, delta)
 

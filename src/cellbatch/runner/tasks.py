@@ -39,7 +39,7 @@ class TaskBook:
                 next(self._tids),
                 Input(
                     state.sid,
-                    not generation.feed_only and offset + chunk >= size,
+                    not generation.feeds_only and offset + chunk >= size,
                     offset,
                     min(chunk, size - offset),
                     feed,
