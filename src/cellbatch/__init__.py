@@ -1,7 +1,6 @@
 """cellbatch: many generations of one language model at once, sharing every forward."""
 
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
-from cellbatch.prefix_cache import PrefixCache
 from cellbatch.runner import GenerationHandle, Runner, Session
 from cellbatch.types import (
     FinishReason,
@@ -22,7 +21,6 @@ __all__ = [
     "GenerationUpdate",
     "InvalidArgumentError",
     "OutOfResourcesError",
-    "PrefixCache",
     "Runner",
     "SamplingParams",
     "Session",

@@ -40,8 +40,8 @@ from cellbatch.model.quantized import WeightsSummary, resolve_quantize
 from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_files
 from cellbatch.model.transformer import DTYPES, resolve_dtype
-from cellbatch.prefix_cache import common_prefix_length
 from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
+from cellbatch.runner.snapshots import common_prefix_length
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (

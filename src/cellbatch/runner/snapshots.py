@@ -1,7 +1,8 @@
 """The runner's automatic prefix cache: finished submissions kept as snapshots.
 
-Owns: a least-recently-used table of idle sessions, each keyed by exactly the
-tokens its cells hold (a finished submission's prompt and answer).
+Owns: `common_prefix_length`, the one prefix-matching rule; a least-recently-used
+table of idle sessions, each keyed by exactly the tokens its cells hold (a finished
+submission's prompt and answer).
 Promises: `longest_prefix` finds the snapshot sharing the longest prefix with a
 prompt (ties: the most recently used), capped one token short of the prompt so
 that its last token always runs through the model (its logits give the first new
@@ -23,6 +24,14 @@ from cellbatch.types import Token
 
 # A shorter match saves less than the copy and bookkeeping cost.
 MIN_MATCH = 4
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two int64 token arrays share: the one prefix-matching
+    rule (snapshots here, the Engine's shared prompt prefix)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 class SnapshotCache:
@@ -59,10 +68,7 @@ class SnapshotCache:
         query = np.asarray(prompt, dtype=np.int64)
         best: tuple[tuple[Token, ...], int] | None = None
         for key in reversed(self._entries):  # most recent first: it wins ties
-            array = self._arrays[key]
-            n = min(len(array), len(query) - 1)
-            differ = np.flatnonzero(array[:n] != query[:n])
-            matched = int(differ[0]) if differ.size else n
+            matched = common_prefix_length(self._arrays[key], query[:-1])
             if matched >= MIN_MATCH and (best is None or matched > best[1]):
                 best = (key, matched)
         if best is None:
