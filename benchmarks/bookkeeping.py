@@ -1,4 +1,5 @@
-"""Per-step bookkeeping time of the executor path, without a model (DESIGN §6, §7).
+"""Per-step bookkeeping time of the executor path, without a model
+(docs/design.md#executors, #cell-kv-cache-and-kv-pool).
 
 Times what every step pays before the forward: `SessionTable.pack`, `declare_step`,
 `place_step` and `attention_plan`, for

@@ -1,4 +1,5 @@
-"""CellCache, AttentionPlan and KVPool (DESIGN §7; BEHAVIOURS "Cell cache and KV pool")."""
+"""CellCache, AttentionPlan and KVPool (docs/design.md#cell-kv-cache-and-kv-pool;
+BEHAVIOURS "Cell cache and KV pool")."""
 
 from __future__ import annotations
 
@@ -500,7 +501,8 @@ def test_a_plan_gathers_real_and_scratch_cells_from_a_small_pool() -> None:
 
 class NaiveCells:
     """Reference bookkeeping: a plain list of cells per sequence (index = position), and
-    the DESIGN §7 definition of visibility over every occupied cell."""
+    the definition of visibility (docs/design.md#cell-kv-cache-and-kv-pool) over every
+    occupied cell."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

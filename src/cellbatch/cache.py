@@ -1,4 +1,5 @@
-"""The cell KV cache: which cell holds which position of which sequences (DESIGN §7).
+"""The cell KV cache: which cell holds which position of which sequences
+(docs/design.md#cell-kv-cache-and-kv-pool).
 
 Owns: `CellCache`, the bookkeeping of cells (one cell = the K/V of one position) and
 sequences, and the attention pattern of a step (`AttentionPlan`, and its flat tensor form

@@ -1,4 +1,4 @@
-"""Counters of one generation and of the whole engine (DESIGN §9).
+"""Counters of one generation and of the whole engine (docs/design.md#metrics).
 
 Owns: `GenerationMetrics` and `EngineMetrics`, plain dataclasses of raw counters
 (times are `time.perf_counter()` seconds), the figures derived from them, and a

@@ -1,4 +1,4 @@
-"""Which queued tasks run in the next forward (DESIGN §4).
+"""Which queued tasks run in the next forward (docs/design.md#scheduler).
 
 Owns: the queue of submitted tasks (decodes in arrival order, prompt chunks per
 session) and the rotation of sessions that have prompt chunks waiting.

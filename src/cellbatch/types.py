@@ -1,4 +1,4 @@
-"""The shared vocabulary of cellbatch (DESIGN §3).
+"""The shared vocabulary of cellbatch (docs/design.md#vocabulary).
 
 Owns: plain data passed between the scheduler, the runner and the executors,
 and the two error kinds every part raises.

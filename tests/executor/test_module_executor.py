@@ -1,6 +1,6 @@
-"""ModuleExecutor on a tiny random PackedTransformer (DESIGN §6): which inputs get outputs,
-refused batches, running out of cells, slicing and rewinds, and seeded sampling that
-does not depend on the batch.
+"""ModuleExecutor on a tiny random PackedTransformer (docs/design.md#executors): which
+inputs get outputs, refused batches, running out of cells, slicing and rewinds, and
+seeded sampling that does not depend on the batch.
 
 A session's reference tokens come from the same executor class running that session
 alone, one input per step, so each test compares packing against no packing.

@@ -1,4 +1,5 @@
-"""Programs compiled for real (torch.export + AOTInductor) and run (DESIGN §8).
+"""Programs compiled for real (torch.export + AOTInductor) and run
+(docs/design.md#programs-and-export).
 
 One tiny random Llama, wide enough that its weights (~150 MB in fp32) outweigh its
 compiled code, is exported once per module with a prefill bound of 9 and decode widths

@@ -1,4 +1,4 @@
-"""Executors: what runs a packed step of many sessions through the model (DESIGN §6).
+"""Executors: what runs a packed step of many sessions through the model (docs/design.md#executors).
 
 Owns: the `Executor` protocol, the one contract between the runner and anything
 that computes tokens (the module executor, the program executor, test fakes).

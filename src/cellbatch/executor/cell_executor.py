@@ -1,4 +1,4 @@
-"""CellExecutor: what every executor over a cell KV cache shares (DESIGN §6).
+"""CellExecutor: what every executor over a cell KV cache shares (docs/design.md#executors).
 
 Owns: the CellCache, the KVPool and the SessionTable of one model; the session methods of
 the `Executor` protocol; and `run_forward`, one forward over a range of a packed step:

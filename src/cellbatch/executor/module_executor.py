@@ -1,4 +1,4 @@
-"""ModuleExecutor: runs packed steps through one torch module (DESIGN §6).
+"""ModuleExecutor: runs packed steps through one torch module (docs/design.md#executors).
 
 Owns: the model module (sessions, cells and sampling are `CellExecutor`'s).
 Promises: `execute` packs the batch, cuts it into slices of at most

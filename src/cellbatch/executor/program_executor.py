@@ -1,4 +1,5 @@
-"""ProgramExecutor: runs packed steps through an exported program's methods (DESIGN §6, §8).
+"""ProgramExecutor: runs packed steps through an exported program's methods
+(docs/design.md#executors).
 
 Owns: the map from a packed step onto a program's methods, and the inputs of one method
 call (the step's tokens, positions and cells, its attention plan in flat form, the rows

@@ -1,4 +1,4 @@
-"""Per-row token sampling for a packed step (DESIGN §6).
+"""Per-row token sampling for a packed step (docs/design.md#sampling-and-batch-invariance).
 
 Owns: `sample_rows`, which draws one token per logits row with that row's own
 policy in a single vectorised call; `apply_penalties`, the repetition, presence

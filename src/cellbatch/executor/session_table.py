@@ -1,4 +1,4 @@
-"""Sessions over cache sequences: what every executor shares (DESIGN §6).
+"""Sessions over cache sequences: what every executor shares (docs/design.md#sessiontable).
 
 Owns: the map from session ids to `CellCache` sequences, each session's sampling
 policy and the token ids it was fed; `pack`, which lays a batch onto one token

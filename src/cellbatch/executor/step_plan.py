@@ -1,4 +1,4 @@
-"""How a packed step is cut into forwards (DESIGN §6, step plan).
+"""How a packed step is cut into forwards (docs/design.md#the-step-plan).
 
 Owns: `plan_slices`, which cuts a step's token axis into slices of at most
 `max_batch_tokens`, each run by the wide (multi-token) method or as one-token

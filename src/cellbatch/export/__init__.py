@@ -1,4 +1,5 @@
-"""Programs: a model exported once into a self-contained file, and what loads it (DESIGN §8).
+"""Programs: a model exported once into a self-contained file, and what loads it
+(docs/design.md#programs-and-export).
 
 Owns: the program file format and both of its sides. The writer, `exporter`
 (`export_program`, what `cellbatch export` runs), needs the model's code; the reader

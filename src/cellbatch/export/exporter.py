@@ -1,4 +1,5 @@
-"""Model -> program file: `export_program`, what `cellbatch export` runs (DESIGN §8).
+"""Model -> program file: `export_program`, what `cellbatch export` runs
+(docs/design.md#programs-and-export).
 
 Owns: tracing the packed-step transformer with `torch.export` into its methods (`prefill`:
 a dynamic token count from `min_prefill_tokens`; `decode_<W>`: one static width W each),

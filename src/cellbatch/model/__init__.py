@@ -1,6 +1,6 @@
 """Models: configs, the packed-step transformer, weight loading, tokenizer, the default model.
 
-Owns: everything that knows what a Llama-family model is (DESIGN §2 `model`).
+Owns: everything that knows what a Llama-family model is (docs/design.md#model).
 Promises: `load_model(path, dtype)` and `load_tokenizer(path)` accept a Hugging Face
 folder or a GGUF file; `default_model_path()` finds the embedded SmolLM2.
 Never: owns cells, sessions or sampling.

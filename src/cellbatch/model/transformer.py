@@ -214,7 +214,7 @@ class DecoderLayer(nn.Module):
 
 
 class PackedTransformer(nn.Module):
-    """A Llama-family decoder over one packed token axis (DESIGN §7).
+    """A Llama-family decoder over one packed token axis (docs/design.md#model).
 
     Batch invariance: a token's logits are bit-identical whatever else shares its step
     (other sequences, their lengths, the token's place on the axis, the chunking of its

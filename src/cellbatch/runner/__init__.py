@@ -1,4 +1,5 @@
-"""The runner: one engine thread drives sessions, a scheduler and an executor (DESIGN §5).
+"""The runner: one engine thread drives sessions, a scheduler and an executor
+(docs/design.md#runner-sessions-and-handles).
 
 Modules, each with one job (imports only go down this list):
 - `commands`: the typed commands and the `Inbox` the faces post them to;

@@ -1,4 +1,5 @@
-"""The engine loop: what the runner's one engine thread does (DESIGN §5).
+"""The engine loop: what the runner's one engine thread does
+(docs/design.md#runner-sessions-and-handles).
 
 Owns: everything the engine thread touches (the executor, the consuming
 side of the scheduler, every session's state and every live generation); the

@@ -1,4 +1,5 @@
-"""Runner: the face of the engine for callers on any thread (DESIGN §5).
+"""Runner: the face of the engine for callers on any thread
+(docs/design.md#runner-sessions-and-handles).
 
 Owns: the engine thread, the inbox it drains and the `EngineLoop` it runs.
 Promises: construction checks the executor and the options, then starts the
