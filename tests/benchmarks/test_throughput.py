@@ -360,7 +360,7 @@ def test_cellbatch_bench_runs_the_checkout_script(
 def test_cellbatch_bench_without_the_checkout_says_what_to_do(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    installed = tmp_path / "site-packages" / "cellbatch" / "cli.py"
+    installed = tmp_path / "site-packages" / "cellbatch" / "cli" / "__init__.py"
     monkeypatch.setattr(cli, "__file__", str(installed))
     assert cli.main(["bench", "--quick"]) == 2
     error = capsys.readouterr().err

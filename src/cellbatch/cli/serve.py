@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from cellbatch.cli import UsageError, check_engine_options, engine_shape, load_engine
+from cellbatch.cli.options import UsageError, check_engine_options, engine_shape, load_engine
 
 
 def serve_command(args: argparse.Namespace) -> NoReturn:

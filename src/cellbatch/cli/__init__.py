@@ -1,0 +1,158 @@
+"""The `cellbatch` command line: `run` (a list of prompts through one model), `serve`,
+`export` (a model compiled into a program file that `run --model` runs) and `bench`
+(throughput against transformers: runs benchmarks/throughput.py of the source checkout).
+
+Modules, each with one job (imports only go down this list):
+- `options`: the engine options every command shares, their checks, loading the engine;
+- `prompts`: reading `run`'s prompt lines;
+- `report`: memory probes, `run`'s JSON report and its printout;
+- `run`, `export`, `serve`: one command each;
+- this module: the parser and `main`.
+
+Promises: a bad option is an error before any work (exit status 2, one line).
+Never: generates anything itself; the Engine does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from cellbatch.cli.export import export_command
+from cellbatch.cli.options import UsageError, add_engine_options
+from cellbatch.cli.run import run_command
+from cellbatch.cli.serve import serve_command
+from cellbatch.types import QUANTIZE_CHOICES
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The benchmark is not part of the package: it lives in the source checkout.
+        import runpy
+
+        script = Path(__file__).resolve().parents[3] / "benchmarks" / "throughput.py"
+        if not script.is_file():
+            print(
+                f"cellbatch bench: error: no {script}: the benchmark ships with cellbatch's "
+                "source, not with the installed package. In a checkout, run "
+                "`pip install -e '.[bench]'`, then `cellbatch bench` or "
+                "`python benchmarks/throughput.py`.",
+                file=sys.stderr,
+            )
+            return 2
+        sys.path.insert(0, str(script.parent))  # its sibling modules
+        return runpy.run_path(str(script))["main"](argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as error:
+        print(f"cellbatch: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cellbatch",
+        description="Many generations of one language model at once, sharing every forward.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="generate for a list of prompts and print a report")
+    run.add_argument("prompts", nargs="*", help="prompts, each like a --prompts-file line")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--prompt-file", type=Path, help="one prompt, used verbatim")
+    source.add_argument("--prompts-file", type=Path, help="one prompt per line (\\n = newline)")
+    source.add_argument(
+        "--prompt-tokens-file", type=Path, help="one prompt per line as whitespace-separated ids"
+    )
+    run.add_argument("--raw", action="store_true", help="no chat template for prompt lines")
+    run.add_argument("--max-new-tokens", type=int, default=256)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--seed", type=int, default=42, help="per-prompt seeds derive from it")
+    run.add_argument("--stop", action="append", default=[], help="a text stop string")
+    add_engine_options(run)
+    run.add_argument("--report-json", type=Path, help="write the whole report here")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=run_command)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine")
+    add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the model names clients may use; answers carry the first (default: the "
+        "model file's name, and its path as given)",
+    )
+    serve.add_argument(
+        "--api-key", help="require Authorization: Bearer KEY (default: $CELLBATCH_API_KEY)"
+    )
+    serve.add_argument("--max-queued-requests", type=int, default=256)
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    serve.add_argument(
+        "--prefix-cache-entries", type=int, default=64, help="finished prompts kept for reuse"
+    )
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=10.0, help="seconds for running requests"
+    )
+    serve.add_argument("--quiet", action="store_true", help="no startup lines")
+    serve.add_argument(
+        "--replicas", type=int, help="N engine replicas on Ray behind the one endpoint"
+    )
+    serve.add_argument(
+        "--threads-per-replica",
+        type=int,
+        help="torch threads (and Ray CPUs) of each replica (default: a local Ray shares this "
+        "machine's cores out; on a cluster, 1)",
+    )
+    serve.add_argument(
+        "--ray-address", help="join this Ray cluster (default: start a local Ray instance)"
+    )
+    serve.set_defaults(func=serve_command)
+
+    export = commands.add_parser(
+        "export", help="compile a model into a program file that `run --model` runs"
+    )
+    export.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
+    export.add_argument("-o", "--output", type=Path, required=True, help="the program (.pt2)")
+    export.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    export.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    export.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_CHOICES,
+        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
+        "other models stay float), none (float), int8 or int4",
+    )
+    export.add_argument(
+        "--max-step-tokens", type=int, default=544, help="tokens per forward, at most"
+    )
+    export.add_argument(
+        "--decode-widths",
+        default="1",
+        help="static widths of the decode methods, comma-separated (e.g. 1,8,32)",
+    )
+    export.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=2,
+        help="the prefill method's lower bound (>= 2); shorter slices run as decode rows",
+    )
+    export.add_argument("--threads", type=int, help="torch and compile threads")
+    export.set_defaults(func=export_command)
+
+    # Listed for --help only: main() hands `bench` and its arguments to the benchmark.
+    commands.add_parser(
+        "bench", help="throughput against transformers (cellbatch bench --help for its options)"
+    )
+    return parser

@@ -1,0 +1,7 @@
+"""`python -m cellbatch.cli`: the `cellbatch` command."""
+
+import sys
+
+from cellbatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,169 @@
+"""The options `run`, `serve` and `export` share, and loading the engine they ask for.
+
+Owns: `UsageError` (bad command-line input found before any work), the engine options
+and their checks, the shape they give, loading the engine with progress lines, and
+the exit on a signal while a phase that cannot be stopped part-way runs.
+Promises: an option that is wrong whatever the model is a `UsageError` before the model
+loads; loading says on stderr what it did, phase by phase, with the time each took
+(not with --quiet), and Ctrl-C or SIGTERM while it loads ends the process at once with
+one line (exit status 130 or 143).
+Never: reads prompts or prints a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from cellbatch.types import QUANTIZE_CHOICES
+
+if TYPE_CHECKING:
+    from cellbatch.engine import Engine
+
+
+class UsageError(Exception):
+    """Bad command-line input found before any work was done."""
+
+
+def note(message: str) -> None:
+    print(f"cellbatch: note: {message}", file=sys.stderr)
+
+
+# Engine options whose values are counts: none can be below 1, whatever the model.
+_COUNT_OPTIONS = (
+    "max_sessions",
+    "max_session_tokens",
+    "max_batch_tokens",
+    "max_decode_sequences",
+    "max_prefill_chunk",
+    "max_cells",
+    "threads",
+)
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """Refuses engine options that are wrong whatever the model, before it loads."""
+    for name in _COUNT_OPTIONS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    from cellbatch.model.transformer import resolve_dtype
+    from cellbatch.types import InvalidArgumentError
+
+    for flag, value in (("--dtype", args.dtype), ("--kv-dtype", args.kv_dtype)):
+        try:
+            if value is not None:
+                resolve_dtype(value)
+        except InvalidArgumentError as error:
+            raise UsageError(f"{flag}: {error}") from error
+
+
+@contextmanager
+def exit_on_signal(doing: str) -> Iterator[None]:
+    """While the block runs, Ctrl-C (SIGINT) or SIGTERM ends the process at once with one
+    line and the status 128 + signal. For loading: it writes nothing that needs undoing, and
+    its thread cannot be stopped part-way (an exception would wait for it, then trace)."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        sys.stdout.flush()
+        name = signal.Signals(signum).name
+        print(f"cellbatch: interrupted by {name} while {doing}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    # A signal the process was started ignoring (nohup, a background job) stays ignored.
+    signals = [
+        sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) != signal.SIG_IGN
+    ]
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def say_loaded(what: str, seconds: float) -> None:
+    """The load's progress line for one phase."""
+    print(f"cellbatch: {what} in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The model and engine-shape options `run` and `serve` share."""
+    parser.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
+    parser.add_argument("--max-sessions", type=int)
+    parser.add_argument("--max-session-tokens", type=int)
+    parser.add_argument("--max-batch-tokens", type=int, help="tokens per forward (W)")
+    parser.add_argument("--max-decode-sequences", type=int)
+    parser.add_argument("--max-prefill-chunk", type=int)
+    parser.add_argument("--max-cells", type=int, help="KV cells at most (default: a 4 GiB pool)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "compiled", "torch"),
+        help="attention and per-layer ops: compiled for this CPU (built when cellbatch was "
+        "installed), pure torch, or auto (compiled where they were built)",
+    )
+    parser.add_argument("--threads", type=int, help="torch threads")
+    parser.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_CHOICES,
+        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
+        "other models stay float), none (float), int8 or int4",
+    )
+    parser.add_argument(
+        "--admission",
+        default="optimistic",
+        choices=("optimistic", "reserve"),
+        help="optimistic: start what fits now, preempt under KV pressure; reserve: start "
+        "only what fits at its worst case",
+    )
+
+
+def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str, int]:
+    """The EngineShape fields the user set."""
+    return {
+        name: value
+        for name, value in (
+            ("max_sessions", max_sessions),
+            ("max_session_tokens", args.max_session_tokens),
+            ("max_batch_tokens", args.max_batch_tokens),
+            ("max_decode_sequences", args.max_decode_sequences),
+            ("max_prefill_chunk", args.max_prefill_chunk),
+            ("max_cells", args.max_cells),
+        )
+        if value is not None
+    }
+
+
+def load_engine(args: argparse.Namespace, shape: dict[str, int], **options: Any) -> Engine:
+    """The Engine the shared options ask for; a bad option is a UsageError, before anything
+    loads. Unless --quiet, each phase of the load says what it did on stderr."""
+    check_engine_options(args)
+    try:
+        with exit_on_signal("loading the model"):
+            if not args.quiet:
+                print(f"cellbatch: loading {args.model or 'the default model'}", file=sys.stderr)
+            from cellbatch.engine import Engine
+
+            return Engine.from_pretrained(
+                args.model,
+                dtype=args.dtype,
+                kv_dtype=args.kv_dtype,
+                threads=args.threads,
+                kernels=args.kernels,
+                quantize=args.quantize,
+                admission=args.admission,
+                progress=None if args.quiet else say_loaded,
+                **options,
+                **shape,
+            )
+    except (ValueError, FileNotFoundError) as error:  # InvalidArgumentError among them
+        raise UsageError(str(error)) from error
