@@ -29,6 +29,7 @@ $(KERNELS)/_C.so: setup.py $(wildcard $(KERNELS)/*.cpp $(KERNELS)/*.h) | $(STAMP
 
 test: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/ruff check .
+	$(BIN)/mypy
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 run: $(STAMP) $(KERNELS)/_C.so
@@ -36,6 +37,7 @@ run: $(STAMP) $(KERNELS)/_C.so
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/throughput.py

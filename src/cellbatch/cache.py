@@ -160,6 +160,13 @@ def _group_by_sequence(seq_ids: np.ndarray) -> _StepGrouping:
 class CellCache:
     """Cells 1..capacity shared by growable, cloneable, rewindable sequences."""
 
+    # Set by clear(), which __init__ calls.
+    _cells: list[np.ndarray | None]  # per sequence id; None: a released id
+    _lengths: np.ndarray  # int64 per sequence id: its next position
+    _live: np.ndarray  # bool per sequence id
+    _released_ids: list[int]
+    _declared: np.ndarray | None
+
     def __init__(self, capacity: int) -> None:
         if (
             isinstance(capacity, bool)
@@ -213,10 +220,10 @@ class CellCache:
                 f"cannot clone sequence {src} up to position {upto}: it holds [0, {length}); "
                 f"pass 0 <= upto <= {length}"
             )
-        shared = self._cells[src][:upto]
+        shared = self._live_cells(src)[:upto]
         seq = self.seq_alloc()
         self._reserve(seq, upto)
-        self._cells[seq][:upto] = shared
+        self._live_cells(seq)[:upto] = shared
         self._refcount[shared] += 1  # a sequence's cells are distinct, so no repeats
         self._lengths[seq] = upto
         return seq
@@ -237,7 +244,7 @@ class CellCache:
     def seq_cells(self, seq: int) -> np.ndarray:
         """A copy of the sequence's cells; index = position."""
         self._check_live(seq)
-        return self._cells[seq][: self._lengths[seq]].copy()
+        return np.array(self._live_cells(seq)[: self._lengths[seq]])  # a copy
 
     def cell_positions(self, cells: np.ndarray) -> np.ndarray:
         """The position each cell holds (-1: free)."""
@@ -265,11 +272,11 @@ class CellCache:
         self._refcount[:] = 0
         self._position[:] = -1
         self._used = 0
-        self._cells: list[np.ndarray | None] = []
+        self._cells = []
         self._lengths = np.zeros(64, dtype=np.int64)
         self._live = np.zeros(64, dtype=bool)
-        self._released_ids: list[int] = []
-        self._declared: np.ndarray | None = None
+        self._released_ids = []
+        self._declared = None
 
     # -- steps -------------------------------------------------------------------
 
@@ -308,7 +315,9 @@ class CellCache:
         ):
             length = int(self._lengths[seq])
             self._reserve(seq, length + count)
-            self._cells[seq][length : length + count] = cells_by_sequence[start : start + count]
+            self._live_cells(seq)[length : length + count] = cells_by_sequence[
+                start : start + count
+            ]
         self._lengths[grouping.seqs] += grouping.counts
         self._declared = None
         return cells
@@ -448,15 +457,21 @@ class CellCache:
         self._used += count
         return cells
 
-    def _reserve(self, seq: int, length: int) -> None:
+    def _live_cells(self, seq: int) -> np.ndarray:
+        """The cell array of a live sequence (its callers checked that it is one)."""
         cells = self._cells[seq]
+        assert cells is not None, f"sequence {seq} is released"
+        return cells
+
+    def _reserve(self, seq: int, length: int) -> None:
+        cells = self._live_cells(seq)
         if length > len(cells):
             grown = np.empty(max(2 * len(cells), length), dtype=np.int64)
             grown[: self._lengths[seq]] = cells[: self._lengths[seq]]
             self._cells[seq] = grown
 
     def _drop(self, seq: int, pos: int) -> None:
-        dropped = self._cells[seq][pos : self._lengths[seq]]
+        dropped = self._live_cells(seq)[pos : self._lengths[seq]]
         self._refcount[dropped] -= 1
         freed = dropped[self._refcount[dropped] == 0]
         self._position[freed] = -1

@@ -15,14 +15,16 @@ import concurrent.futures
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cellbatch.types import FinishReason
 
 if TYPE_CHECKING:
     from cellbatch.runner.generation import Generation, SessionState
 
-SessionFuture = concurrent.futures.Future["Session | None"]
+# Resolves to a `Session` face, or None. `Session` lives in runner.session, which posts
+# these commands: naming it here would be an import cycle.
+SessionFuture = concurrent.futures.Future[Any]
 
 
 @dataclass(frozen=True)

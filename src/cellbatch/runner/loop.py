@@ -183,24 +183,30 @@ class EngineLoop:
 
     def _loop(self) -> None:
         while not self.stop_requested:
-            commands = self._inbox.take_queued()
-            for command in commands:
-                self._apply(command)
+            applied = self._apply_queued()
             if self.stop_requested:
                 return
             if self._admission.waiting:
                 self._admit()
             if self._step():
                 continue
-            if commands:
+            if applied:
                 self._refresh_kv()  # closes free cells between steps too
-            del commands
-            command = self._inbox.get(_IDLE_WAIT_S)
-            if command is not None:
-                self._apply(command)
+            arrived = self._inbox.get(_IDLE_WAIT_S)
+            if arrived is not None:
+                self._apply(arrived)
                 self._refresh_kv()
             # While idle, a done command must not keep its future (and a Session) alive.
-            del command
+            del arrived
+
+    def _apply_queued(self) -> bool:
+        """Apply what is queued now; True if anything was. (A function of its own, so that
+        no applied command stays referenced from the loop's frame: its future may hold
+        the only other reference to a Session whose drop must close it.)"""
+        commands = self._inbox.take_queued()
+        for command in commands:
+            self._apply(command)
+        return bool(commands)
 
     def _apply(self, command: Command) -> None:
         if isinstance(command, StartGeneration):

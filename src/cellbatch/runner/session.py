@@ -79,7 +79,7 @@ class Session:
         self._inbox: Inbox | None = None
         self._state: SessionState | None = None
         self._defaults = TurnDefaults()
-        self._closer: weakref.finalize | None = None
+        self._closer: weakref.finalize[[Inbox, SessionState], Session] | None = None
         self._closed = False
 
     @classmethod
