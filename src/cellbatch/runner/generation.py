@@ -127,6 +127,11 @@ MOVES: dict[GenerationStatus, frozenset[GenerationStatus]] = {
 }
 
 
+_RUNNING = GenerationStatus.RUNNING
+_ENDED = GenerationStatus.ENDED
+_PREFILL = GenerationKind.PREFILL
+
+
 class Generation:
     """One generation (engine thread only, except `cancel_requested`, which any
     thread may raise)."""
@@ -169,18 +174,22 @@ class Generation:
             raise AssertionError(f"a generation cannot go from {self.status.name} to {to.name}")
         self.status = to
 
+    # These are read per generation per step: module constants and int comparisons,
+    # because looking an enum member up on its class, or hashing one, costs several
+    # times a plain attribute read.
+
     @property
     def admitted(self) -> bool:
         """Admitted at least once and not ended: its delta is in its session's context."""
-        return self.status in (GenerationStatus.RUNNING, GenerationStatus.PREEMPTED)
+        return _RUNNING <= self.status < _ENDED  # RUNNING or PREEMPTED
 
     @property
     def ended(self) -> bool:
-        return self.status is GenerationStatus.ENDED
+        return self.status is _ENDED
 
     @property
     def feeds_only(self) -> bool:
-        return self.kind is GenerationKind.PREFILL
+        return self.kind is _PREFILL
 
     def prepare(
         self,
