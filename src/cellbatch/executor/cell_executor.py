@@ -6,14 +6,17 @@ declare and place its tokens on the cell cache, grow the pool, plan its attentio
 the subclass's forward, gather prompt logprobs and sample every wanted row with its own
 session's policy in one call.
 Promises: a subclass differs only in how a packed step maps onto forwards (`execute`) and
-in what runs one forward (`forward`); everything else (packing, `select_rows`, sampling,
-scoring, cell placement, the refusal of a step short of cells) is this one code.
+in what runs one forward (the `Forward` it hands `run_forward`); everything else
+(packing, `select_rows`, sampling, scoring, cell placement, the refusal of a step short
+of cells) is this one code. The cache, pool and table exist from `initialize()` on (the
+engine thread calls it first); before, reading them raises saying so.
 Never: imports model code (a program executor runs without it), schedules, keeps
 generation state, or calls back into the runner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,30 +55,63 @@ class KVGeometry:
     head_dim: int
 
 
+# One placed forward: (tokens, positions, cells, attention plan, the rows whose logits
+# are wanted) -> float32 logits [len(rows), V]; the pool holds the forward's cells.
+Forward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, np.ndarray], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """What `initialize()` builds: the cell bookkeeping, the KV pool, the sessions."""
+
+    cache: CellCache
+    pool: KVPool
+    table: SessionTable
+
+
 class CellExecutor:
     """Sessions over a cell KV cache; subclasses map packed steps onto forwards."""
 
     def __init__(self, geometry: KVGeometry, shape: ExecutorShape) -> None:
         self.geometry = geometry
         self.shape = shape
-        self.cache: CellCache | None = None
-        self.pool: KVPool | None = None
-        self.table: SessionTable | None = None
+        self._cells: _Cells | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
     def initialize(self) -> None:
-        self.cache = CellCache(self.shape.max_cells)
-        self.pool = KVPool(
+        cache = CellCache(self.shape.max_cells)
+        pool = KVPool(
             self.geometry.num_layers,
             self.geometry.num_kv_heads,
             self.geometry.head_dim,
             self.shape.max_cells,
             dtype=self.shape.kv_dtype,
         )
-        self.table = SessionTable(
-            self.cache, self.shape.max_sessions, self.shape.max_session_tokens
-        )
+        table = SessionTable(cache, self.shape.max_sessions, self.shape.max_session_tokens)
+        self._cells = _Cells(cache, pool, table)
+
+    def _initialized(self) -> _Cells:
+        if self._cells is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not initialized: call initialize() first "
+                "(a Runner does, on its engine thread)"
+            )
+        return self._cells
+
+    @property
+    def cache(self) -> CellCache:
+        return self._initialized().cache
+
+    @property
+    def pool(self) -> KVPool:
+        return self._initialized().pool
+
+    @property
+    def table(self) -> SessionTable:
+        return self._initialized().table
 
     def kv_usage(self) -> KVUsage:
         pool = self.pool
@@ -135,6 +171,7 @@ class CellExecutor:
         offset: int,
         length: int,
         outputs: list[Output | None],
+        forward: Forward,
     ) -> None:
         """One forward over step tokens [offset, offset + length): places them, runs
         `forward`, and fills `outputs` for the inputs whose output row it holds."""
@@ -147,7 +184,7 @@ class CellExecutor:
         self.pool.ensure(self.cache.high_water())
         plan = self.cache.attention_plan(seq_ids, positions, cells)
         picked = select_rows(step, offset, length)
-        logits = self.forward(
+        logits = forward(
             torch.from_numpy(step.tokens[offset:end]),
             torch.from_numpy(positions),
             torch.from_numpy(cells),
@@ -166,15 +203,3 @@ class CellExecutor:
         )
         for index, output in zip(indices, sampled, strict=True):
             outputs[index] = output
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        cells: torch.Tensor,
-        plan: AttentionPlan,
-        logit_rows: np.ndarray,
-    ) -> torch.Tensor:
-        """float32 logits [len(logit_rows), V] of one placed forward (the pool holds its
-        cells); the subclass's model or program."""
-        raise NotImplementedError

@@ -43,7 +43,7 @@ class ModuleExecutor(CellExecutor):
         step = self.pack(batch)
         outputs: list[Output | None] = [None] * len(batch.inputs)
         for piece in plan_slices(step.num_tokens, self.shape.max_batch_tokens, 1):
-            self.run_forward(batch, step, piece.offset, piece.length, outputs)
+            self.run_forward(batch, step, piece.offset, piece.length, outputs, self.forward)
         return BatchOutput(tuple(outputs))
 
     def forward(
@@ -54,4 +54,7 @@ class ModuleExecutor(CellExecutor):
         plan: AttentionPlan,
         logit_rows: np.ndarray,
     ) -> torch.Tensor:
-        return self.model(tokens, positions, plan, self.pool, cells, torch.from_numpy(logit_rows))
+        logits: torch.Tensor = self.model(
+            tokens, positions, plan, self.pool, cells, torch.from_numpy(logit_rows)
+        )
+        return logits

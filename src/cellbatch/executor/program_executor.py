@@ -21,6 +21,7 @@ outside the sizes its manifest declares.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 import torch
@@ -46,7 +47,6 @@ class ProgramExecutor(CellExecutor):
         manifest = program.manifest
         self._prefill = manifest.prefill
         self._decodes = manifest.decode_methods
-        self._method: MethodSpec | None = None  # the method of the forward being run
         self._check_limits()
 
     def _check_limits(self) -> None:
@@ -85,8 +85,7 @@ class ProgramExecutor(CellExecutor):
         step = self.pack(batch)
         outputs: list[Output | None] = [None] * len(batch.inputs)
         for offset, length, method in self.calls(step.num_tokens):
-            self._method = method
-            self.run_forward(batch, step, offset, length, outputs)
+            self.run_forward(batch, step, offset, length, outputs, partial(self.forward, method))
         return BatchOutput(tuple(outputs))
 
     def calls(self, total: int) -> Iterator[tuple[int, int, MethodSpec]]:
@@ -116,13 +115,13 @@ class ProgramExecutor(CellExecutor):
 
     def forward(
         self,
+        method: MethodSpec,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         cells: torch.Tensor,
         plan: AttentionPlan,
         logit_rows: np.ndarray,
     ) -> torch.Tensor:
-        method = self._method
         flat = flatten_plan(plan, self.program.manifest.query_block)
         count = tokens.shape[0]
         pad = method.max_tokens - count if method.static else 0

@@ -363,18 +363,21 @@ class SessionTable:
                 session.generated_from = session.fed  # where this draw's token goes
         penalised = [row for row, policy in enumerate(policies) if policy and policy.penalised]
         asking = [
-            row for row, policy in enumerate(policies) if policy and policy.logprobs is not None
+            (row, policy.logprobs)
+            for row, policy in enumerate(policies)
+            if policy and policy.logprobs is not None
         ]
         drawn = self._penalise(logits, sessions, penalised) if penalised else logits
         tokens = sample_rows(drawn, torch.from_numpy(params)).tolist()
         logprobs: dict[int, TokenLogprob] = {}
         if asking:
+            rows = [row for row, _ in asking]
             found = token_logprobs(
-                logits.index_select(0, torch.tensor(asking, device=logits.device)),
-                [tokens[row] for row in asking],
-                [policies[row].logprobs for row in asking],  # type: ignore[union-attr]
+                logits.index_select(0, torch.tensor(rows, device=logits.device)),
+                [tokens[row] for row in rows],
+                [top for _, top in asking],
             )
-            logprobs = dict(zip(asking, found, strict=True))
+            logprobs = dict(zip(rows, found, strict=True))
         outputs = []
         for row, (sid, session, token) in enumerate(zip(sids, sessions, tokens, strict=True)):
             prompt: tuple[TokenLogprob | None, ...] = ()
