@@ -143,6 +143,18 @@ def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str
     }
 
 
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """How the model runs, as the options set it: the same for one engine and for each
+    replica."""
+    return {
+        "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype,
+        "kernels": args.kernels,
+        "quantize": args.quantize,
+        "admission": args.admission,
+    }
+
+
 def load_engine(args: argparse.Namespace, shape: dict[str, int], **options: Any) -> Engine:
     """The Engine the shared options ask for; a bad option is a UsageError, before anything
     loads. Unless --quiet, each phase of the load says what it did on stderr."""
@@ -155,13 +167,9 @@ def load_engine(args: argparse.Namespace, shape: dict[str, int], **options: Any)
 
             return Engine.from_pretrained(
                 args.model,
-                dtype=args.dtype,
-                kv_dtype=args.kv_dtype,
                 threads=args.threads,
-                kernels=args.kernels,
-                quantize=args.quantize,
-                admission=args.admission,
                 progress=None if args.quiet else say_loaded,
+                **model_options(args),
                 **options,
                 **shape,
             )

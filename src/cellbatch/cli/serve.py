@@ -18,7 +18,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from cellbatch.cli.options import UsageError, check_engine_options, engine_shape, load_engine
+from cellbatch.cli.options import (
+    UsageError,
+    check_engine_options,
+    engine_shape,
+    load_engine,
+    model_options,
+)
 
 
 def serve_command(args: argparse.Namespace) -> NoReturn:
@@ -135,11 +141,7 @@ def _start_replicas(args: argparse.Namespace):  # -> ReplicaBackend
             replicas=args.replicas,
             threads_per_replica=threads,
             ray_address=args.ray_address,
-            dtype=args.dtype,
-            kv_dtype=args.kv_dtype,
-            kernels=args.kernels,
-            quantize=args.quantize,
-            admission=args.admission,
+            **model_options(args),
             prefix_cache_entries=args.prefix_cache_entries,
             **engine_shape(args, args.max_sessions),
         )
