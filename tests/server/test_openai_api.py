@@ -253,10 +253,14 @@ def test_an_unknown_field_is_logged_once_per_name(live, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="cellbatch.server.app")
     for _ in range(3):
         live.client().completions.create(
-            model=MODEL_NAME, prompt="hi", max_tokens=1, extra_body={"frobnicate": 1}
+            model=MODEL_NAME,
+            prompt="hi",
+            max_tokens=1,
+            extra_body={"frobnicate": 1, "ignore_eos": False},
         )
     said = [r.getMessage() for r in caplog.records if "frobnicate" in r.getMessage()]
     assert len(said) == 1 and "unknown request field" in said[0]
+    assert not any("ignore_eos" in r.getMessage() for r in caplog.records)  # known, asks nothing
 
 
 def test_openapi_documents_the_request_bodies(live) -> None:

@@ -14,9 +14,10 @@ that harms no other request; a `model` that is neither the served name nor one o
 aliases, a 404 `model_not_found`; an unknown top-level field is logged (once per name)
 and otherwise ignored; a body over the limit is a 413; beyond `max_queued_requests`
 waiting requests, a 429 with Retry-After; a missing or wrong key, a 401 (except
-`/health`); an unexpected exception, a 500 for that request alone; a client that
-disconnects cancels its generations within a step. `/openapi.json` documents each
-POST route's request body (exactly the fields read) and its answers.
+`OPEN_PATHS`: the health check and the API's description); an unexpected exception,
+a 500 for that request alone; a client that disconnects cancels its generations within
+a step. `/openapi.json` documents each POST route's request body (exactly the fields
+read) and its answers.
 Never: parses HTTP or frames server-sent events by hand (FastAPI/Starlette and
 `fastapi.sse` do), or touches the engine's internals.
 """
@@ -46,6 +47,7 @@ from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.protocol import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -240,7 +242,9 @@ def _check_fields(
             refused[0],
         )
     for name in request.model_extra or ():
-        if name not in warned and len(warned) < MAX_WARNED_FIELDS:
+        # An unsupported field that passed asks for nothing: not unknown, nothing to say.
+        known = name in UNSUPPORTED_FIELDS or name in warned
+        if not known and len(warned) < MAX_WARNED_FIELDS:
             warned.add(name)
             log.warning("ignoring the unknown request field %r (said once per field name)", name)
 
