@@ -1,12 +1,33 @@
-"""GenerationMetrics and EngineMetrics: counters, derived figures, reports."""
+"""GenerationMetrics and EngineMetrics: counters, derived figures, reports; the
+MetricsLedger that adds the runner's events up."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 
 import pytest
 
-from cellbatch.metrics import EngineMetrics, GenerationMetrics
+from cellbatch.metrics import (
+    Admitted,
+    DeferredForCells,
+    EngineMetrics,
+    GenerationFinished,
+    GenerationMetrics,
+    GenerationStarted,
+    Initialized,
+    MetricsLedger,
+    Preempted,
+    PrefillTurnStarted,
+    PrefixCacheHit,
+    PromptFed,
+    SessionOpened,
+    SessionReclaimed,
+    SessionRefused,
+    StepDone,
+    StepFailed,
+)
 from cellbatch.types import FinishReason
 
 
@@ -119,3 +140,84 @@ def test_copy_is_independent_and_reports_are_readable() -> None:
     encoded = json.loads(json.dumps(metrics.as_dict()))
     assert encoded["finished"]["stop_token"] == 2
     assert "idle_fraction" in encoded and "wall_time" in encoded
+
+
+def test_the_ledger_adds_each_event_to_its_counters() -> None:
+    ledger = MetricsLedger()
+    events = [
+        Initialized(2.5),
+        SessionOpened(),
+        SessionOpened(),
+        SessionRefused(),
+        GenerationStarted(),
+        GenerationStarted(),
+        PrefillTurnStarted(),
+        PromptFed(10),
+        PromptFed(6),
+        Admitted(running=1, recomputed=0),
+        Admitted(running=2, recomputed=7),
+        Admitted(running=1, recomputed=3),
+        PrefixCacheHit(4),
+        DeferredForCells(),
+        Preempted(),
+        SessionReclaimed(),
+        SessionReclaimed(),
+        StepDone(1.0, 1.5, 2, 1, 16, 40, generated_tokens=3),
+        StepFailed(2.0, 2.25),
+        GenerationFinished(FinishReason.TOKEN_LIMIT, 0.5),
+        GenerationFinished(FinishReason.CANCELLED, None),
+    ]
+    for event in events:
+        ledger.record(event)
+    m = ledger.snapshot()
+    assert (m.init_time, m.sessions_opened, m.sessions_refused) == (2.5, 2, 1)
+    assert (m.generations_started, m.prefill_turns, m.prompt_tokens) == (2, 1, 16)
+    assert (m.peak_concurrent_generations, m.recomputed_tokens) == (2, 10)
+    assert (m.prefix_cache_hits, m.prefix_cache_tokens) == (1, 4)
+    assert (m.deferred_for_cells, m.preemptions, m.sessions_reclaimed) == (1, 1, 2)
+    assert (m.steps, m.failed_steps, m.generated_tokens) == (1, 1, 3)
+    assert (m.decode_tokens, m.prefill_tokens, m.mixed_steps, m.context_max) == (2, 16, 1, 40)
+    assert m.wall_time == pytest.approx(1.25)
+    assert m.generations_completed == 2 and m.ttft_count == 1
+    assert m.finished["token_limit"] == 1 and m.finished["cancelled"] == 1
+    # The same figures as the EngineMetrics methods the events stand for.
+    direct = EngineMetrics()
+    direct.record_step(1.0, 1.5, 2, 1, 16, 40)
+    direct.record_failed_step(2.0, 2.25)
+    assert (m.step_time_sum, m.mixed_time, m.last_step_end) == (
+        direct.step_time_sum,
+        direct.mixed_time,
+        direct.last_step_end,
+    )
+
+
+def test_ledger_snapshots_are_copies_and_events_are_frozen() -> None:
+    ledger = MetricsLedger()
+    ledger.record(GenerationFinished(FinishReason.STOP_TOKEN, 0.1))
+    first = ledger.snapshot()
+    first.finished["stop_token"] = 99
+    first.steps = 99
+    ledger.record(GenerationFinished(FinishReason.STOP_TOKEN, 0.2))
+    second = ledger.snapshot()
+    assert second.finished["stop_token"] == 2 and second.steps == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PromptFed(3).tokens = 4  # type: ignore[misc]
+    with pytest.raises(TypeError, match="not a metrics event"):
+        ledger.record(object())  # type: ignore[arg-type]
+
+
+def test_the_ledger_loses_no_event_recorded_from_several_threads() -> None:
+    ledger = MetricsLedger()
+
+    def record() -> None:
+        for _ in range(2000):
+            ledger.record(StepDone(0.0, 0.001, 1, 0, 0, 1, generated_tokens=1))
+            ledger.record(SessionRefused())
+
+    threads = [threading.Thread(target=record) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    m = ledger.snapshot()
+    assert (m.steps, m.generated_tokens, m.sessions_refused) == (8000, 8000, 8000)

@@ -1110,5 +1110,5 @@ def test_a_generation_moves_only_along_its_lifecycle() -> None:
             stuck.status = source
             with pytest.raises(AssertionError, match=f"from {source.name} to {target.name}"):
                 stuck.move(target)
-    with pytest.raises(ValueError, match="SessionStart"):
+    with pytest.raises(ValueError, match="ContextSource"):
         Generation(GenConfig(), None, None, kind=GenerationKind.SUBMISSION)

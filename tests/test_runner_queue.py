@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from cellbatch import GenerationHandle, Runner
+from cellbatch.runner import Occupancy
 from cellbatch.runner.admission import GROWTH_CELLS
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
@@ -100,6 +101,28 @@ def test_submissions_beyond_the_session_limit_wait_and_all_complete(runners) -> 
         assert handle.tokens() == expected_tokens(5 + i, 4)
     assert runner.metrics().peak_concurrent_generations == 3
     assert wait_until(lambda: fake.open_count == 0)  # each submission closed its session
+
+
+def test_occupancy_counts_running_and_waiting_generations_as_of_the_last_step(
+    runners,
+) -> None:
+    fake = FakeExecutor(max_sessions=2)
+    runner, _ = make(runners, fake)
+    seen: list[Occupancy] = []
+    fake.on_execute = lambda batch: seen.append(runner.occupancy())
+    assert runner.occupancy() == Occupancy(running=0, waiting=0)
+    fake.hold()
+    handles = [runner.submit(make_tokens(5), GenConfig(max_new_tokens=4))]
+    assert fake.wait_held()  # step 1 runs the first alone; the others queue behind it
+    handles += [runner.submit(make_tokens(5), GenConfig(max_new_tokens=4)) for _ in range(4)]
+    fake.release()
+    for handle in handles:
+        settle(handle)
+    assert runner.sync(WAIT_S)
+    # Step 2 takes the second (two sessions in all), so step 3 sees two run, three wait.
+    assert seen[1:3] == [Occupancy(1, 0), Occupancy(2, 3)]
+    running, waiting = runner.occupancy()
+    assert (running, waiting) == (0, 0)
 
 
 def test_submissions_start_in_arrival_order(runners) -> None:

@@ -4,9 +4,11 @@
 Modules, each with one job (imports only go down this list):
 - `commands`: the typed commands and the `Inbox` the faces post them to;
 - `handle`: `GenerationHandle`, a caller's view of one generation (threads, asyncio);
-- `generation`: engine-side session and generation state, and how a generation stops;
+- `generation`: engine-side session records and generation state, and how a generation
+  stops;
 - `session`: `Session`, a caller's face for one conversation;
-- `admission`: the waiting queue, admission and the choice of what to preempt;
+- `admission`: the waiting queue, admission, the choice of what to preempt, and the
+  occupancy (running, waiting) the loop publishes;
 - `batch`: the check of an executor's answer to a batch;
 - `sessions`, `tasks`, `pressure`: the engine thread's books of sessions and tasks, and
   what it does when KV cells run short;
@@ -14,7 +16,7 @@ Modules, each with one job (imports only go down this list):
 - `runner`: `Runner`, the face that starts the engine thread and posts to its inbox.
 """
 
-from cellbatch.runner.admission import AdmissionPolicy
+from cellbatch.runner.admission import AdmissionPolicy, Occupancy
 from cellbatch.runner.generation import SettledCallback, UpdateCallback
 from cellbatch.runner.handle import GenerationHandle
 from cellbatch.runner.loop import InitializationState
@@ -25,6 +27,7 @@ __all__ = [
     "AdmissionPolicy",
     "GenerationHandle",
     "InitializationState",
+    "Occupancy",
     "Runner",
     "Session",
     "SettledCallback",

@@ -1,7 +1,8 @@
 """Admission: which waiting generations start, and which running one gives way.
 
 Owns: the queue of generations waiting to run (arrival order; a preempted one goes
-back to its head) and the running generations in the order they were admitted.
+back to its head) and the running generations in the order they were admitted;
+`Occupancy`, how many of each there are at one moment.
 Promises: first come, first served: the head of the queue starts before anything
 behind it; under "optimistic" admission (the default) a generation starts when the
 cells it needs now fit beside a growth reserve of GROWTH_CELLS per generation that
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from typing import NamedTuple
 
 from cellbatch.runner.generation import Generation, GenerationStatus
 
@@ -45,6 +47,13 @@ def cells_to_feed(generation: Generation) -> int:
     return len(state.context) - state.resident + pending_delta
 
 
+class Occupancy(NamedTuple):
+    """Generations running and waiting at one moment (a tuple: `running, waiting = ...`)."""
+
+    running: int
+    waiting: int
+
+
 class Admission:
     """The waiting queue and the running set (engine thread only)."""
 
@@ -59,6 +68,9 @@ class Admission:
 
     def running_count(self) -> int:
         return len(self._running)
+
+    def occupancy(self) -> Occupancy:
+        return Occupancy(len(self._running), len(self.waiting))
 
     def is_running(self, generation: Generation) -> bool:
         return generation in self._running

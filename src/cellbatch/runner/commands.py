@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from cellbatch.types import FinishReason
 
 if TYPE_CHECKING:
-    from cellbatch.runner.generation import Generation, SessionState
+    from cellbatch.runner.generation import Generation, SessionRecord
 
 # Resolves to a `Session` face, or None. `Session` lives in runner.session, which posts
 # these commands: naming it here would be an import cycle.
@@ -34,7 +34,7 @@ class OpenSession:
 
 @dataclass(frozen=True)
 class CloneSession:
-    source: SessionState
+    source: SessionRecord
     upto: int
     future: SessionFuture
 
@@ -54,7 +54,7 @@ class CancelGeneration:
 
 @dataclass(frozen=True)
 class CloseSession:
-    state: SessionState
+    state: SessionRecord
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Engine-side state of sessions and generations, and how a generation stops.
 
-Owns: `SessionState` (a session's whole context and how much of it the executor
-holds) and `Generation` (one turn: its kind, its status, settings, callbacks, handle,
-counters, text stream and stopping rules), plus the checks on a turn's input.
+Owns: `SessionRecord` (a session's whole context and how much of it the executor
+holds), `ContextSource` (where a submission's context comes from) and `Generation`
+(one turn: its kind, its status, settings, callbacks, handle, counters, text stream
+and stopping rules), plus the checks on a turn's input.
 Lifecycle: a generation's `status` (`GenerationStatus`) moves only along `MOVES`, and
 only through `Generation.move`:
 
@@ -47,7 +48,7 @@ UpdateCallback = Callable[[GenerationUpdate], None]
 SettledCallback = Callable[[GenerationHandle], None]
 
 
-class SessionState:
+class SessionRecord:
     """Engine-side truth about one session.
 
     Invariant: `resident <= committed <= len(context)`. `context` is everything the
@@ -94,11 +95,11 @@ class SessionState:
 
 
 @dataclasses.dataclass(frozen=True)
-class SessionStart:
-    """Where a submitted generation's session comes from: a new empty session, or
+class ContextSource:
+    """Where a submitted generation's context comes from: a new empty session, or
     `source`'s first `upto` context tokens (its cells shared where it holds them)."""
 
-    source: SessionState | None = None
+    source: SessionRecord | None = None
     upto: int = 0
 
 
@@ -143,11 +144,11 @@ class Generation:
         on_settled: SettledCallback | None,
         *,
         kind: GenerationKind = GenerationKind.TURN,
-        state: SessionState | None = None,
-        start: SessionStart | None = None,
+        state: SessionRecord | None = None,
+        start: ContextSource | None = None,
     ) -> None:
         if (kind is GenerationKind.SUBMISSION) != (start is not None):
-            raise ValueError("a submission, and only a submission, has a SessionStart")
+            raise ValueError("a submission, and only a submission, has a ContextSource")
         self.kind = kind
         self.status = GenerationStatus.POSTED
         self.state = state

@@ -2,9 +2,10 @@
 (docs/design.md#runner-sessions-and-handles).
 
 Owns: everything the engine thread touches (the executor, the consuming
-side of the scheduler, every session's state and every live generation); the
+side of the scheduler, every session's record and every live generation); the
 waiting queue of generations (through `Admission`), including submitted ones that
-wait for a session of their own.
+wait for a session of their own; the engine's `MetricsLedger`, which it and its
+books record events in; the KV usage and occupancy it publishes after each step.
 Promises: commands from any thread reach the engine through one FIFO inbox and run
 between forwards; every generation settles exactly once, its outcome published
 before waiters wake and before `on_settled`; once a generation has started,
@@ -16,8 +17,8 @@ generation is preempted (its cells dropped, its context recomputed when it
 resumes, its random stream untouched), idle sessions' cells being dropped first.
 Only a generation whose context cannot fit the whole pool fails, with the numbers.
 Never: raises on the engine thread because of a caller or an executor (errors
-become `failed` generations), blocks a caller that closes a session, or runs two
-forwards at once.
+become `failed` generations), blocks a caller that closes a session, runs two
+forwards at once, or changes a counter except by recording an event.
 """
 
 from __future__ import annotations
@@ -31,8 +32,20 @@ from collections.abc import Sequence
 from time import perf_counter
 
 from cellbatch.executor import Executor
-from cellbatch.metrics import EngineMetrics
-from cellbatch.runner.admission import Admission, AdmissionPolicy
+from cellbatch.metrics import (
+    Admitted,
+    EngineMetrics,
+    GenerationFinished,
+    GenerationStarted,
+    Initialized,
+    MetricsLedger,
+    PrefillTurnStarted,
+    PromptFed,
+    SessionRefused,
+    StepDone,
+    StepFailed,
+)
+from cellbatch.runner.admission import Admission, AdmissionPolicy, Occupancy
 from cellbatch.runner.batch import BatchFailure, check_outputs
 from cellbatch.runner.commands import (
     CancelGeneration,
@@ -49,7 +62,7 @@ from cellbatch.runner.generation import (
     Generation,
     GenerationKind,
     GenerationStatus,
-    SessionState,
+    SessionRecord,
 )
 from cellbatch.runner.pressure import KVPressure
 from cellbatch.runner.session import Session, TurnDefaults
@@ -85,8 +98,8 @@ class EngineLoop:
     """The engine thread's side of a Runner: `run()` is the thread's target.
 
     The attributes are engine-thread state, except the ones the face reads or sets
-    from any thread: `stop_requested` (a flag), and the counters, KV snapshot and
-    initialisation outcome behind `status()`-style readers below.
+    from any thread: `stop_requested` (a flag), the ledger, the KV and occupancy
+    snapshot and the initialisation outcome behind the readers below.
     """
 
     def __init__(
@@ -106,25 +119,21 @@ class EngineLoop:
         self.init_state = InitializationState.INITIALIZING
         self.init_error = ""
         self.initialized = threading.Event()
-        self._metrics = EngineMetrics()
+        self._ledger = MetricsLedger()
+        # The KV usage and occupancy stay here, under a lock of their own, rather than
+        # in the ledger: they are the engine's state as of its last step, overwritten
+        # whole at each refresh, not events to add up; in the ledger they would need a
+        # second, non-event way in, and a reader of one would wait on writers of the other.
+        self._published_lock = threading.Lock()
         self._kv: KVUsage | None = None
-        self._load = (0, 0)  # running and waiting generations, as of the last refresh
-        self._metrics_lock = threading.Lock()
+        self._occupancy = Occupancy(0, 0)
         # Invariant: a generation is in _admission iff it is live and has passed its
         # checks; the books' invariants are in their modules.
-        self._sessions = SessionBook(
-            executor, self._metrics, self._metrics_lock, prefix_cache_entries
-        )
+        self._sessions = SessionBook(executor, self._ledger, prefix_cache_entries)
         self._admission = Admission(policy)
         self._tasks = TaskBook(scheduler)
         self._pressure = KVPressure(
-            executor,
-            self._sessions,
-            self._admission,
-            self._tasks,
-            self._metrics,
-            self._metrics_lock,
-            self._fail,
+            executor, self._sessions, self._admission, self._tasks, self._ledger, self._fail
         )
         self._admitted = itertools.count(1)
         self._step_index = 0
@@ -133,22 +142,21 @@ class EngineLoop:
 
     def metrics(self) -> EngineMetrics:
         """A consistent copy of the engine counters."""
-        with self._metrics_lock:
-            return self._metrics.copy()
+        return self._ledger.snapshot()
 
     def kv_usage(self) -> KVUsage | None:
         """The executor's KV cells as of the end of the last step (None: no limit)."""
-        with self._metrics_lock:
+        with self._published_lock:
             return self._kv
 
-    def load(self) -> tuple[int, int]:
+    def occupancy(self) -> Occupancy:
         """Generations running and waiting, as of the end of the last step."""
-        with self._metrics_lock:
-            return self._load
+        with self._published_lock:
+            return self._occupancy
 
     def count_refused_session(self) -> None:
-        with self._metrics_lock:
-            self._metrics.sessions_refused += 1
+        """A caller's open that never reached the engine (the runner had stopped)."""
+        self._ledger.record(SessionRefused())
 
     # -- engine thread: lifecycle ------------------------------------------------
 
@@ -174,8 +182,7 @@ class EngineLoop:
             self.init_state = InitializationState.FAILED
             self.initialized.set()
             return False
-        with self._metrics_lock:
-            self._metrics.init_time = perf_counter() - start
+        self._ledger.record(Initialized(perf_counter() - start))
         self._refresh_kv()
         self.init_state = InitializationState.READY
         self.initialized.set()
@@ -265,7 +272,7 @@ class EngineLoop:
             return
         future.set_result(self._face(state))
 
-    def _clone(self, source: SessionState, upto: int, future: SessionFuture) -> None:
+    def _clone(self, source: SessionRecord, upto: int, future: SessionFuture) -> None:
         if not future.set_running_or_notify_cancel():
             return
         # Unfed tokens and any speculative state beyond `committed` are not committed.
@@ -279,10 +286,10 @@ class EngineLoop:
             return
         future.set_result(self._face(state))
 
-    def _face(self, state: SessionState | None) -> Session | None:
+    def _face(self, state: SessionRecord | None) -> Session | None:
         return None if state is None else Session._bind(self._inbox, state, self._defaults)
 
-    def _close(self, state: SessionState) -> None:
+    def _close(self, state: SessionRecord) -> None:
         """Its face closed the session: end its generation, then close it (once no
         waiting submission still needs to start from it)."""
         if state.closed or state.close_requested:
@@ -309,11 +316,7 @@ class EngineLoop:
         self._admission.enqueue(generation)
 
     def _count_start(self, generation: Generation) -> None:
-        with self._metrics_lock:
-            if generation.feeds_only:
-                self._metrics.prefill_turns += 1
-            else:
-                self._metrics.generations_started += 1
+        self._ledger.record(PrefillTurnStarted() if generation.feeds_only else GenerationStarted())
 
     def _admit(self) -> None:
         """Start waiting generations in arrival order while they can get a session
@@ -360,8 +363,7 @@ class EngineLoop:
                 # last token again, for the logits of the first new token.
                 self._sessions.drop_cells(state, len(state.context) - 1)
             generation.metrics.prompt_tokens = len(state.context) - state.committed
-            with self._metrics_lock:
-                self._metrics.prompt_tokens += generation.metrics.prompt_tokens
+            self._ledger.record(PromptFed(generation.metrics.prompt_tokens))
             try:
                 self._executor.set_sampling(
                     state.sid, generation.config.sampling, generation.config.seed
@@ -369,12 +371,9 @@ class EngineLoop:
             except Exception as exc:
                 self._end(generation, FinishReason.FAILED, f"executor.set_sampling raised {exc!r}")
                 return
-        recomputed = state.committed - state.resident
-        with self._metrics_lock:
-            self._metrics.recomputed_tokens += recomputed
-            self._metrics.peak_concurrent_generations = max(
-                self._metrics.peak_concurrent_generations, self._admission.running_count()
-            )
+        self._ledger.record(
+            Admitted(self._admission.running_count(), state.committed - state.resident)
+        )
         self._submit([(generation, self._tasks.prompt_tasks(generation))])
 
     def _submit(self, work: list[tuple[Generation, list[Task]]]) -> None:
@@ -420,8 +419,7 @@ class EngineLoop:
         return True
 
     def _fail_batch(self, tasks: list[Task], why: str, start: float, end: float) -> None:
-        with self._metrics_lock:
-            self._metrics.record_failed_step(start, end)
+        self._ledger.record(StepFailed(start, end))
         failed: dict[Generation, None] = {}  # ordered set
         for task in tasks:
             generation = self._tasks.take(task.tid)
@@ -468,11 +466,17 @@ class EngineLoop:
                 generated += self._accept(generation, output, end, next_decodes)
             elif generation.feeds_only and state.resident == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
-        with self._metrics_lock:
-            self._metrics.record_step(
-                start, end, decodes, len(prefill_sids), prefill_tokens, sum(context.values())
+        self._ledger.record(
+            StepDone(
+                start,
+                end,
+                decodes,
+                len(prefill_sids),
+                prefill_tokens,
+                sum(context.values()),
+                generated,
             )
-            self._metrics.generated_tokens += generated
+        )
         for generation in cancelled:
             self._end(generation, FinishReason.CANCELLED, "cancelled by the caller")
         if next_decodes:
@@ -552,17 +556,13 @@ class EngineLoop:
             self._sessions.finished(state, reusable=outcome is not FinishReason.FAILED)
         if generation.feeds_only:
             return  # a prefill turn: counted when it started, it has no outcome to record
-        ttft = generation.metrics.ttft
-        with self._metrics_lock:
-            self._metrics.record_finish(outcome)
-            if ttft is not None:
-                self._metrics.record_ttft(ttft)
+        self._ledger.record(GenerationFinished(outcome, generation.metrics.ttft))
 
     def _fail(self, generation: Generation, why: str) -> None:
         self._end(generation, FinishReason.FAILED, why)
 
     def _refresh_kv(self) -> None:
         usage = self._pressure.usage()
-        with self._metrics_lock:
-            self._kv = usage
-            self._load = (self._admission.running_count(), len(self._admission.waiting))
+        occupancy = self._admission.occupancy()
+        with self._published_lock:
+            self._kv, self._occupancy = usage, occupancy

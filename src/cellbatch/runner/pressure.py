@@ -7,21 +7,20 @@ recently used first); a running generation gives way only under "optimistic"
 admission, newest first, going back to the head of the queue with its queued tasks
 cancelled and its cells dropped (its context is recomputed when it resumes); a
 generation that cannot fit even with everything else freed fails with the numbers,
-alone. Every drop and preemption is counted.
+alone. Every drop, deferral and preemption is recorded as an event in the ledger.
 Never: runs a step or settles a generation itself (failures go to the `fail`
-callback it is given).
+callback it is given); holds the metrics or their lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 from cellbatch.executor import Executor
-from cellbatch.metrics import EngineMetrics
+from cellbatch.metrics import DeferredForCells, MetricsLedger, Preempted, SessionReclaimed
 from cellbatch.runner.admission import Admission, AdmissionPolicy
-from cellbatch.runner.generation import Generation, SessionState
+from cellbatch.runner.generation import Generation, SessionRecord
 from cellbatch.runner.sessions import SessionBook
 from cellbatch.runner.tasks import TaskBook
 from cellbatch.types import KVUsage, Task
@@ -36,16 +35,14 @@ class KVPressure:
         sessions: SessionBook,
         admission: Admission,
         tasks: TaskBook,
-        metrics: EngineMetrics,
-        metrics_lock: threading.Lock,
+        ledger: MetricsLedger,
         fail: Callable[[Generation, str], None],
     ) -> None:
         self._executor = executor
         self._sessions = sessions
         self._admission = admission
         self._tasks = tasks
-        self._metrics = metrics
-        self._metrics_lock = metrics_lock
+        self._ledger = ledger
         self._fail = fail
 
     def usage(self) -> KVUsage | None:
@@ -65,8 +62,7 @@ class KVPressure:
             if self._admission.running_count():
                 if not generation.deferred:
                     generation.deferred = True
-                    with self._metrics_lock:
-                        self._metrics.deferred_for_cells += 1
+                    self._ledger.record(DeferredForCells())
                 return False  # running generations will free cells or be preempted
             victim = self._sessions.idle_victim(self._admission.is_running, generation.state)
             reserve = self._admission.policy is AdmissionPolicy.RESERVE
@@ -120,10 +116,8 @@ class KVPressure:
         self._tasks.cancel(state.sid)
         self._sessions.drop_cells(state)
         self._admission.preempt(generation)
-        with self._metrics_lock:
-            self._metrics.preemptions += 1
+        self._ledger.record(Preempted())
 
-    def _reclaim(self, state: SessionState) -> None:
+    def _reclaim(self, state: SessionRecord) -> None:
         self._sessions.reclaim(state)
-        with self._metrics_lock:
-            self._metrics.sessions_reclaimed += 1
+        self._ledger.record(SessionReclaimed())

@@ -9,7 +9,9 @@ handle; `shutdown()` is idempotent, from any thread (also a callback), and waits
 for the full stop except on the engine thread itself; a runner still running when
 the interpreter exits is shut down by an `atexit` hook before finalization, so that
 its engine thread never meets a finalizing interpreter inside a torch call.
-Never: touches engine state; it reads only the loop's published counters.
+Never: touches engine state; it reads only the loop's published figures (the
+counters' snapshot, KV usage, occupancy, initialisation outcome), and records only
+the refusal of an open the stopped engine never saw.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from collections.abc import Sequence
 
 from cellbatch.executor import Executor
 from cellbatch.metrics import EngineMetrics
-from cellbatch.runner.admission import AdmissionPolicy
+from cellbatch.runner.admission import AdmissionPolicy, Occupancy
 from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture, Sync
 from cellbatch.runner.generation import (
+    ContextSource,
     Generation,
     GenerationKind,
-    SessionStart,
     SettledCallback,
     UpdateCallback,
 )
@@ -192,7 +194,7 @@ class Runner:
             on_update,
             on_settled,
             kind=GenerationKind.SUBMISSION,
-            start=SessionStart(source_state, upto),
+            start=ContextSource(source_state, upto),
         )
         if source is not None and (source_state is None or not isinstance(upto, int) or upto < 0):
             generation.handle._bind(generation, None)
@@ -247,9 +249,9 @@ class Runner:
         """The executor's KV cells as of the end of the last step (None: no limit)."""
         return self._loop.kv_usage()
 
-    def load(self) -> tuple[int, int]:
-        """(running, waiting) generations as of the engine's last step."""
-        return self._loop.load()
+    def occupancy(self) -> Occupancy:
+        """Generations running and waiting as of the engine's last step."""
+        return self._loop.occupancy()
 
     def __enter__(self) -> Runner:
         return self

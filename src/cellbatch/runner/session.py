@@ -26,7 +26,7 @@ from cellbatch.runner.commands import (
 from cellbatch.runner.generation import (
     Generation,
     GenerationKind,
-    SessionState,
+    SessionRecord,
     SettledCallback,
     UpdateCallback,
 )
@@ -77,13 +77,13 @@ class Session:
 
     def __init__(self) -> None:
         self._inbox: Inbox | None = None
-        self._state: SessionState | None = None
+        self._state: SessionRecord | None = None
         self._defaults = TurnDefaults()
-        self._closer: weakref.finalize[[Inbox, SessionState], Session] | None = None
+        self._closer: weakref.finalize[[Inbox, SessionRecord], Session] | None = None
         self._closed = False
 
     @classmethod
-    def _bind(cls, inbox: Inbox, state: SessionState, defaults: TurnDefaults) -> Session:
+    def _bind(cls, inbox: Inbox, state: SessionRecord, defaults: TurnDefaults) -> Session:
         session = cls()
         session._inbox, session._state, session._defaults = inbox, state, defaults
         # The finalizer holds the inbox and the state, never the Session itself.
@@ -187,5 +187,5 @@ class Session:
         self.close()
 
 
-def _post_close(inbox: Inbox, state: SessionState) -> None:
+def _post_close(inbox: Inbox, state: SessionRecord) -> None:
     inbox.post(CloseSession(state))

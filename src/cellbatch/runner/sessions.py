@@ -1,25 +1,25 @@
 """The runner's book of open sessions (engine thread only).
 
-Owns: the engine-side state of every session open on the executor, and the
-executor calls that open, copy, truncate and close sessions.
+Owns: the engine-side record (`SessionRecord`) of every session open on the executor,
+the snapshot cache, and the executor calls that open, copy, truncate and close sessions.
 Promises: a state is in the book iff its executor session is open; a copy shares
 the source's cells for the tokens the source holds and feeds the rest later; a
 session whose face closed it stays open while waiting submissions still start from
 it, and the last of them takes it over instead of copying it; every session opened
 is counted once, and every refused request from a caller (a submission that waits
-for a session is not refused).
-Never: ends generations or touches the scheduler; the runner loop does.
+for a session is not refused), as events recorded in the ledger it is given.
+Never: ends generations or touches the scheduler (the runner loop does); holds the
+metrics or their lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable
 
 from cellbatch.executor import Executor
-from cellbatch.metrics import EngineMetrics
-from cellbatch.runner.generation import Generation, SessionStart, SessionState
+from cellbatch.metrics import MetricsLedger, PrefixCacheHit, SessionOpened, SessionRefused
+from cellbatch.runner.generation import ContextSource, Generation, SessionRecord
 from cellbatch.runner.snapshots import SnapshotCache
 from cellbatch.types import SessionId
 
@@ -30,31 +30,29 @@ class SessionBook:
     def __init__(
         self,
         executor: Executor,
-        metrics: EngineMetrics,
-        metrics_lock: threading.Lock,
+        ledger: MetricsLedger,
         snapshots: int = 0,
     ) -> None:
         self._executor = executor
-        self._metrics = metrics
-        self._metrics_lock = metrics_lock
-        self._states: dict[SessionId, SessionState] = {}
+        self._ledger = ledger
+        self._states: dict[SessionId, SessionRecord] = {}
         # Finished submissions kept for their prefix; 0 entries: the cache is off.
         self._snapshots = SnapshotCache(snapshots)
 
     def __len__(self) -> int:
         return len(self._states)
 
-    def get(self, sid: SessionId) -> SessionState | None:
+    def get(self, sid: SessionId) -> SessionRecord | None:
         return self._states.get(sid)
 
-    def states(self) -> Iterable[SessionState]:
+    def states(self) -> Iterable[SessionRecord]:
         return list(self._states.values())
 
-    def open(self) -> SessionState | None:
+    def open(self) -> SessionRecord | None:
         """A new empty session; None when the executor has no room."""
         return self._add(self._executor.open_session(), 0, ())
 
-    def copy(self, source: SessionState, upto: int) -> SessionState | None:
+    def copy(self, source: SessionRecord, upto: int) -> SessionRecord | None:
         """A new session holding `source`'s first `upto` context tokens, sharing the
         cells `source` has for them; None when the executor refuses."""
         shared = min(upto, source.resident)
@@ -63,16 +61,12 @@ class SessionBook:
             state.committed = min(upto, source.committed)
         return state
 
-    def count(self, state: SessionState | None) -> SessionState | None:
+    def count(self, state: SessionRecord | None) -> SessionRecord | None:
         """Count a caller's request for a session as granted or refused."""
-        with self._metrics_lock:
-            if state is None:
-                self._metrics.sessions_refused += 1
-            else:
-                self._metrics.sessions_opened += 1
+        self._ledger.record(SessionRefused() if state is None else SessionOpened())
         return state
 
-    def for_submission(self, generation: Generation) -> SessionState | None:
+    def for_submission(self, generation: Generation) -> SessionRecord | None:
         """The session a submission runs on (opened, copied from its source, or its
         closed source taken over); None when the executor has no session free."""
         start = generation.start
@@ -93,7 +87,7 @@ class SessionBook:
             self.release_source(generation)
         return state
 
-    def finished(self, state: SessionState, reusable: bool) -> None:
+    def finished(self, state: SessionRecord, reusable: bool) -> None:
         """A submission's session after its generation: kept as a snapshot of what its
         cells hold when the cache is on and the session is `reusable`, else closed."""
         if not reusable or self._snapshots.capacity == 0 or state.resident == 0:
@@ -104,7 +98,7 @@ class SessionBook:
         for evicted in self._snapshots.keep(state):
             self.close(evicted)
 
-    def _from_snapshot(self, generation: Generation) -> SessionState | None:
+    def _from_snapshot(self, generation: Generation) -> SessionRecord | None:
         """A copy of the snapshot sharing the longest prefix with the prompt; the
         generation then feeds only the rest."""
         if generation.config.sampling.prompt_logprobs is not None:
@@ -117,9 +111,7 @@ class SessionBook:
         if state is not None:
             generation.delta = generation.delta[matched:]
             generation.metrics.cached_tokens = matched
-            with self._metrics_lock:
-                self._metrics.prefix_cache_hits += 1
-                self._metrics.prefix_cache_tokens += matched
+            self._ledger.record(PrefixCacheHit(matched))
         return state
 
     def hold_source(self, generation: Generation) -> None:
@@ -140,14 +132,14 @@ class SessionBook:
         if source.clone_waiters == 0 and source.close_requested:
             self.close(source)
 
-    def close_when_free(self, state: SessionState) -> None:
+    def close_when_free(self, state: SessionRecord) -> None:
         """The face closed the session: close it now, or once no waiting submission
         starts from it."""
         state.close_requested = True
         if state.clone_waiters == 0:
             self.close(state)
 
-    def close(self, state: SessionState) -> None:
+    def close(self, state: SessionRecord) -> None:
         if state.closed:
             return
         self._snapshots.remove(state)
@@ -158,7 +150,7 @@ class SessionBook:
         except Exception:
             log.exception("executor.close_session(%d) raised", state.sid)
 
-    def reclaim(self, state: SessionState) -> None:
+    def reclaim(self, state: SessionRecord) -> None:
         """Free an idle session's cells for others: a snapshot goes (it exists only
         for its cells), any other session keeps its context to feed again later."""
         if state in self._snapshots:
@@ -166,15 +158,15 @@ class SessionBook:
         else:
             self.drop_cells(state)
 
-    def drop_cells(self, state: SessionState, length: int = 0) -> None:
+    def drop_cells(self, state: SessionRecord, length: int = 0) -> None:
         """Keep only the session's first `length` positions in cells (cells it shares
         stay with the other owners); its next turn feeds the rest again."""
         self._executor.truncate(state.sid, length)
         state.resident = length
 
     def idle_victim(
-        self, is_running: Callable[[Generation], bool], exclude: SessionState | None
-    ) -> SessionState | None:
+        self, is_running: Callable[[Generation], bool], exclude: SessionRecord | None
+    ) -> SessionRecord | None:
         """The session whose cells go first: the least recently used snapshot, else the
         least recently used session holding cells with no running generation, that no
         waiting submission starts from."""
@@ -191,7 +183,7 @@ class SessionBook:
         ]
         return min(candidates, key=lambda state: state.last_used, default=None)
 
-    def _take_over(self, source: SessionState, upto: int) -> SessionState:
+    def _take_over(self, source: SessionRecord, upto: int) -> SessionRecord:
         if upto < source.resident:
             self.drop_cells(source, upto)
         del source.context[upto:]
@@ -201,14 +193,14 @@ class SessionBook:
 
     def _add(
         self, sid: SessionId | None, resident: int, context: Iterable[int]
-    ) -> SessionState | None:
+    ) -> SessionRecord | None:
         if sid is None:
             return None
-        state = SessionState(sid, list(context), resident)
+        state = SessionRecord(sid, list(context), resident)
         self._states[sid] = state
         return state
 
 
-def _source_of(start: SessionStart | None) -> SessionState:
+def _source_of(start: ContextSource | None) -> SessionRecord:
     assert start is not None and start.source is not None
     return start.source

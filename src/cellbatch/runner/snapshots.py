@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cellbatch.runner.generation import SessionState
+from cellbatch.runner.generation import SessionRecord
 from cellbatch.types import Token
 
 # A shorter match saves less than the copy and bookkeeping cost.
@@ -37,16 +37,16 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
 class SnapshotCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[Token, ...], SessionState] = OrderedDict()
+        self._entries: OrderedDict[tuple[Token, ...], SessionRecord] = OrderedDict()
         self._arrays: dict[tuple[Token, ...], np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, state: SessionState) -> bool:
+    def __contains__(self, state: SessionRecord) -> bool:
         return any(entry is state for entry in self._entries.values())
 
-    def keep(self, state: SessionState) -> list[SessionState]:
+    def keep(self, state: SessionRecord) -> list[SessionRecord]:
         """Add an idle session holding exactly `state.context[:state.resident]`; returns
         the sessions to close: the new one if its key is held already (that entry is
         refreshed instead), or the least recently used beyond capacity."""
@@ -61,7 +61,7 @@ class SnapshotCache:
             evicted.append(self._pop_oldest())
         return evicted
 
-    def longest_prefix(self, prompt: Sequence[Token]) -> tuple[SessionState, int] | None:
+    def longest_prefix(self, prompt: Sequence[Token]) -> tuple[SessionRecord, int] | None:
         """The snapshot sharing the longest prefix with `prompt`, and that length."""
         if not self._entries or len(prompt) <= MIN_MATCH:
             return None
@@ -76,7 +76,7 @@ class SnapshotCache:
         self._entries.move_to_end(best[0])
         return self._entries[best[0]], best[1]
 
-    def remove(self, state: SessionState) -> bool:
+    def remove(self, state: SessionRecord) -> bool:
         for key, entry in self._entries.items():
             if entry is state:
                 del self._entries[key]
@@ -84,13 +84,13 @@ class SnapshotCache:
                 return True
         return False
 
-    def pop_oldest(self) -> SessionState | None:
+    def pop_oldest(self) -> SessionRecord | None:
         return self._pop_oldest() if self._entries else None
 
-    def oldest(self) -> SessionState | None:
+    def oldest(self) -> SessionRecord | None:
         return next(iter(self._entries.values()), None)
 
-    def _pop_oldest(self) -> SessionState:
+    def _pop_oldest(self) -> SessionRecord:
         key, state = self._entries.popitem(last=False)
         del self._arrays[key]
         return state
