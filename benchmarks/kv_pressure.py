@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
+from cellbatch.bench.peers import cellbatch_generate, progress
+from cellbatch.bench.report import Agreement, compare, dump_json
+from cellbatch.bench.throughput import _cpu_name, _load_average
+from cellbatch.bench.workload import CHAT_PROMPTS, WARMUP_PROMPTS, WARMUP_TOKENS
 from cellbatch.metrics import EngineMetrics
 from cellbatch.types import QUANTIZE_CHOICES, GenConfig, Token
-from throughput import _cpu_name, _load_average
-from throughput_peers import cellbatch_generate, progress
-from throughput_report import Agreement, compare, dump_json
-from throughput_workload import CHAT_PROMPTS, WARMUP_PROMPTS, WARMUP_TOKENS
 
 OPTIMISTIC = "optimistic"
 RESERVE = "reserve"

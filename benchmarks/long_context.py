@@ -42,14 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from cellbatch.bench.peers import load_transformers_model
+from cellbatch.bench.workload import CHAT_PROMPTS
 from cellbatch.cache import CellCache, KVPool
 from cellbatch.engine import DEFAULT_MAX_BATCH_TOKENS
 from cellbatch.model.default import default_model_path
 from cellbatch.model.transformer import cpu_has_fast_bf16
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import FinishReason, GenConfig, Token
-from throughput_peers import load_transformers_model
-from throughput_workload import CHAT_PROMPTS
 
 PREFILL_ROWS = ((1, 500), (1, 2000), (1, 4000), (8, 1000))
 QUICK_PREFILL_ROWS = ((1, 500), (2, 300))

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
+from cellbatch.bench.peers import cellbatch_generate, decode_sweep_point, progress
+from cellbatch.bench.workload import CHAT_PROMPTS, WARMUP_TOKENS
 from cellbatch.types import QUANTIZE_CHOICES, GenConfig
-from throughput_peers import cellbatch_generate, decode_sweep_point, progress
-from throughput_workload import CHAT_PROMPTS, WARMUP_TOKENS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = ("module", "program")

@@ -47,11 +47,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One format, in this process (the child side)."""
     import torch
 
+    from cellbatch.bench.peers import cellbatch_generate, decode_sweep_point
+    from cellbatch.bench.workload import CHAT_PROMPTS, WARMUP_TOKENS
     from cellbatch.engine import Engine
     from cellbatch.model.default import default_model_path
     from cellbatch.types import GenConfig
-    from throughput_peers import cellbatch_generate, decode_sweep_point
-    from throughput_workload import CHAT_PROMPTS, WARMUP_TOKENS
 
     torch.set_num_threads(args.threads)
     program = args.child.endswith(".pt2")

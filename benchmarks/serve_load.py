@@ -33,8 +33,8 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cellbatch.bench.workload import CHAT_PROMPTS
 from cellbatch.types import QUANTIZE_CHOICES
-from throughput_workload import CHAT_PROMPTS
 
 STARTUP_TIMEOUT_S = 300.0
 

@@ -1,4 +1,5 @@
-"""Fixtures of the benchmark tests: a tiny random chat model the benchmarks can run on."""
+"""Fixtures shared by the test folders: a tiny random chat model the benchmarks (the
+packaged throughput benchmark, cellbatch.bench, and the scripts of benchmarks/) run on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from throughput_workload import CHAT_PROMPTS
+from cellbatch.bench.workload import CHAT_PROMPTS
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The throughput benchmark (benchmarks/throughput*.py): prompt set, agreement, engine
+"""The throughput benchmark (cellbatch.bench): prompt set, agreement, engine
 windows, ratios, JSON, the matplotlib plot, options, one end-to-end run on a tiny random
 model, and the `cellbatch bench` entry that runs it."""
 
@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import throughput
-import throughput_peers as peers
-import throughput_plot as plot
-import throughput_report as report_module
-import throughput_workload as workload
+import cellbatch.bench.peers as peers
+import cellbatch.bench.plot as plot
+import cellbatch.bench.report as report_module
+import cellbatch.bench.workload as workload
 from cellbatch import cli
-from cellbatch.metrics import EngineMetrics
-from throughput_plot import Series
-from throughput_report import (
+from cellbatch.bench import throughput
+from cellbatch.bench.plot import Series
+from cellbatch.bench.report import (
     Agreement,
     BenchReport,
     ConcurrencyPoint,
@@ -27,7 +26,7 @@ from throughput_report import (
     EngineWindow,
     PeerRun,
 )
-from throughput_workload import (
+from cellbatch.bench.workload import (
     CELLBATCH,
     CELLBATCH_UNSHARED,
     CHAT_PROMPTS,
@@ -35,6 +34,7 @@ from throughput_workload import (
     PADDED,
     SINGLE,
 )
+from cellbatch.metrics import EngineMetrics
 
 # -- prompt set --------------------------------------------------------------------
 
@@ -341,7 +341,7 @@ def test_reference_is_the_single_run_else_the_padded_one() -> None:
 # -- `cellbatch bench` -----------------------------------------------------------------
 
 
-def test_cellbatch_bench_runs_the_checkout_script(
+def test_cellbatch_bench_runs_the_packaged_benchmark(
     tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -355,14 +355,3 @@ def test_cellbatch_bench_runs_the_checkout_script(
     assert cli.main(argv) == 0
     data = json.loads(output.read_text())
     assert data["peers"] == {} and data["options"]["prompts"] == 2
-
-
-def test_cellbatch_bench_without_the_checkout_says_what_to_do(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    installed = tmp_path / "site-packages" / "cellbatch" / "cli" / "__init__.py"
-    monkeypatch.setattr(cli, "__file__", str(installed))
-    assert cli.main(["bench", "--quick"]) == 2
-    error = capsys.readouterr().err
-    assert "source" in error and "pip install -e '.[bench]'" in error
-    assert "python benchmarks/throughput.py" in error

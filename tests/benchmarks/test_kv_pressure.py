@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import kv_pressure
+from cellbatch.bench.report import Divergence
 from cellbatch.runner.admission import GROWTH_CELLS
 from kv_pressure import OPTIMISTIC, RESERVE, ModeRun, PressureReport
-from throughput_report import Divergence
 
 # -- options -----------------------------------------------------------------------
 

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from cellbatch.types import FinishReason, GenConfig, Token
-from throughput_report import Agreement, ConcurrencyPoint, EngineWindow, PeerRun
-from throughput_workload import (
+from cellbatch.bench.report import Agreement, ConcurrencyPoint, EngineWindow, PeerRun
+from cellbatch.bench.workload import (
     CELLBATCH,
     CELLBATCH_UNSHARED,
     CONTINUOUS,
@@ -38,11 +37,15 @@ from throughput_workload import (
     WARMUP_PROMPTS,
     WARMUP_TOKENS,
 )
+from cellbatch.types import FinishReason, GenConfig, Token
 
 # Tokens per page of transformers' paged cache in `generate_batch`.
 CONTINUOUS_PAGE_SIZE = 32
 
 GenerateFn = Callable[[Sequence[Sequence[Token]], int], list[list[Token]]]
+
+# A transformers causal LM (untyped: transformers ships no type information for it).
+HFModel = Any
 
 
 def progress(message: str) -> None:
@@ -57,7 +60,7 @@ def until_stop(tokens: Sequence[Token], stop_tokens: frozenset[Token]) -> list[T
     return [int(t) for t in tokens]
 
 
-def load_transformers_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+def load_transformers_model(path: Path, dtype: torch.dtype) -> HFModel:
     """The same checkpoint through transformers (a GGUF is dequantised as cellbatch does)."""
     from transformers import AutoModelForCausalLM
 
@@ -68,13 +71,13 @@ def load_transformers_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(
         str(files.folder), dtype=dtype, attn_implementation="sdpa", **extra
     )
-    return model.eval()
+    return model.eval()  # type: ignore[no-untyped-call]
 
 
 def greedy_config(max_new_tokens: int, stop_tokens: frozenset[Token], pad: Token) -> Any:
     from transformers import GenerationConfig
 
-    return GenerationConfig(
+    return GenerationConfig(  # type: ignore[no-untyped-call]
         max_new_tokens=max_new_tokens,
         do_sample=False,
         num_beams=1,
@@ -97,7 +100,7 @@ def left_padded(
 
 
 def transformers_single(
-    model: torch.nn.Module, prompts: Sequence[Sequence[Token]], config: Any, stop: frozenset[Token]
+    model: HFModel, prompts: Sequence[Sequence[Token]], config: Any, stop: frozenset[Token]
 ) -> list[list[Token]]:
     """Each prompt alone, batch 1, no padding: the reference greedy tokens."""
     outputs = []
@@ -112,7 +115,7 @@ def transformers_single(
 
 
 def transformers_padded(
-    model: torch.nn.Module, prompts: Sequence[Sequence[Token]], config: Any, stop: frozenset[Token]
+    model: HFModel, prompts: Sequence[Sequence[Token]], config: Any, stop: frozenset[Token]
 ) -> list[list[Token]]:
     """All prompts as one left-padded batch."""
     ids, mask = left_padded(prompts, config.pad_token_id)
@@ -122,7 +125,7 @@ def transformers_padded(
 
 
 def transformers_continuous(
-    model: torch.nn.Module,
+    model: HFModel,
     prompts: Sequence[Sequence[Token]],
     config: Any,
     stop: frozenset[Token],
@@ -225,7 +228,7 @@ def _wait_all(handles: Sequence[Any], expected: FinishReason) -> None:
 
 
 def probe_divergences(
-    model: torch.nn.Module,
+    model: HFModel,
     prompts: Sequence[Sequence[Token]],
     reference: Sequence[Sequence[Token]],
     agreement: Agreement,
@@ -273,7 +276,7 @@ def time_peer(peer: Peer, prompts: Sequence[Sequence[Token]], max_new_tokens: in
 
 def transformers_peer(
     name: str,
-    model: torch.nn.Module,
+    model: HFModel,
     count: int,
     stop: frozenset[Token],
     pad: Token,

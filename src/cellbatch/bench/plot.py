@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from throughput_report import BenchReport
+from cellbatch.bench.report import BenchReport
 
 # Inches at DPI dots per inch: a 900x500 pixel PNG.
 FIGURE_SIZE = (9.0, 5.0)

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cellbatch.bench.workload import CELLBATCH, CHAT_PROMPTS, REFERENCES
 from cellbatch.metrics import EngineMetrics
 from cellbatch.types import Token
-from throughput_workload import CELLBATCH, CHAT_PROMPTS, REFERENCES
 
 if TYPE_CHECKING:
-    from throughput_workload import BenchOptions
+    from cellbatch.bench.workload import BenchOptions
 
 # The parity rule of the default-model test: a divergence is excused only when the
 # reference's two best logits there are closer than this and our token is one of them.

@@ -9,9 +9,9 @@ against transformers' one-prompt-at-a-time tokens (its padded batch's when that 
 skipped). Prints a table, writes benchmarks/results/throughput-<dtype>[-quick].json and
 a PNG beside it (matplotlib: the `cellbatch[bench]` extra).
 
-Usage: .venv/bin/python benchmarks/throughput.py [--dtype float32|bfloat16] [--threads N]
-       [--quick] [--model PATH] [--output-json PATH]   (--help for the rest)
-`cellbatch bench [options]` runs this script from the source checkout.
+Usage: cellbatch bench [--dtype float32|bfloat16] [--threads N] [--quick] [--model PATH]
+       [--output-json PATH]   (--help for the rest); in a checkout also
+       `python benchmarks/throughput.py [options]`.
 
 Owns: one benchmark run (which peers run, in what order, on which engine) and its exit
 status; the run's environment (versions, CPU, load).
@@ -27,15 +27,14 @@ from __future__ import annotations
 import copy
 import os
 import platform
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cellbatch.types import Token
-from throughput_peers import (
+from cellbatch.bench.peers import (
+    HFModel,
     cellbatch_peer,
     decode_sweep_point,
     load_transformers_model,
@@ -44,8 +43,8 @@ from throughput_peers import (
     time_peer,
     transformers_peer,
 )
-from throughput_report import BenchReport, compare, format_report, write_json
-from throughput_workload import (
+from cellbatch.bench.report import BenchReport, compare, format_report, write_json
+from cellbatch.bench.workload import (
     CELLBATCH,
     CELLBATCH_UNSHARED,
     CHAT_PROMPTS,
@@ -58,6 +57,7 @@ from throughput_workload import (
     BenchOptions,
     parse_options,
 )
+from cellbatch.types import Token
 
 
 def run_benchmark(options: BenchOptions) -> BenchReport:
@@ -82,7 +82,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
     hf_names = [name for name in (SINGLE, PADDED, CONTINUOUS) if name not in options.skip]
     if hf_names or options.fp32_baseline:
 
-        def run_transformers() -> torch.nn.Module:
+        def run_transformers() -> HFModel:
             progress(f"loading {path} in transformers")
             fp32_model = load_transformers_model(path, torch.float32)
             reference = fp32_model
@@ -180,20 +180,16 @@ def _cpu_name() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`benchmarks/throughput.py [options]`; 0 when every part ran, 1 when one failed."""
+    """`cellbatch bench [options]`; 0 when every part ran, 1 when one failed."""
     options = parse_options(argv)
     report = run_benchmark(options)
     print(format_report(report))
     write_json(report, options.output_json)
     progress(f"figures written to {options.output_json}")
     if options.plot is not None and (report.sweep or any(run.ok for run in report.runs)):
-        from throughput_plot import write_plot  # matplotlib loads only when a plot is drawn
+        from cellbatch.bench.plot import write_plot  # matplotlib loads only when a plot is drawn
 
         write_plot(report, options.plot)
         progress(f"plot written to {options.plot}")
     failed = report.sweep_error or any(not run.ok for run in report.runs)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

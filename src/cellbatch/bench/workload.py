@@ -1,5 +1,5 @@
 """The throughput benchmark's workload: its chat prompts, the peers it can time, its sizes,
-and its command-line options (`benchmarks/throughput.py`, also `cellbatch bench`).
+and its command-line options (`cellbatch bench`, also `benchmarks/throughput.py`).
 
 Owns: the 32 chat prompts; the peers' and the sweep's names; the default, --quick and
 warm-up sizes; `BenchOptions` and the parsing of the options into it.
@@ -256,7 +256,7 @@ def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
         parser.error(f"--max-new-tokens must be >= 1, got {max_new}")
     if args.max_batch_tokens < 2:
         parser.error(f"--max-batch-tokens must be >= 2, got {args.max_batch_tokens}")
-    sessions = QUICK_SESSIONS if args.quick else DEFAULT_SESSIONS
+    sessions: tuple[int, ...] = QUICK_SESSIONS if args.quick else DEFAULT_SESSIONS
     if args.sessions is not None:
         try:
             sessions = tuple(int(word) for word in args.sessions.split(","))
