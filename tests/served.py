@@ -34,7 +34,7 @@ class LiveServer:
         return openai.OpenAI(base_url=self.base_url + "/v1", **{"api_key": API_KEY, **options})
 
     def kv_cells_in_use(self) -> int:
-        return self.engine.kv_usage()["cells_in_use"]
+        return self.engine.kv_usage().cells_in_use
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cellbatch.engine import Engine, EngineShape
+from cellbatch.engine import Engine, EngineShape, ModuleBackend
 from cellbatch.model.loading import load_model
 from cellbatch.types import FinishReason, GenConfig, SamplingParams
 from tiny_models import (
@@ -90,7 +90,7 @@ def make_engine(llama) -> Iterator[Callable[..., Engine]]:
 
     def make(**shape: object) -> Engine:
         config, module = llama
-        engines.append(Engine(module, config, None, shape=EngineShape(**shape)))
+        engines.append(Engine(ModuleBackend(module, config), None, shape=EngineShape(**shape)))
         return engines[-1]
 
     yield make
@@ -213,7 +213,7 @@ def test_no_cell_is_in_use_once_every_session_has_closed(make_engine) -> None:
         assert engine.executor.cache.used_cells() == 40 + 8 - 1
         clone.close()
     assert wait_until(lambda: engine.executor.cache.used_cells() == 0)
-    assert engine.kv_usage()["cells_in_use"] == 0
+    assert engine.kv_usage().cells_in_use == 0
 
 
 def test_generate_returns_once_its_sessions_cells_are_back(make_engine) -> None:
@@ -221,7 +221,7 @@ def test_generate_returns_once_its_sessions_cells_are_back(make_engine) -> None:
     for round_ in range(5):
         generate(engine, random_prompts(PROMPT_LENGTHS, seed=20 + round_), 8)
         # At once: no wait_until. Before, it could read hundreds of cells for ~50 ms.
-        assert engine.kv_usage()["cells_in_use"] == 0
+        assert engine.kv_usage().cells_in_use == 0
         assert engine.executor.cache.used_cells() == 0
 
 
@@ -231,10 +231,10 @@ def test_cells_are_reused_across_rounds(make_engine) -> None:
     marks = []
     for _ in range(3):
         generate(engine, prompts, 16)
-        assert wait_until(lambda: engine.kv_usage()["cells_in_use"] == 0)
+        assert wait_until(lambda: engine.kv_usage().cells_in_use == 0)
         usage = engine.kv_usage()
         high_water = engine.executor.cache.high_water()
-        marks.append((high_water, usage["pool_rows"], usage["growth_count"]))
+        marks.append((high_water, usage.pool_rows, usage.growth_count))
     # At most every token of one round at once; later rounds take the freed cells again.
     assert marks[0][0] <= sum(PROMPT_LENGTHS) + 16 * len(PROMPT_LENGTHS) + 1
     assert marks[0] == marks[1] == marks[2]
@@ -285,7 +285,7 @@ def test_a_common_prefix_is_fed_once_and_changes_no_token(make_engine, max_sessi
     assert after.prefill_turns - before.prefill_turns == (1 if reused else 0)
     fed = sum(map(len, prompts)) - (len(prompts) - 1) * reused
     assert after.prefill_tokens - before.prefill_tokens == fed
-    assert wait_until(lambda: engine.kv_usage()["cells_in_use"] == 0)
+    assert wait_until(lambda: engine.kv_usage().cells_in_use == 0)
 
 
 def test_seeded_sampling_draws_the_same_tokens_with_a_shared_prefix(make_engine) -> None:
@@ -419,7 +419,7 @@ def test_default_model_batch_invariance(default_engine: Engine) -> None:
     assert generate(engine, [*others, target], new_tokens)[-1] == alone
     for chunk in (16, 64, 256):
         shape = EngineShape(max_sessions=32, max_prefill_chunk=chunk, max_batch_tokens=chunk + 32)
-        with Engine(engine.model, engine.config, engine.tokenizer, shape=shape) as chunked:
+        with Engine(engine.backend, engine.tokenizer, shape=shape) as chunked:
             assert generate(chunked, [target], new_tokens)[0] == alone
 
 

@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"server"},
     {"distributed"},
+    {"bench"},
     {"cli"},
     {""},  # the package's own __init__: the public API
 ]

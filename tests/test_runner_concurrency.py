@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from cellbatch.engine import Engine, EngineShape
+from cellbatch.engine import Engine, EngineShape, ModuleBackend
 from cellbatch.model.loading import load_model
 from cellbatch.runner import GenerationHandle, Session
 from cellbatch.types import FinishReason, GenConfig, GenerationUpdate
@@ -47,7 +47,7 @@ def engine(llama) -> Iterator[Engine]:
     config, module = llama
     # Room for about four sessions' contexts: the clients' load preempts.
     shape = EngineShape(max_sessions=16, max_cells=400, max_batch_tokens=64)
-    made = Engine(module, config, None, shape=shape)
+    made = Engine(ModuleBackend(module, config), None, shape=shape)
     yield made
     made.close()
     torch.set_num_threads(before)
@@ -162,7 +162,7 @@ def test_concurrent_clients_with_cancels_clones_closes_and_raising_callbacks(eng
         assert all(count == 1 for count in client.settle_counts.values())
     metrics = engine.metrics()
     assert metrics.preemptions + metrics.sessions_reclaimed > 0, "the pool was never short"
-    assert wait_until(lambda: engine.kv_usage()["cells_in_use"] == 0)
+    assert wait_until(lambda: engine.kv_usage().cells_in_use == 0)
     reasons = {turn.reason for client in clients for turn in client.turns}
     assert {FinishReason.CANCELLED, FinishReason.FAILED, FinishReason.TOKEN_LIMIT} <= reasons
 

@@ -37,6 +37,34 @@ QUANTIZE_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
 @dataclass(frozen=True)
+class ModelGeometry:
+    """A model's sizes as every layer below the model code needs them: the vocabulary,
+    the positions, the attention heads and what one KV cell holds. The one geometry
+    type: a model's config (`cellbatch.model.config.ModelConfig.geometry`) and a
+    program's manifest both give one; the KV pool, the executors and the attention op
+    read it."""
+
+    vocab_size: int
+    max_positions: int  # positions the model takes: [0, max_positions)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for full
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def heads_per_kv_head(self) -> int:
+        """Query heads that share one KV head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.head_dim**-0.5)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one generation picks its tokens, and what it reports about them.
 

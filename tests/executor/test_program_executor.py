@@ -10,6 +10,7 @@ are refused with the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,6 @@ from cellbatch.export.manifest import (
     PREFILL,
     Manifest,
     MethodSpec,
-    ModelGeometry,
 )
 from cellbatch.export.program import Program
 from cellbatch.model.attention import QUERY_BLOCK
@@ -129,17 +129,7 @@ def stand_in_program(
         cellbatch_version="test",
         torch_version=torch.__version__,
         cpu_capability="DEFAULT",
-        model=ModelGeometry(
-            vocab_size=CONFIG.vocab_size,
-            max_positions=max_positions,
-            num_layers=CONFIG.num_layers,
-            num_heads=CONFIG.num_heads,
-            num_kv_heads=CONFIG.num_kv_heads,
-            head_dim=CONFIG.head_dim,
-            hidden_size=CONFIG.hidden_size,
-            layer_windows=list(CONFIG.layer_windows),
-            eos_token_ids=[],
-        ),
+        model=dataclasses.replace(CONFIG.geometry, max_positions=max_positions, eos_token_ids=()),
         dtype="float32",
         kv_dtype="float32",
         methods=methods,

@@ -9,9 +9,20 @@ import torch
 
 from cellbatch.cache import CellCache
 from cellbatch.model import ops
-from cellbatch.model.attention import CellAttention, HeadShape
+from cellbatch.model.attention import CellAttention
+from cellbatch.types import ModelGeometry
 
-HEADS = HeadShape(num_heads=6, num_kv_heads=2, head_dim=32)
+HEADS = ModelGeometry(
+    vocab_size=16,
+    max_positions=1024,
+    num_layers=1,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=32,
+    hidden_size=192,
+    layer_windows=(None,),
+    eos_token_ids=(),
+)
 
 
 @pytest.fixture
@@ -75,8 +86,8 @@ def reference(cells: Cells, q: torch.Tensor, owners, positions, window, dtype) -
         keys = cells.k[seq_cells[low:]].to(dtype).double()  # [n, kv_heads, D]
         values = cells.v[seq_cells[low:]].to(dtype).double()
         for head in range(HEADS.num_heads):
-            kv = head // HEADS.share
-            scores = keys[:, kv] @ q[row, head].double() * HEADS.scale
+            kv = head // HEADS.heads_per_kv_head
+            scores = keys[:, kv] @ q[row, head].double() * HEADS.attention_scale
             weights = torch.softmax(scores, dim=0)
             out[row, head * HEADS.head_dim : (head + 1) * HEADS.head_dim] = weights @ values[:, kv]
     return out

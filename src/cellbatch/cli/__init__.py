@@ -1,6 +1,6 @@
 """The `cellbatch` command line: `run` (a list of prompts through one model), `serve`,
 `export` (a model compiled into a program file that `run --model` runs) and `bench`
-(throughput against transformers: runs benchmarks/throughput.py of the source checkout).
+(throughput against transformers: `cellbatch.bench`).
 
 Modules, each with one job (imports only go down this list):
 - `options`: the engine options every command shares, their checks, loading the engine;
@@ -32,25 +32,14 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        # The benchmark is not part of the package: it lives in the source checkout.
-        import runpy
+        from cellbatch.bench.throughput import main as bench
 
-        script = Path(__file__).resolve().parents[3] / "benchmarks" / "throughput.py"
-        if not script.is_file():
-            print(
-                f"cellbatch bench: error: no {script}: the benchmark ships with cellbatch's "
-                "source, not with the installed package. In a checkout, run "
-                "`pip install -e '.[bench]'`, then `cellbatch bench` or "
-                "`python benchmarks/throughput.py`.",
-                file=sys.stderr,
-            )
-            return 2
-        sys.path.insert(0, str(script.parent))  # its sibling modules
-        return runpy.run_path(str(script))["main"](argv[1:])
+        return bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        status: int = args.func(args)
+        return status
     except UsageError as error:
         print(f"cellbatch: error: {error}", file=sys.stderr)
         return 2

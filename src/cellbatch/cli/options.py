@@ -127,7 +127,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str, int]:
+def engine_shape(args: argparse.Namespace, max_sessions: int | None) -> dict[str, Any]:
     """The EngineShape fields the user set."""
     return {
         name: value
@@ -155,7 +155,7 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def load_engine(args: argparse.Namespace, shape: dict[str, int], **options: Any) -> Engine:
+def load_engine(args: argparse.Namespace, shape: dict[str, Any], **options: Any) -> Engine:
     """The Engine the shared options ask for; a bad option is a UsageError, before anything
     loads. Unless --quiet, each phase of the load says what it did on stderr."""
     check_engine_options(args)

@@ -79,7 +79,7 @@ def build_report(run: RunRecord, engine: Engine, metrics: EngineMetrics) -> dict
     return {
         "generations": generations,
         "memory": run.memory,
-        "kv": engine.kv_usage(),
+        "kv": asdict(engine.kv_usage()),
         "weights_bytes": engine.weights_bytes,
         "config": {
             "model": str(engine.model_path),

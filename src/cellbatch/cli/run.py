@@ -169,6 +169,8 @@ def _encode(
             failures[index] = f"{prompt.source}: {prompt.problem}"
         elif prompt.tokens is not None:
             inputs.append((index, prompt.tokens))
+        elif prompt.text is None:
+            raise AssertionError(f"{prompt.source}: a prompt line holds text or tokens")
         elif engine.tokenizer is None:
             failures[index] = f"{prompt.source}: this model has no tokenizer for text prompts"
         elif prompt.chat and not engine.tokenizer.has_chat_template:
@@ -197,7 +199,8 @@ class _progress:
         return self if self._bar is not None else None
 
     def __call__(self, tokens: int) -> None:
-        self._bar.update(tokens)
+        if self._bar is not None:
+            self._bar.update(tokens)
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:

@@ -16,7 +16,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from cellbatch.cli.options import (
     UsageError,
@@ -25,6 +25,10 @@ from cellbatch.cli.options import (
     load_engine,
     model_options,
 )
+
+if TYPE_CHECKING:
+    from cellbatch.distributed.backend import ReplicaBackend
+    from cellbatch.engine import Engine
 
 
 def serve_command(args: argparse.Namespace) -> NoReturn:
@@ -41,16 +45,20 @@ def serve_command(args: argparse.Namespace) -> NoReturn:
 
     from cellbatch.server.app import ServerSettings, serve
 
+    backend: Engine | ReplicaBackend
+    model: Path | str | None
     if args.replicas is None:
-        backend = load_engine(
+        engine = load_engine(
             args,
             engine_shape(args, args.max_sessions),
             prefix_cache_entries=args.prefix_cache_entries,
         )
-        model, shape, where = backend.model_path, backend.shape, ""
+        backend = engine
+        model, shape, where = engine.model_path, engine.shape, ""
     else:
-        backend = _start_replicas(args)
-        info = backend.replicas.info
+        replicas = _start_replicas(args)
+        backend = replicas
+        info = replicas.replicas.info
         model, shape = info.model, info.shape
         where = f"{args.replicas} replicas × {info.threads} threads on Ray, "
     name, *aliases = args.served_model_name or [Path(str(model)).name, str(model)]
@@ -116,7 +124,7 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--replicas runs the engines on Ray: pip install 'cellbatch[ray]'")
 
 
-def _start_replicas(args: argparse.Namespace):  # -> ReplicaBackend
+def _start_replicas(args: argparse.Namespace) -> ReplicaBackend:
     """The replicas the options ask for, behind the server's backend for them."""
     from cellbatch.distributed.backend import ReplicaBackend
     from cellbatch.distributed.cluster import RayUnavailable

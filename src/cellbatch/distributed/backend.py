@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -59,7 +60,7 @@ class ReplicaBackend:
         self.restarts: Counter[int] = Counter()
         self.retries: Counter[int] = Counter()  # requests moved off a failed replica
         self.failures: Counter[int] = Counter()  # requests ended by their replica's failure
-        self._requests: set[asyncio.Task] = set()
+        self._requests: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     def decode(self, tokens: Sequence[Token]) -> str:
@@ -113,7 +114,7 @@ class ReplicaBackend:
         except (asyncio.TimeoutError, self.ray.exceptions.RayError):
             return None
         self.answered(replica, pid)
-        return pid
+        return int(pid)
 
     def answered(self, replica: int, pid: int | None = None) -> None:
         """The replica works (as process `pid`, when known)."""

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from cellbatch.engine import Engine, EngineShape, GenerationResult, Prompt
+from cellbatch.engine import Engine, EngineLimits, GenerationResult, Prompt
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.model.tokenizer import Tokenizer
 from cellbatch.runner import GenerationHandle
@@ -39,7 +39,7 @@ class ReplicaInfo:
     index: int
     pid: int
     vocab_size: int
-    shape: EngineShape  # resolved
+    shape: EngineLimits
     tokenizer: Tokenizer | None
     model: str
     threads: int
@@ -66,7 +66,7 @@ class Replica:
         return ReplicaInfo(
             index=self.index,
             pid=os.getpid(),
-            vocab_size=int(engine.config.vocab_size),
+            vocab_size=engine.geometry.vocab_size,
             shape=engine.shape,
             tokenizer=engine.tokenizer,
             model=str(engine.model_path),

@@ -1,7 +1,7 @@
-"""Engine: a model (or an exported program), its tokenizer, an executor, a scheduler and a
-Runner in one.
+"""Engine: a model backend (a torch module or an exported program), its tokenizer, an
+executor, a scheduler and a Runner in one.
 
-Owns: the loaded model and tokenizer, and the Runner driving them.
+Owns: the backend and tokenizer, and the Runner driving them.
 Promises: `generate` / `chat` take many prompts at once and return one result per
 prompt, in order; a bad prompt (empty, a token outside the vocabulary, too long for
 the session) fails alone with a message naming the numbers, and the others run.
@@ -11,39 +11,35 @@ depend on what else shares the batch. A prefix common to all the prompts of a ca
 (a chat template's system prompt, say) is fed once and its cells shared; results are
 the same tokens as without the sharing. Sessions and submissions default to the
 model's stop tokens. After `close()`, every call says the engine is closed.
-Never: touches the engine thread's state directly; everything goes through the
-Runner's faces.
+Never: touches the engine thread's state directly (everything goes through the
+Runner's faces), or asks which kind of backend it holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from time import perf_counter
 from typing import Any
 
 import numpy as np
 import torch
 
 from cellbatch.cache import kv_bytes_per_cell
-from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
-from cellbatch.executor.program_executor import ProgramExecutor
+from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
+from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
+from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.export import is_program
-from cellbatch.export.program import Program, load_program, read_tokenizer
-from cellbatch.metrics import EngineMetrics, GenerationMetrics
+from cellbatch.metrics import EngineMetrics
 from cellbatch.model.default import default_model_path
-from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
+from cellbatch.model.loading import LoadProgress, PhaseClock
 from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.quantized import WeightsSummary, resolve_quantize
-from cellbatch.model.quantized import describe as describe_weights
-from cellbatch.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_files
-from cellbatch.model.transformer import DTYPES, resolve_dtype
-from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
+from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
+from cellbatch.model.transformer import resolve_dtype
+from cellbatch.runner import AdmissionPolicy, Runner, Session
 from cellbatch.runner.snapshots import common_prefix_length
 from cellbatch.scheduler import DecodeFirstScheduler
-from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (
     MAX_POSITION,
     FinishReason,
@@ -51,11 +47,11 @@ from cellbatch.types import (
     GenerationUpdate,
     InvalidArgumentError,
     KVUsage,
+    ModelGeometry,
     SamplingParams,
     Token,
 )
 
-Prompt = str | Sequence[Token]
 Message = Mapping[str, str]
 
 # Bounds the KV pool by default: cells past this many bytes are never allocated.
@@ -66,28 +62,6 @@ DEFAULT_MAX_SESSION_TOKENS = 8192
 # Shorter common prefixes are fed by every prompt: the extra turn would cost more than
 # it saves.
 MIN_SHARED_PREFIX = 16
-
-
-@dataclass
-class GenerationResult:
-    """What one prompt produced."""
-
-    prompt: Prompt
-    prompt_tokens: list[Token]
-    tokens: list[Token] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason = FinishReason.FAILED
-    error: str = ""
-    metrics: GenerationMetrics | None = None  # the turn's: it fed what the shared prefix did not
-    shared_prefix_tokens: int = 0  # leading prompt tokens fed once for all prompts of the call
-
-    @property
-    def ok(self) -> bool:
-        return self.finish_reason in (
-            FinishReason.STOP_TOKEN,
-            FinishReason.STOP_STRING,
-            FinishReason.TOKEN_LIMIT,
-        )
 
 
 @dataclass(frozen=True)
@@ -102,47 +76,52 @@ class EngineShape:
     max_cells: int | None = None
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """An EngineShape with every limit derived: what the engine runs with."""
+
+    max_sessions: int
+    max_session_tokens: int
+    max_batch_tokens: int
+    max_decode_sequences: int
+    max_prefill_chunk: int
+    max_cells: int
+
+
 class Engine:
-    """Batched generation with one model: `Engine.from_pretrained(path).generate(prompts)`."""
+    """Batched generation with one model: `Engine.from_pretrained(path).generate(prompts)`.
+
+    `Engine(backend, tokenizer)` runs a backend built by hand (`ModuleBackend(module,
+    config)` over a PackedTransformer, or `ProgramBackend(program)`); `from_pretrained`
+    loads one from a path."""
 
     def __init__(
         self,
-        model: torch.nn.Module | Program,
-        config: Any,
+        backend: ModelBackend,
         tokenizer: Tokenizer | None,
         *,
         shape: EngineShape = EngineShape(),
-        kv_dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
         model_path: Path | None = None,
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
         prefix_cache_entries: int = 0,
     ) -> None:
-        self.model = model
-        self.config = config
+        self.backend = backend
         self.tokenizer = tokenizer
         self.model_path = model_path
-        # The activations' dtype: quantised weights have integer parameters.
-        self.dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
-        self.kv_dtype = kv_dtype
-        # A program runs the compiled kernels it carries.
-        self.kernels = "compiled" if isinstance(model, Program) else model.ops.kind
+        self.kv_dtype = backend.dtype if kv_dtype is None else kv_dtype
         self.stop_tokens = frozenset(
-            tokenizer.stop_tokens if tokenizer is not None else config.eos_token_ids
+            tokenizer.stop_tokens if tokenizer is not None else backend.geometry.eos_token_ids
         )
-        self.shape = _resolve_shape(shape, config, kv_dtype)
-        executor_shape = ExecutorShape(
-            max_sessions=self.shape.max_sessions,
-            max_session_tokens=self.shape.max_session_tokens,
-            max_cells=self.shape.max_cells,
-            max_batch_tokens=self.shape.max_batch_tokens,
-            kv_dtype=kv_dtype,
-        )
-        # "program": an exported program's methods; "module": the torch module itself.
-        self.executor_kind = "program" if isinstance(model, Program) else "module"
-        self.executor = (
-            ProgramExecutor(model, executor_shape)
-            if isinstance(model, Program)
-            else ModuleExecutor(model, config, executor_shape)
+        self.shape = _resolve_shape(shape, backend.geometry, self.kv_dtype)
+        self.executor = backend.executor(
+            ExecutorShape(
+                max_sessions=self.shape.max_sessions,
+                max_session_tokens=self.shape.max_session_tokens,
+                max_cells=self.shape.max_cells,
+                max_batch_tokens=self.shape.max_batch_tokens,
+                kv_dtype=self.kv_dtype,
+            )
         )
         self.scheduler = DecodeFirstScheduler.create(
             max_batch_tokens=self.shape.max_batch_tokens,
@@ -198,17 +177,12 @@ class Engine:
                 progress=progress,
                 **shape,
             )
-        if threads is not None:
-            if threads < 1:
-                raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)
+        _set_threads(threads)
         path = Path(model) if model is not None else default_model_path()
         weight_dtype = resolve_dtype(dtype)
         resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
         resolve_ops(kernels, "cpu")  # refuses "compiled" where the kernels are missing
-        config, module = in_short_lived_thread(
-            lambda: load_model(path, weight_dtype, kernels, quantize, progress)
-        )
+        backend = ModuleBackend.load(path, weight_dtype, kernels, quantize, progress)
         clock = PhaseClock(progress)
         try:
             tokenizer = load_tokenizer(path)
@@ -216,8 +190,7 @@ class Engine:
             tokenizer = None  # token-id prompts still work; text prompts say why not
         clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
         engine = cls(
-            module,
-            config,
+            backend,
             tokenizer,
             shape=EngineShape(**shape),
             admission=admission,
@@ -247,53 +220,26 @@ class Engine:
         model code runs, and the tokenizer comes from the program's own files. Its dtypes
         and kernels were fixed at export: options asking for others are refused. The
         step width defaults to the program's widest method."""
-        if threads is not None:
-            if threads < 1:
-                raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)
-        asked = {
-            name: None if value in (None, "auto") else resolve_dtype(value)
-            for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype))
-        }
-        if kernels == "torch":
-            raise InvalidArgumentError(
-                f"program {path} runs its own compiled kernels; kernels apply to models, "
-                "not programs"
-            )
-        clock = PhaseClock(progress)
-        # The tokenizer (transformers' import, mostly) is built while the methods load.
-        files, stop_tokens = read_tokenizer(path)
-        with ThreadPoolExecutor(1, thread_name_prefix="cellbatch-tokenizer") as pool:
-            pending = pool.submit(tokenizer_from_files, files, stop_tokens) if files else None
-            program = in_short_lived_thread(lambda: load_program(path))
-            clock.done(f"loaded the program ({len(program.methods)} methods)")
-            tokenizer = pending.result() if pending is not None else None
-        clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
-        manifest = program.manifest
-        exported_as = program_weights(program).formats["projections"]
-        if quantize != "auto" and quantize != ("none" if exported_as in DTYPES else exported_as):
-            raise InvalidArgumentError(
-                f"program {path} holds {exported_as} weights (quantize is fixed at export); "
-                "drop quantize or export the model again with `cellbatch export --quantize`"
-            )
-        for name, has in (("dtype", program.dtype), ("kv_dtype", program.kv_dtype)):
-            if asked[name] is not None and asked[name] != has:
-                raise InvalidArgumentError(
-                    f"program {path} runs in {str(has).removeprefix('torch.')} ({name} is fixed "
-                    f"at export); drop {name} or export the model again with the one you want"
-                )
-        shape.setdefault(
-            "max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, manifest.max_step_tokens)
+        _set_threads(threads)
+        backend, tokenizer = ProgramBackend.load(
+            Path(path),
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            kernels=kernels,
+            quantize=quantize,
+            progress=progress,
         )
+        widest = backend.max_step_tokens or DEFAULT_MAX_BATCH_TOKENS
+        shape.setdefault("max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, widest))
+        clock = PhaseClock(progress)
         engine = cls(
-            program,
-            manifest.model,
+            backend,
             tokenizer,
             shape=EngineShape(**shape),
             admission=admission,
             prefix_cache_entries=prefix_cache_entries,
-            kv_dtype=program.kv_dtype,
-            model_path=program.path,
+            kv_dtype=backend.program.kv_dtype,
+            model_path=backend.program.path,
         )
         clock.done("started the engine")
         return engine
@@ -419,36 +365,43 @@ class Engine:
         return self.runner.metrics()
 
     @property
+    def geometry(self) -> ModelGeometry:
+        return self.backend.geometry
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+        return self.backend.dtype
+
+    @property
+    def kernels(self) -> str:
+        return self.backend.kernels
+
+    @property
+    def executor_kind(self) -> str:
+        """ "module" (the torch module itself) or "program" (an exported program)."""
+        return self.backend.kind
+
+    @property
     def weights_bytes(self) -> int:
-        if isinstance(self.model, Program):
-            return self.model.weights_bytes
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.backend.weights_bytes
 
     @property
     def weights(self) -> WeightsSummary:
         """Which weight format ran: in words, per role, the quantised products' kernel,
         and bytes per format."""
-        if isinstance(self.model, Program):
-            return program_weights(self.model)
-        return describe_weights(self.model)
+        return self.backend.weights
 
     @property
     def weight_format(self) -> str:
         """The weight format in words, e.g. "int4, embedding int8, lm_head int8"."""
         return self.weights.format
 
-    def kv_usage(self) -> dict[str, int]:
+    def kv_usage(self) -> KVUsage:
         """Cells in use, the cell limit, pool rows, allocated bytes, growth count and
-        bytes per cell, as of the engine's last step."""
-        usage = self.runner.kv_usage() or KVUsage(0, self.shape.max_cells, self.shape.max_cells)
-        return {
-            "cells_in_use": usage.cells_in_use,
-            "max_cells": usage.max_cells,
-            "pool_rows": usage.pool_rows,
-            "allocated_bytes": usage.allocated_bytes,
-            "growth_count": usage.growth_count,
-            "bytes_per_cell": usage.bytes_per_cell,
-        }
+        bytes per cell, as of the engine's last step (the Runner's figures)."""
+        limit = self.shape.max_cells
+        return self.runner.kv_usage() or KVUsage(0, limit, limit)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -469,7 +422,7 @@ class Engine:
         if self._closed or self.runner.stopping():
             raise RuntimeError("the engine is closed; create a new Engine to generate again")
 
-    def _require_tokenizer(self, why: str):
+    def _require_tokenizer(self, why: str) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidArgumentError(f"this model has no tokenizer, so it cannot {why}")
         return self.tokenizer
@@ -489,7 +442,7 @@ class Engine:
         limit (a bad max_new_tokens is the runner's to refuse)."""
         if not tokens:
             return "the prompt is empty: a generation must feed at least one token"
-        vocab = self.config.vocab_size
+        vocab = self.geometry.vocab_size
         for index, token in enumerate(tokens):
             if not 0 <= token < vocab:
                 return (
@@ -534,76 +487,6 @@ class _SharedPrefix:
     length: int
 
 
-class GenerationBatch:
-    """The generations of one `Engine.generate_async` call, in prompt order."""
-
-    def __init__(
-        self,
-        results: list[GenerationResult],
-        decode: Callable[[Sequence[Token]], str] | None,
-        released: Callable[[float | None], bool],
-    ) -> None:
-        self._results = results
-        self._decode = decode  # for a model without a tokenizer: ids as text
-        # Waits until the engine has released what settled generations held.
-        self._released = released
-        self._handles: list[tuple[GenerationResult, GenerationHandle]] = []
-
-    def track(self, result: GenerationResult, handle: GenerationHandle) -> None:
-        self._handles.append((result, handle))
-
-    def handles(self) -> list[GenerationHandle]:
-        """The handles of the prompts that passed their checks, in prompt order (for
-        streaming; failed prompts have none)."""
-        return [handle for _, handle in self._handles]
-
-    def cancel(self) -> None:
-        """End every generation still running `cancelled`; finished ones keep their
-        results."""
-        for _, handle in self._handles:
-            handle.cancel()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """True once every generation has settled and the engine has taken back their
-        sessions' cells (so `Engine.kv_usage()` no longer counts them)."""
-        deadline = None if timeout is None else perf_counter() + timeout
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - perf_counter())
-
-        if not all(handle.wait(left()) for _, handle in self._handles):
-            return False
-        return self._released(left())
-
-    def results(self) -> list[GenerationResult]:
-        """Wait for every generation, then one result per prompt, in prompt order."""
-        self.wait()
-        for result, handle in self._handles:
-            summary = handle.result()
-            result.tokens = list(summary.tokens)
-            result.text = summary.text if self._decode is None else self._decode(summary.tokens)
-            result.finish_reason = summary.finish_reason or FinishReason.FAILED
-            result.error = summary.error
-            result.metrics = handle.metrics()
-        return self._results
-
-
-def program_weights(program: Program) -> WeightsSummary:
-    """What a program's weights are, from its manifest (one written before the manifest
-    said holds float weights of its dtype)."""
-    manifest = program.manifest
-    if manifest.weight_formats:
-        return WeightsSummary(
-            manifest.weights_format,
-            dict(manifest.weight_formats),
-            manifest.weight_kernel,
-            dict(manifest.weight_bytes_by_format),
-        )
-    dtype = manifest.dtype
-    roles = dict.fromkeys(("projections", "embedding", "lm_head"), dtype)
-    return WeightsSummary(dtype, roles, "none", {dtype: program.weights_bytes})
-
-
 def _gen_config(
     params: GenConfig | SamplingParams | None,
     max_new_tokens: int | None,
@@ -636,7 +519,16 @@ def _seeded(config: GenConfig, index: int) -> GenConfig:
     return replace(config, seed=(config.seed + index) % 2**63)
 
 
-def _resolve_shape(shape: EngineShape, config: Any, kv_dtype: torch.dtype) -> EngineShape:
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def _resolve_shape(
+    shape: EngineShape, geometry: ModelGeometry, kv_dtype: torch.dtype
+) -> EngineLimits:
     if shape.max_sessions < 1:
         raise InvalidArgumentError(f"max_sessions must be >= 1, got {shape.max_sessions}")
     if shape.max_batch_tokens < 2:
@@ -644,7 +536,7 @@ def _resolve_shape(shape: EngineShape, config: Any, kv_dtype: torch.dtype) -> En
             f"max_batch_tokens must be >= 2 (a decode beside a prompt token), "
             f"got {shape.max_batch_tokens}"
         )
-    context = min(config.max_position_embeddings, MAX_POSITION + 1)
+    context = min(geometry.max_positions, MAX_POSITION + 1)
     session_tokens = shape.max_session_tokens or min(context, DEFAULT_MAX_SESSION_TOKENS)
     if session_tokens > context:
         raise InvalidArgumentError(
@@ -653,13 +545,14 @@ def _resolve_shape(shape: EngineShape, config: Any, kv_dtype: torch.dtype) -> En
     decodes = shape.max_decode_sequences or min(shape.max_sessions, shape.max_batch_tokens // 2)
     chunk = shape.max_prefill_chunk or shape.max_batch_tokens - decodes
     bytes_per_cell = kv_bytes_per_cell(
-        config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype
+        geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, kv_dtype
     )
     cells = shape.max_cells or min(
         shape.max_sessions * session_tokens, DEFAULT_KV_BUDGET_BYTES // bytes_per_cell
     )
-    return replace(
-        shape,
+    return EngineLimits(
+        max_sessions=shape.max_sessions,
+        max_batch_tokens=shape.max_batch_tokens,
         max_session_tokens=session_tokens,
         max_decode_sequences=decodes,
         max_prefill_chunk=chunk,

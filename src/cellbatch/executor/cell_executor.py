@@ -16,6 +16,7 @@ generation state, or calls back into the runner.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,8 +27,10 @@ from cellbatch.cache import AttentionPlan, CellCache, KVPool
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
     BatchInput,
+    BatchOutput,
     InvalidArgumentError,
     KVUsage,
+    ModelGeometry,
     OutOfResourcesError,
     Output,
     SamplingParams,
@@ -46,15 +49,6 @@ class ExecutorShape:
     kv_dtype: torch.dtype = torch.float32
 
 
-@dataclass(frozen=True)
-class KVGeometry:
-    """What the KV pool holds per cell: layers x KV heads x head dim."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-
 # One placed forward: (tokens, positions, cells, attention plan, the rows whose logits
 # are wanted) -> float32 logits [len(rows), V]; the pool holds the forward's cells.
 Forward = Callable[
@@ -71,10 +65,10 @@ class _Cells:
     table: SessionTable
 
 
-class CellExecutor:
+class CellExecutor(ABC):
     """Sessions over a cell KV cache; subclasses map packed steps onto forwards."""
 
-    def __init__(self, geometry: KVGeometry, shape: ExecutorShape) -> None:
+    def __init__(self, geometry: ModelGeometry, shape: ExecutorShape) -> None:
         self.geometry = geometry
         self.shape = shape
         self._cells: _Cells | None = None
@@ -152,6 +146,10 @@ class CellExecutor:
         return self.table.position(sid)
 
     # -- steps ---------------------------------------------------------------
+
+    @abstractmethod
+    def execute(self, batch: BatchInput) -> BatchOutput:
+        """One packed step: each input's tokens fed, each output sampled (see Executor)."""
 
     def pack(self, batch: BatchInput) -> PackedStep:
         """The batch on one token axis; refused (cache untouched) when the whole step

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from cellbatch.cache import AttentionPlan
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, KVGeometry
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.step_plan import plan_slices
 from cellbatch.types import BatchInput, BatchOutput, Output
 
@@ -34,7 +34,7 @@ class ModuleExecutor(CellExecutor):
     """One torch module, one forward per slice of a packed step."""
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, shape: ExecutorShape) -> None:
-        super().__init__(KVGeometry(config.num_layers, config.num_kv_heads, config.head_dim), shape)
+        super().__init__(config.geometry, shape)
         self.model = model
         self.config = config
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, KVGeometry
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.step_plan import pick_width, plan_slices
 from cellbatch.export.manifest import MethodSpec
 from cellbatch.export.program import Program
@@ -41,8 +41,7 @@ class ProgramExecutor(CellExecutor):
     """An exported program's methods, one call per slice of a packed step."""
 
     def __init__(self, program: Program, shape: ExecutorShape) -> None:
-        model = program.manifest.model
-        super().__init__(KVGeometry(model.num_layers, model.num_kv_heads, model.head_dim), shape)
+        super().__init__(program.manifest.model, shape)
         self.program = program
         manifest = program.manifest
         self._prefill = manifest.prefill

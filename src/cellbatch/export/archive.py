@@ -21,6 +21,7 @@ import os
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -47,14 +48,20 @@ def write_program(
     out); `weights` are the tensors every method's constants come from."""
     # PyTorch's packaging of AOTInductor files (one folder per model); it is what
     # aoti_compile_and_package itself calls.
-    from torch.export.pt2_archive._package import PT2ArchiveWriter, _package_aoti_files
+    from torch.export.pt2_archive._package import (
+        AOTI_FILES,
+        PT2ArchiveWriter,
+        _package_aoti_files,
+    )
 
     # Written beside its destination under the same name (the archive's top folder is
     # named after the file), then moved into place.
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as folder:
         partial = Path(folder) / path.name
         with PT2ArchiveWriter(str(partial)) as writer:
-            _package_aoti_files(writer, methods)
+            # Lists of paths are AOTI_FILES (lists of paths or Weights) to a reader, and the
+            # packaging only reads them.
+            _package_aoti_files(writer, cast(AOTI_FILES, methods))
             writer.write_string(MANIFEST, manifest.to_json())
             for name, text in tokenizer.items():
                 writer.write_string(TOKENIZER_DIR + name, text)

@@ -49,7 +49,8 @@ def _load_program_library(schemas: dict[str, str], read_library: Callable[[], by
     with tempfile.NamedTemporaryFile(prefix="cellbatch-kernels-", suffix=".so", delete=False) as f:
         f.write(read_library())
     try:
-        torch.ops.load_library(f.name)
+        # torch leaves load_library unannotated.
+        torch.ops.load_library(f.name)  # type: ignore[no-untyped-call]
         _make_global(f.name)
     except OSError as error:
         raise ProgramFormatError(
@@ -94,8 +95,9 @@ def _define(qualified: str, schema: str) -> None:
     namespace, _, name = qualified.partition("::")
     existing = _schema(namespace, name)
     if existing is None:
-        library = torch.library.Library(namespace, "FRAGMENT")
-        library.define(schema.removeprefix(f"{namespace}::"))
+        # torch leaves Library's constructor and define unannotated.
+        library = torch.library.Library(namespace, "FRAGMENT")  # type: ignore[no-untyped-call]
+        library.define(schema.removeprefix(f"{namespace}::"))  # type: ignore[no-untyped-call]
         _LIBRARIES.append(library)
     elif existing != schema:
         raise ProgramFormatError(

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -44,17 +45,20 @@ from cellbatch.export.manifest import (
     ConstantSpec,
     Manifest,
     MethodSpec,
-    ModelGeometry,
 )
 from cellbatch.export.program import method_metadata
 from cellbatch.model import kernels
 from cellbatch.model.attention import QUERY_BLOCK
+from cellbatch.model.config import ModelConfig
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model, locate_model
 from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import load_tokenizer
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype
 from cellbatch.types import InvalidArgumentError
+
+if TYPE_CHECKING:  # typeshed's name for "bytes-like", known to type checkers only
+    from typing_extensions import Buffer
 
 KERNEL_LIBRARY = "data/cellbatch/kernels.so"
 # The most KV pool rows a method takes (cells + the scratch row): far above any pool
@@ -170,17 +174,7 @@ def export_program(
         cellbatch_version=_cellbatch_version(),
         torch_version=torch.__version__,
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        model=ModelGeometry(
-            vocab_size=config.vocab_size,
-            max_positions=module.max_positions,
-            num_layers=config.num_layers,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            hidden_size=config.hidden_size,
-            layer_windows=list(config.layer_windows),
-            eos_token_ids=list(config.eos_token_ids),
-        ),
+        model=module.geometry,
         dtype=str(dtype).removeprefix("torch."),
         kv_dtype=str(kv_dtype).removeprefix("torch."),
         weights_format=weights.format,
@@ -289,7 +283,9 @@ def _export(
     )
     with torch.no_grad():
         exported = torch.export.export(forward, args, dynamic_shapes=shapes, strict=False)
-        return exported.run_decompositions()
+        # An ExportedProgram (torch's decorator on run_decompositions hides its type).
+        decomposed: torch.export.ExportedProgram = exported.run_decompositions()
+        return decomposed
 
 
 def _distinct(taken: list[int], size: int) -> int:
@@ -300,7 +296,7 @@ def _distinct(taken: list[int], size: int) -> int:
     return size
 
 
-def _pool(rows: int, config, kv_dtype: torch.dtype) -> torch.Tensor:
+def _pool(rows: int, config: ModelConfig, kv_dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(rows, config.num_kv_heads, config.head_dim, dtype=kv_dtype)
 
 
@@ -378,8 +374,13 @@ def _compile(
             op: [declaration] for op, declaration in c_shims.items()
         }
     files = aot_compile(exported.module(), exported.example_inputs[0], options=options)
+    if not isinstance(files, list):  # it returns a list whenever aot_inductor.package is set
+        raise TypeError(f"AOTInductor returned {type(files).__name__}, not its files")
+    # Paths only: AOTInductor adds a Weights entry only for package_constants_on_disk_format
+    # "pickle_weights", which is not asked for.
+    paths = cast("list[str]", files)
     # The C++ sources stay behind: the compiled libraries and their metadata run.
-    return [file for file in files if not str(file).endswith(".cpp")]
+    return [file for file in paths if not str(file).endswith(".cpp")]
 
 
 def _weights(
@@ -387,15 +388,17 @@ def _weights(
 ) -> tuple[dict[str, ConstantSpec], dict[str, torch.Tensor]]:
     """Each method constant (the module's parameters and buffers) as a stored tensor,
     plain and stored once whatever its uses (a tied head's packed copy is the embedding)."""
-    named = dict(forward.named_parameters(remove_duplicate=False))
+    named: dict[str, torch.Tensor] = dict(forward.named_parameters(remove_duplicate=False))
     named.update(forward.named_buffers(remove_duplicate=False))
     constants: dict[str, ConstantSpec] = {}
     stored: dict[str, torch.Tensor] = {}
-    by_content: dict[tuple, str] = {}
+    by_content: dict[tuple[str, torch.dtype, tuple[int, ...]], str] = {}
     for name, tensor in named.items():
         packed = tensor.is_mkldnn
         plain = (tensor.to_dense() if packed else tensor).detach().contiguous()
-        digest = hashlib.sha256(plain.view(-1).view(torch.uint8).numpy()).hexdigest()
+        # An ndarray is a buffer; numpy's stubs say so only for Python 3.12 and later.
+        data = cast("Buffer", plain.view(-1).view(torch.uint8).numpy())
+        digest = hashlib.sha256(data).hexdigest()
         key = (digest, plain.dtype, tuple(plain.shape))
         if key not in by_content:
             by_content[key] = name

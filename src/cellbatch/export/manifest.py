@@ -1,7 +1,8 @@
 """The manifest of a program file: what the runtime reads instead of model code.
 
-Owns: `Manifest` and its parts (`ModelGeometry`, `MethodSpec`, `ConstantSpec`), the program
-format version (`FORMAT_VERSION`), the order of a method's inputs (`METHOD_INPUTS`), their
+Owns: `Manifest` and its parts (`MethodSpec`, `ConstantSpec`; its model is the
+`cellbatch.types.ModelGeometry` every layer reads), the program format version
+(`FORMAT_VERSION`), the order of a method's inputs (`METHOD_INPUTS`), their
 JSON form, and `ProgramFormatError`.
 Promises: `Manifest.from_json` returns a manifest only when the text is one this cellbatch
 can run: a known format version (a newer one is refused, naming both versions and what to
@@ -15,9 +16,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from cellbatch.types import InvalidArgumentError
+from cellbatch.types import InvalidArgumentError, ModelGeometry
+
+if TYPE_CHECKING:  # typeshed's name for "any dataclass", known to type checkers only
+    from _typeshed import DataclassInstance
 
 FORMAT_VERSION = 1
 # A method's inputs, in order, then the K pool (one tensor per layer), then the V pool.
@@ -40,26 +44,6 @@ LOGITS_MODE = "float32 rows"
 
 class ProgramFormatError(InvalidArgumentError):
     """A program file this cellbatch cannot run (damaged, newer, or inconsistent)."""
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    """The model as the runtime needs it: sizes, not code."""
-
-    vocab_size: int
-    max_positions: int  # positions the program takes: [0, max_positions)
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    layer_windows: list[int | None]  # per layer: its sliding window, None for full
-    eos_token_ids: list[int]
-
-    @property
-    def max_position_embeddings(self) -> int:
-        """`max_positions` under the name ModelConfig gives it (what an engine reads)."""
-        return self.max_positions
 
 
 @dataclass(frozen=True)
@@ -193,7 +177,10 @@ class Manifest:
             raise ProgramFormatError("its manifest gives a sliding window per layer, not per layer")
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+_Part = TypeVar("_Part", bound="DataclassInstance")  # a manifest part: a dataclass
+
+
+def _build(cls: type[_Part], data: Any, where: str) -> _Part:
     """A dataclass from its JSON object, every field present and of the right kind."""
     if not isinstance(data, dict):
         raise ProgramFormatError(f"its manifest's {where} is not an object")
@@ -216,6 +203,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
             if not isinstance(value, dict):
                 raise ProgramFormatError("its manifest's constants are not an object")
             value = {name: _build(ConstantSpec, spec, name) for name, spec in value.items()}
+        elif f.type in _TUPLES and _fits(value, _TUPLES[str(f.type)]):
+            value = tuple(value)  # JSON has lists; the geometry holds tuples
         elif not _fits(value, str(f.type)):
             raise ProgramFormatError(
                 f"its manifest's {where}.{f.name} is {value!r}, not of type {f.type}"
@@ -224,11 +213,15 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**values)
 
 
+# Tuple fields (annotated as text) and the JSON list type they are written as.
+_TUPLES = {"tuple[int, ...]": "list[int]", "tuple[int | None, ...]": "list[int | None]"}
+
+
 def _required(f: Any) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 
 
-def _listed(value: Any, name: str) -> list:
+def _listed(value: Any, name: str) -> list[Any]:
     if not isinstance(value, list):
         raise ProgramFormatError(f"its manifest's {name} is not a list")
     return value

@@ -17,7 +17,7 @@ Never: writes the KV pool, or loops in Python over tokens or sequences.
 The two implementations agree to rounding (not bit for bit: their sums run in different
 orders), so a model uses one of them for its whole life.
 
-The op's arguments (`AttentionArgs`, the plan in flat form: `cellbatch.cache.flatten_plan`,
+The op's arguments (`FlatAttentionPlan`, the plan in flat form: `cellbatch.cache.flatten_plan`,
 which an exported program's runtime builds too): query i is token row `rows[i]` at
 position `pos[i]`; its sequence's cells, in position order (index = position), start at
 `cells[cell_offsets[i]]`; a sequence's queries are consecutive, and `block_starts` cuts
@@ -27,12 +27,13 @@ them into blocks of at most QUERY_BLOCK queries of one sequence.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
-from cellbatch.cache import FlatAttentionPlan as AttentionArgs
+from cellbatch.cache import SCRATCH_CELL, AttentionPlan, FlatAttentionPlan, flatten_plan
+from cellbatch.types import ModelGeometry
 
 # The torch implementation sums keys in blocks of this many positions (see _weighted_values).
 KEY_BLOCK = 64
@@ -49,31 +50,15 @@ QUERY_BLOCK = 16
 MIN_GEMM_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 2, torch.float16: 16}
 
 
-@dataclass(frozen=True)
-class HeadShape:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def share(self) -> int:
-        """Query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim**-0.5
-
-
 class CellAttention:
     """What every decoder layer calls: `prepare(plan)` once per step, `attend` per layer.
     `op` is `cell_attention` of the model's ops table (`cellbatch.model.ops.Ops`)."""
 
-    def __init__(self, heads: HeadShape, op) -> None:
-        self.heads = heads
+    def __init__(self, geometry: ModelGeometry, op: Callable[..., None]) -> None:
+        self.geometry = geometry
         self.op = op
 
-    def prepare(self, plan: AttentionPlan) -> AttentionArgs:
+    def prepare(self, plan: AttentionPlan) -> FlatAttentionPlan:
         return flatten_plan(plan, QUERY_BLOCK)
 
     def attend(
@@ -81,11 +66,11 @@ class CellAttention:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        prepared: AttentionArgs,
+        prepared: FlatAttentionPlan,
         window: int | None,
     ) -> torch.Tensor:
         """q [T, H, D] (rows may be strided) -> [T, H * D] in q's dtype."""
-        h = self.heads
+        h = self.geometry
         out = q.new_empty(q.shape[0], h.num_heads * h.head_dim)
         out[prepared.num_tokens :].zero_()  # padding rows, which no query names
         self.op(
@@ -98,7 +83,7 @@ class CellAttention:
             prepared.cell_offsets,
             prepared.block_starts,
             window or 0,
-            h.scale,
+            h.attention_scale,
             out,
         )
         return out

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from cellbatch.types import ModelGeometry
+
 # Hugging Face `architectures[0]` -> our architecture name.
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -121,6 +123,21 @@ class ModelConfig:
                 f"model config: rope freq_factors has {len(scaling.freq_factors)} entries, "
                 f"expected head_dim / 2 = {self.head_dim // 2}"
             )
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        """Its sizes as the runtime reads them (positions: the whole context)."""
+        return ModelGeometry(
+            vocab_size=self.vocab_size,
+            max_positions=self.max_position_embeddings,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden_size=self.hidden_size,
+            layer_windows=self.layer_windows,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     @property
     def q_size(self) -> int:
@@ -272,7 +289,7 @@ def _hf_architecture(hf: Mapping[str, Any]) -> str:
         return HF_ARCHITECTURES[name]
     model_type = hf.get("model_type")
     if model_type in HF_ARCHITECTURES.values():
-        return model_type
+        return str(model_type)  # equal to one of those names: a str
     raise UnsupportedModelError(
         f"config.json names no supported architecture (architectures={architectures}, "
         f"model_type={model_type!r}); supported: {supported}"

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -173,6 +174,23 @@ def _formats(checkpoint: _HFCheckpoint | _GGUFCheckpoint, quantize: str) -> dict
 # -- checkpoints -------------------------------------------------------------------
 
 
+class _SafetensorsSlice(Protocol):
+    """What is read of a safetensors slice (`get_slice`): its shape."""
+
+    def get_shape(self) -> list[int]: ...
+
+
+class _SafetensorsFile(Protocol):
+    """What is read of an open safetensors file (`safe_open`, whose methods safetensors
+    leaves unannotated)."""
+
+    def keys(self) -> list[str]: ...
+
+    def get_slice(self, name: str) -> _SafetensorsSlice: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+
 class _HFCheckpoint:
     """config.json + one or many safetensors files (with model.safetensors.index.json)."""
 
@@ -198,7 +216,7 @@ class _HFCheckpoint:
                 f"no *.safetensors weights in {folder} (other formats such as "
                 "pytorch_model.bin are not supported; convert them to safetensors)"
             )
-        self._handles = {}
+        self._handles: dict[str, _SafetensorsFile] = {}
         self._file_of: dict[str, str] = {}
         for name in files:
             file = folder / name
@@ -206,7 +224,7 @@ class _HFCheckpoint:
                 raise FileNotFoundError(
                     f"{index.name} lists {name}, which is missing from {folder}"
                 )
-            handle = safe_open(str(file), framework="pt")
+            handle: _SafetensorsFile = safe_open(str(file), framework="pt")
             self._handles[name] = handle
             for key in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                 self._file_of[key] = name
@@ -291,7 +309,8 @@ class _GGUFCheckpoint:
             return array
         rows = array.shape[0]
         stored = array.reshape(heads, rows // heads // 2, 2, *array.shape[1:])
-        return stored.swapaxes(1, 2).reshape(array.shape)
+        unpermuted: np.ndarray = stored.swapaxes(1, 2).reshape(array.shape)
+        return unpermuted
 
 
 # -- name maps: our parameter -> the checkpoint tensors concatenated (dim 0) into it ------

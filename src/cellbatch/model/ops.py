@@ -150,11 +150,12 @@ def _define(namespace: str) -> torch.library.Library:
     (a backend kernel registered later, such as the compiled CPU one, takes precedence).
     An op a program loaded earlier has defined (`cellbatch.export.custom_ops`, from the
     same schema) only gets its implementations."""
-    library = torch.library.Library(namespace, "FRAGMENT")
+    # torch leaves Library's constructor, define and impl unannotated.
+    library = torch.library.Library(namespace, "FRAGMENT")  # type: ignore[no-untyped-call]
     for name, schema in SCHEMAS.items():
         if not hasattr(getattr(torch.ops, namespace), name):
-            library.define(schema)
-        library.impl(name, _TORCH_IMPLS[name], "CompositeExplicitAutograd")
+            library.define(schema)  # type: ignore[no-untyped-call]
+        library.impl(name, _TORCH_IMPLS[name], "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
         torch.library.register_fake(f"{namespace}::{name}", _FAKES[name], lib=library)
     return library
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -50,13 +50,37 @@ from torch import nn
 from cellbatch.types import QUANTIZE_CHOICES, InvalidArgumentError
 
 
+class DecoderModel(Protocol):
+    """What `install` and `describe` read of a PackedTransformer (a protocol, because
+    transformer.py imports this module through ops.py: importing it back is a cycle)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def ops(self) -> Any: ...
+    @property
+    def embed(self) -> nn.Module: ...
+    @property
+    def lm_head(self) -> nn.Module | None: ...
+    @property
+    def layers(self) -> nn.ModuleList: ...
+    def get_submodule(self, target: str) -> nn.Module: ...
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
 class ProductOps(Protocol):
     """The part of an ops table (`cellbatch.model.ops.Ops`, which sits above this module
     and imports its torch products) that a quantised product calls."""
 
-    kind: str
-    int4_matmul: Callable[..., torch.Tensor]
-    int8_matmul: Callable[..., torch.Tensor]
+    # Read-only, as the table's (frozen) fields are.
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def int4_matmul(self) -> Callable[..., torch.Tensor]: ...
+
+    @property
+    def int8_matmul(self) -> Callable[..., torch.Tensor]: ...
 
 
 log = logging.getLogger(__name__)
@@ -125,7 +149,8 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        rows, cols = self.codes.shape  # codes are [N, K]
+        return rows, cols
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.codes.shape
@@ -150,7 +175,8 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        rows, cols = self.codes.shape  # codes are [N, K]
+        return rows, cols
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.codes.shape
@@ -172,7 +198,12 @@ QuantizedWeight = Int8Weight | Int4Weight
 
 def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one format concatenated along their output rows (q/k/v into qkv)."""
-    return type(parts[0]).cat(parts) if len(parts) > 1 else parts[0]
+    if len(parts) <= 1:
+        return parts[0]
+    # One format: every part is of the first one's class.
+    if isinstance(parts[0], Int8Weight):
+        return Int8Weight.cat(cast("list[Int8Weight]", parts))
+    return Int4Weight.cat(cast("list[Int4Weight]", parts))
 
 
 # -- conversion --------------------------------------------------------------------
@@ -441,11 +472,15 @@ class QuantizedEmbedding(nn.Module):
         panel, column = tokens // PANEL, tokens % PANEL
         codes = self.codes[panel, :, column]  # [..., K]
         scales = self.scales[panel, :, column].float()  # [..., G]
-        grouped = codes.unflatten(-1, (scales.shape[-1], -1)).float() * scales[..., None]
+        # torch leaves Tensor.unflatten unannotated.
+        grouped: torch.Tensor = (
+            codes.unflatten(-1, (scales.shape[-1], -1)).float()  # type: ignore[no-untyped-call]
+            * scales[..., None]
+        )
         return grouped.flatten(-2).to(self.dtype)
 
 
-def install(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
+def install(model: DecoderModel, weights: dict[str, QuantizedWeight]) -> None:
     """Puts quantised weights into a PackedTransformer whose other weights are loaded:
     "layers.{i}.{name}.weight" replaces that projection (its bias kept), "lm_head.weight"
     the head, "embed.weight" the embedding (and the head too, when tied). Their products
@@ -454,9 +489,10 @@ def install(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
         path = target.removesuffix(".weight")
         if path == "embed":
             linear = QuantizedLinear(weight, None, model.ops)
-            model.embed = QuantizedEmbedding(linear, model.dtype)
+            # setattr: the protocol reads these; the module takes the new submodules.
+            setattr(model, "embed", QuantizedEmbedding(linear, model.dtype))  # noqa: B010
             if model.lm_head is None:
-                model.lm_head = linear
+                setattr(model, "lm_head", linear)  # noqa: B010
             continue
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
@@ -476,7 +512,7 @@ class WeightsSummary:
     bytes_by_format: dict[str, int]
 
 
-def describe(model: nn.Module) -> WeightsSummary:
+def describe(model: DecoderModel) -> WeightsSummary:
     """The WeightsSummary of a PackedTransformer (shared tensors counted once)."""
     float_format = str(model.dtype).removeprefix("torch.")
 
@@ -500,6 +536,7 @@ def describe(model: nn.Module) -> WeightsSummary:
                 continue
             counted.add(id(param))
             quantized = name != "bias" and hasattr(module, "format")
-            fmt = module.format if quantized else str(param.dtype).removeprefix("torch.")
+            # A quantised module's format is its weight's name for it, a str.
+            fmt = str(module.format) if quantized else str(param.dtype).removeprefix("torch.")
             by_format[fmt] = by_format.get(fmt, 0) + param.numel() * param.element_size()
     return WeightsSummary(words, formats, "+".join(sorted(kernels)) or "none", by_format)

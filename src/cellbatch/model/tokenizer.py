@@ -57,7 +57,8 @@ class Tokenizer:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, tokens: Sequence[Token], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+        text: str = self.backend.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+        return text
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[Token]:
         """The prompt ids for a conversation, ending with the assistant's turn opening."""

@@ -21,17 +21,22 @@ padded key length, i.e. on the other sequences of the group.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
-from cellbatch.model.attention import MIN_GEMM_ROWS, AttentionArgs, CellAttention, HeadShape
+from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.ops import Ops, resolve
 from cellbatch.types import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from cellbatch.model.quantized import QuantizedEmbedding
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -122,13 +127,19 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.weight, self.bias, "none", [], ""
+        )
+        return out
 
 
 def can_pack_linears(dtype: torch.dtype, device: str | torch.device) -> bool:
     """oneDNN's reordered weights pay off for fp32 on any CPU it supports, and for bf16
     on CPUs with native bf16 products (fp16 is not measured)."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+    if torch.device(device).type != "cpu":
+        return False
+    # torch leaves mkldnn.is_available unannotated.
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
 
@@ -194,7 +205,7 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cells: torch.Tensor,
-        prepared: AttentionArgs,
+        prepared: FlatAttentionPlan,
         window: int | None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -204,13 +215,16 @@ class DecoderLayer(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # then k_norm is one too (config.qk_norm)
+            q, k = self.q_norm(q), cast("RMSNorm", self.k_norm)(k)
         # Rows past len(cells) are padding (PackedTransformer.min_rows): never stored.
         self.ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
         attended = self.attention.attend(q, k_cache, v_cache, prepared, window)
         hidden = hidden + self.o_proj(attended)
-        return hidden + self.down(self.ops.silu_mul(self.gate_up(self.post_norm(hidden))))
+        out: torch.Tensor = hidden + self.down(
+            self.ops.silu_mul(self.gate_up(self.post_norm(hidden)))
+        )
+        return out
 
 
 class PackedTransformer(nn.Module):
@@ -246,15 +260,18 @@ class PackedTransformer(nn.Module):
         self.min_rows = MIN_GEMM_ROWS.get(dtype, 16) if min_rows is None else min_rows
         self._min_rows_given = min_rows is not None
         self.ops = resolve(kernels, device)
-        heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
-        self.attention = CellAttention(heads, self.ops.cell_attention)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.geometry = dataclasses.replace(config.geometry, max_positions=self.max_positions)
+        self.attention = CellAttention(self.geometry, self.ops.cell_attention)
+        # quantized.install may replace the embedding and the head.
+        self.embed: nn.Embedding | QuantizedEmbedding = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, device, self.attention, self.ops)
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, self.ops)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
             else nn.Linear(
@@ -294,7 +311,12 @@ class PackedTransformer(nn.Module):
                 if isinstance(linear, nn.Linear):
                     setattr(layer, name, PackedLinear(linear.weight, linear.bias))
         if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
-            head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            # Tied: the embedding is float (a quantised one comes with its own head).
+            head = (
+                cast(nn.Embedding, self.embed).weight
+                if self.lm_head is None
+                else self.lm_head.weight
+            )
             self.lm_head = PackedLinear(head, None)
 
     def _products(self) -> list[nn.Module]:
@@ -305,8 +327,10 @@ class PackedTransformer(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.embed.weight)
-        return self.lm_head(hidden)
+            # Tied: the embedding is float (a quantised one comes with its own head).
+            return F.linear(hidden, cast(nn.Embedding, self.embed).weight)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
 
     def forward(
         self,

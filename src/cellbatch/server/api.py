@@ -22,7 +22,7 @@ from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, Token, To
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-    from cellbatch.engine import EngineShape
+    from cellbatch.engine import EngineLimits
     from cellbatch.model.tokenizer import Tokenizer
 
 FINISH_REASONS = {
@@ -96,7 +96,7 @@ class ChoiceHandle(Protocol):
 class Backend(Protocol):
     tokenizer: Tokenizer | None
     vocab_size: int
-    shape: EngineShape  # resolved: max_sessions and max_session_tokens are set
+    shape: EngineLimits
 
     def decode(self, tokens: Sequence[Token]) -> str: ...
 

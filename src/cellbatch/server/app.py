@@ -32,6 +32,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -63,6 +64,8 @@ from cellbatch.server.responses import Responses
 from cellbatch.server.service import EngineService, Job, until_disconnected
 from cellbatch.types import FinishReason
 
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
 log = logging.getLogger(__name__)
 
 
@@ -84,7 +87,7 @@ def create_app(
     """The app serving `engine` (or any other backend: replicas, say). `stopping()`
     turns True once the process was asked to stop (uvicorn's signal handling); running
     requests then have `shutdown_timeout` seconds before they are cancelled."""
-    backend = LocalBackend(engine) if isinstance(engine, Engine) else engine
+    backend: Backend = LocalBackend(engine) if isinstance(engine, Engine) else engine
     metrics = ServerMetrics()
     service = EngineService(
         backend, settings.served_model_name, metrics, settings.max_queued_requests
@@ -120,7 +123,8 @@ def create_app(
             message = f"Method not allowed ({where}); this route takes {allowed}"
         else:
             message = f"{error.detail} ({where})"
-        return _error_response(ApiError(error.status_code, message), error.headers)
+        headers = dict(error.headers) if error.headers else None
+        return _error_response(ApiError(error.status_code, message), headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
@@ -159,7 +163,7 @@ def create_app(
     names = (settings.served_model_name, *settings.model_aliases)
 
     @app.get("/v1/models", response_model=ModelList)
-    async def models() -> dict:
+    async def models() -> dict[str, Any]:
         cards = [ModelCard(id=name, max_model_len=service.context_limit) for name in names]
         return ModelList(data=cards).model_dump(mode="json")
 
@@ -180,11 +184,17 @@ def create_app(
 
     async def generate(request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat/completions"
-        kind = ChatCompletionRequest if chat else CompletionRequest
-        parsed = _parse(kind, await _read_body(request, settings))
+        body = await _read_body(request, settings)
+        parsed: ChatCompletionRequest | CompletionRequest = (
+            _parse(ChatCompletionRequest, body) if chat else _parse(CompletionRequest, body)
+        )
         _check_fields(parsed, names, warned)
         service.admit()
-        plan = service.plan_chat(parsed) if chat else service.plan_completion(parsed)
+        plan = (
+            service.plan_chat(parsed)
+            if isinstance(parsed, ChatCompletionRequest)
+            else service.plan_completion(parsed)
+        )
         job = await service.start(plan)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -249,16 +259,16 @@ def _check_fields(
             log.warning("ignoring the unknown request field %r (said once per field name)", name)
 
 
-def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict]:
+def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI answers of a generation route: its body, or (stream: true) a stream
     of `chunk` events; errors in OpenAI's shape."""
-    success = {
+    success: dict[str, Any] = {
         "model": body,
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
         "description": f"a {body.__name__}, or with stream: true server-sent events, "
         f"each a {chunk.__name__}, then [DONE]",
     }
-    errors = {
+    errors: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorResponse, "description": description}
         for status, description in (
             (400, "a bad request"),
@@ -276,7 +286,7 @@ def _document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -
     """FastAPI documents the bodies it parses itself; these routes read theirs (the size
     limit comes first), so the published schema gets their models here."""
 
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -379,7 +389,7 @@ async def _read_body(request: Request, settings: ServerSettings) -> bytes:
     return bytes(body)
 
 
-def _parse(model: type[BaseModel], body: bytes):  # -> the model
+def _parse(model: type[ModelT], body: bytes) -> ModelT:
     try:
         return model.model_validate_json(body)
     except ValidationError as error:

@@ -46,7 +46,7 @@ class LocalBackend:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.vocab_size = int(engine.config.vocab_size)
+        self.vocab_size = engine.geometry.vocab_size
         self.shape = engine.shape
 
     def decode(self, tokens: Sequence[Token]) -> str:

@@ -104,8 +104,8 @@ def engine_figures(engine: Engine) -> dict[str, float]:
         "cellbatch_recomputed_tokens": metrics.recomputed_tokens,
         "cellbatch_prefix_cache_hits": metrics.prefix_cache_hits,
         "cellbatch_prefix_cache_tokens": metrics.prefix_cache_tokens,
-        "cellbatch_kv_cells_in_use": kv["cells_in_use"],
-        "cellbatch_kv_cells_capacity": kv["max_cells"],
+        "cellbatch_kv_cells_in_use": kv.cells_in_use,
+        "cellbatch_kv_cells_capacity": kv.max_cells,
     }
 
 

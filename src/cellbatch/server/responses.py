@@ -147,7 +147,9 @@ class Responses:
             ],
         )
 
-    def usage_chunk(self, job: Job, stream_id: str, created: int, chat: bool):
+    def usage_chunk(
+        self, job: Job, stream_id: str, created: int, chat: bool
+    ) -> ChatCompletionChunk | CompletionResponse:
         usage = self.usage(job)
         if chat:
             return ChatCompletionChunk(

@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from cellbatch.server.api import FINISH_REASONS, ApiError, Backend, Choice, Plan
 from cellbatch.server.observability import ServerMetrics
@@ -35,6 +36,9 @@ from cellbatch.types import (
     SamplingParams,
     Token,
 )
+
+if TYPE_CHECKING:
+    from cellbatch.model.tokenizer import Tokenizer
 
 
 @dataclass(eq=False)
@@ -109,7 +113,7 @@ class EngineService:
         if isinstance(prompt, str):
             texts: list[str | list[int]] = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            texts = [list(prompt)]  # type: ignore[arg-type]
+            texts = [list(prompt)]
         else:
             texts = list(prompt)  # type: ignore[call-overload]
         if not texts:
@@ -125,7 +129,9 @@ class EngineService:
             prompts.append(list(tokens))
         return prompts
 
-    def _sampling(self, request: CompletionRequest | ChatCompletionRequest, top: int | None):
+    def _sampling(
+        self, request: CompletionRequest | ChatCompletionRequest, top: int | None
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 temperature=request.temperature,
@@ -179,7 +185,7 @@ class EngineService:
         except InvalidArgumentError as error:
             raise ApiError(400, str(error)) from error
 
-    def _tokenizer(self, why: str):
+    def _tokenizer(self, why: str) -> Tokenizer:
         if self.backend.tokenizer is None:
             raise ApiError(400, f"this model has no tokenizer, so the server cannot {why}")
         return self.backend.tokenizer
@@ -276,7 +282,7 @@ class EngineService:
 
 
 async def until_disconnected(
-    work: asyncio.Future | asyncio.Task, disconnected: Callable[[], object], every: float = 0.1
+    work: asyncio.Future[Any], disconnected: Callable[[], object], every: float = 0.1
 ) -> bool:
     """Wait for `work`; True if the client left first (then `work` is left running)."""
     while not work.done():

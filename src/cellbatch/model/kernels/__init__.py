@@ -84,7 +84,8 @@ def load() -> bool:
                 reason = _refusal(LIBRARY, BUILD_INFO)
                 if not reason:
                     try:
-                        torch.ops.load_library(str(LIBRARY))
+                        # torch leaves load_library unannotated.
+                        torch.ops.load_library(str(LIBRARY))  # type: ignore[no-untyped-call]
                     except OSError as error:
                         reason = f"{LIBRARY.name} does not load: {str(error)[-200:]}"
                 if reason:
