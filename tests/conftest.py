@@ -12,7 +12,7 @@ from cellbatch.bench.workload import CHAT_PROMPTS
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama with a word-level tokenizer and a ChatML template."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -286,11 +286,11 @@ def test_left_padding_puts_prompts_flush_right() -> None:
 
 
 def test_quick_run_on_a_tiny_model_writes_every_figure(
-    tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_bench_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     output = tmp_path / "figures.json"
     argv = [
-        "--model", str(tiny_chat_model), "--dtype", "float32",
+        "--model", str(tiny_bench_model), "--dtype", "float32",
         "--threads", str(torch.get_num_threads()),  # the run sets it process-wide
         "--prompts", "3", "--max-new-tokens", "5", "--sessions", "1,3",
         "--output-json", str(output),
@@ -342,7 +342,7 @@ def test_reference_is_the_single_run_else_the_padded_one() -> None:
 
 
 def test_cellbatch_bench_runs_the_packaged_benchmark(
-    tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_bench_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "--help"])
@@ -350,7 +350,7 @@ def test_cellbatch_bench_runs_the_packaged_benchmark(
     assert "usage: cellbatch bench" in capsys.readouterr().out
     output = tmp_path / "figures.json"
     skips = [word for name in workload.SKIPPABLE for word in ("--skip", name)]
-    argv = ["bench", "--model", str(tiny_chat_model), "--prompts", "2", *skips]
+    argv = ["bench", "--model", str(tiny_bench_model), "--prompts", "2", *skips]
     argv += ["--no-fp32-baseline", "--dtype", "float32", "--output-json", str(output)]
     assert cli.main(argv) == 0
     data = json.loads(output.read_text())

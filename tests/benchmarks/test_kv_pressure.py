@@ -116,12 +116,12 @@ def test_a_failed_call_is_reported_and_left_out_of_the_medians() -> None:
 
 
 def test_both_modes_run_on_a_tiny_model_with_the_same_tokens(
-    tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_bench_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     output = tmp_path / "kv.json"
     new_tokens = 4 * GROWTH_CELLS  # optimistic starts more than reserve only well past it
     argv = [
-        "--model", str(tiny_chat_model),
+        "--model", str(tiny_bench_model),
         "--threads", str(torch.get_num_threads()),  # the run sets it process-wide
         "--generations", "8", "--max-new-tokens", str(new_tokens), "--worst-cases", "2",
         "--max-sessions", "8", "--repeats", "1", "--output-json", str(output),

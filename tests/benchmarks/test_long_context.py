@@ -16,9 +16,9 @@ def test_prompts_have_the_length_asked_and_share_no_prefix() -> None:
     assert [p[0] for p in prompts] == [0, PROMPT_STRIDE, 2 * PROMPT_STRIDE]
 
 
-def test_a_quick_run_reports_every_part(tiny_chat_model: Path, tmp_path: Path) -> None:
+def test_a_quick_run_reports_every_part(tiny_bench_model: Path, tmp_path: Path) -> None:
     output = tmp_path / "long.json"
-    args = ["--quick", "--model", str(tiny_chat_model), "--repeats", "1", "--threads", "1"]
+    args = ["--quick", "--model", str(tiny_bench_model), "--repeats", "1", "--threads", "1"]
     assert main([*args, "--output-json", str(output)]) == 0
     report = json.loads(output.read_text())
     assert [(r["prompts"], r["tokens_each"]) for r in report["prefill"]] == [(1, 500), (2, 300)]

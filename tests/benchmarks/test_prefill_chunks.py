@@ -13,10 +13,10 @@ from prefill_chunks import main, prefill_seconds
 
 
 def test_every_length_and_chunk_is_measured_each_round(
-    tiny_chat_model: Path, tmp_path: Path
+    tiny_bench_model: Path, tmp_path: Path
 ) -> None:
     output = tmp_path / "chunks.json"
-    args = ["--model", str(tiny_chat_model), "--chunks", "16,64", "--lengths", "100,200"]
+    args = ["--model", str(tiny_bench_model), "--chunks", "16,64", "--lengths", "100,200"]
     assert main([*args, "--rounds", "3", "--threads", "1", "--output-json", str(output)]) == 0
     rows = json.loads(output.read_text())["rows"]
     assert [(row["tokens"], row["chunk"]) for row in rows] == [
@@ -30,11 +30,11 @@ def test_every_length_and_chunk_is_measured_each_round(
         assert row["tokens_per_s"] > 0
 
 
-def test_a_chunked_prefill_leaves_the_cache_as_it_found_it(tiny_chat_model: Path) -> None:
+def test_a_chunked_prefill_leaves_the_cache_as_it_found_it(tiny_bench_model: Path) -> None:
     """Each prefill releases its sequence, so the pool (one prompt long) serves every run."""
     from cellbatch.model.loading import load_model
 
-    _, model = load_model(tiny_chat_model, "float32")
+    _, model = load_model(tiny_bench_model, "float32")
     stepper = Stepper(model, 201)
     free = stepper.cache.free_cells()
     with torch.inference_mode():

@@ -2,19 +2,15 @@
 (docs/design.md#engine).
 
 Imports only go down this list: `backend` (module or program) < `batch` (one call's
-results) < `engine`.
+results) < `limits` (EngineShape, EngineLimits) < `prefix` (a call's shared prompt prefix) <
+`engine`.
 """
 
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
-from cellbatch.engine.engine import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    MIN_SHARED_PREFIX,
-    Engine,
-    EngineLimits,
-    EngineShape,
-    Message,
-)
+from cellbatch.engine.engine import Engine, Message
+from cellbatch.engine.limits import DEFAULT_MAX_BATCH_TOKENS, EngineLimits, EngineShape
+from cellbatch.engine.prefix import MIN_SHARED_PREFIX
 
 __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",

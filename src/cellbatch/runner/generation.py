@@ -137,6 +137,8 @@ class Generation:
     """One generation (engine thread only, except `cancel_requested`, which any
     thread may raise)."""
 
+    # Six parameters: what a caller asked for (config, the two callbacks) and where the
+    # generation runs (kind, session, context source); nothing here is derived.
     def __init__(
         self,
         config: GenConfig,
@@ -325,17 +327,14 @@ class Generation:
         return failure
 
     def settle(
-        self,
-        reason: FinishReason,
-        error: str,
-        tokens: tuple[Token, ...],
-        text: str,
-        logprobs: tuple[TokenLogprob, ...] = (),
-        prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
+        self, reason: FinishReason, error: str, last: GenerationUpdate | None = None
     ) -> FinishReason:
-        """Deliver the final update, publish the outcome, then run on_settled once.
-        A raising on_update turns the outcome into `failed`. Returns the outcome."""
-        update = GenerationUpdate(tokens, reason, error, text, logprobs, prompt_logprobs)
+        """Deliver the final update (`last`'s tokens, text and logprobs, where tokens
+        ended it, then the reason and error), publish the outcome, then run on_settled
+        once. A raising on_update turns the outcome into `failed`. Returns the outcome."""
+        update = dataclasses.replace(
+            last or GenerationUpdate(()), finish_reason=reason, error=error
+        )
         failure = self._call_on_update(update)
         if failure:
             reason, error = FinishReason.FAILED, failure

@@ -24,6 +24,7 @@ forwards at once, or changes a counter except by recording an event.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import itertools
 import logging
@@ -72,14 +73,13 @@ from cellbatch.scheduler import Scheduler
 from cellbatch.types import (
     BatchInput,
     FinishReason,
+    GenerationUpdate,
     InvalidArgumentError,
     KVUsage,
     OutOfResourcesError,
     Output,
     SessionId,
     Task,
-    Token,
-    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class EngineLoop:
     snapshot and the initialisation outcome behind the readers below.
     """
 
+    # Six parameters: the parts the Runner wires together (executor, scheduler, inbox)
+    # and the three policies it was given; the loop builds its books from them.
     def __init__(
         self,
         executor: Executor,
@@ -435,20 +437,12 @@ class EngineLoop:
         self, tasks: list[Task], outputs: Sequence[Output | None], start: float, end: float
     ) -> None:
         step = self._step_index
-        decodes = prefill_tokens = generated = 0
-        prefill_sids: set[SessionId] = set()
-        context: dict[SessionId, int] = {}  # each session's length after the step
+        generated = 0
         next_decodes: list[tuple[Generation, list[Task]]] = []
         cancelled: dict[Generation, None] = {}  # ordered set
         for task, output in zip(tasks, outputs, strict=True):
             inp = task.input
             end_position = inp.start + inp.size
-            context[inp.sid] = end_position
-            if task.is_decode:
-                decodes += 1
-            else:
-                prefill_tokens += inp.size
-                prefill_sids.add(inp.sid)
             generation = self._tasks.take(task.tid)
             if generation is None:
                 continue
@@ -466,17 +460,7 @@ class EngineLoop:
                 generated += self._accept(generation, output, end, next_decodes)
             elif generation.feeds_only and state.resident == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
-        self._ledger.record(
-            StepDone(
-                start,
-                end,
-                decodes,
-                len(prefill_sids),
-                prefill_tokens,
-                sum(context.values()),
-                generated,
-            )
-        )
+        self._ledger.record(_step_done(tasks, start, end, generated))
         for generation in cancelled:
             self._end(generation, FinishReason.CANCELLED, "cancelled by the caller")
         if next_decodes:
@@ -502,9 +486,7 @@ class EngineLoop:
         state.advance(state.resident + count - 1)
         generation.metrics.record_tokens(count, now)
         if reason is not None:
-            self._end(
-                generation, reason, "", kept, update.text, update.logprobs, update.prompt_logprobs
-            )
+            self._end(generation, reason, last=update)
             return count
         failure = generation.emit(update)
         if failure:
@@ -520,12 +502,10 @@ class EngineLoop:
         generation: Generation,
         reason: FinishReason,
         error: str = "",
-        tokens: tuple[Token, ...] = (),
-        text: str = "",
-        logprobs: tuple[TokenLogprob, ...] = (),
-        prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
+        last: GenerationUpdate | None = None,
     ) -> None:
-        """Settle a live generation exactly once and release what it held."""
+        """Settle a live generation exactly once and release what it held; `last` is
+        the update of the tokens that ended it, when tokens did."""
         if generation.ended:
             return
         was_admitted = generation.admitted
@@ -548,9 +528,11 @@ class EngineLoop:
         if state is not None and state.active is generation:
             state.active = None
             state.last_used = self._step_index
-        outcome = generation.settle(
-            reason, error, tokens, text + generation.closing_text(), logprobs, prompt_logprobs
-        )
+        closing = generation.closing_text()
+        if closing:  # text held back (a possible stop string) that the end releases
+            base = last or GenerationUpdate(())
+            last = dataclasses.replace(base, text=base.text + closing)
+        outcome = generation.settle(reason, error, last)
         if generation.kind is GenerationKind.SUBMISSION and state is not None:
             # A submission's session lives as long as it does, or on as a snapshot.
             self._sessions.finished(state, reusable=outcome is not FinishReason.FAILED)
@@ -566,3 +548,22 @@ class EngineLoop:
         occupancy = self._admission.occupancy()
         with self._published_lock:
             self._kv, self._occupancy = usage, occupancy
+
+
+def _step_done(tasks: Sequence[Task], start: float, end: float, generated: int) -> StepDone:
+    """The step's figures: decodes, distinct prefilling sessions and their tokens, and
+    the context (each session's length after the step, once per session)."""
+    decodes = prefill_tokens = 0
+    prefill_sids: set[SessionId] = set()
+    context: dict[SessionId, int] = {}
+    for task in tasks:
+        inp = task.input
+        context[inp.sid] = inp.start + inp.size
+        if task.is_decode:
+            decodes += 1
+        else:
+            prefill_tokens += inp.size
+            prefill_sids.add(inp.sid)
+    return StepDone(
+        start, end, decodes, len(prefill_sids), prefill_tokens, sum(context.values()), generated
+    )

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class KVPressure:
+    # Six parameters: the executor and the loop's books it frees cells from, the ledger
+    # it reports to, and the loop's one way to end a generation.
     def __init__(
         self,
         executor: Executor,

@@ -114,6 +114,7 @@ class Runner:
     call `shutdown()`.
     """
 
+    # The public constructor: an executor, and five keyword options with defaults.
     def __init__(
         self,
         executor: Executor,
@@ -168,6 +169,7 @@ class Runner:
             future.set_result(None)
         return future
 
+    # The public face: the prompt, its config and callbacks, and where it starts from.
     def submit(
         self,
         prompt: Sequence[Token],
@@ -201,8 +203,6 @@ class Runner:
             generation.settle(
                 FinishReason.FAILED,
                 f"source must be an opened session and upto an integer >= 0, got {upto!r}",
-                (),
-                "",
             )
             return generation.handle
         return start_generation(generation, prompt, self._inbox, self._defaults)

@@ -62,7 +62,7 @@ def start_generation(
             if inbox is not None
             else (FinishReason.FAILED, "session is not initialized")
         )
-        generation.settle(reason, error, (), "")
+        generation.settle(reason, error)
     return generation.handle
 
 
@@ -152,7 +152,7 @@ class Session:
     def _start(self, generation: Generation, delta: Sequence[Token]) -> GenerationHandle:
         if self._state is not None and (self._closed or self._state.closed):
             generation.handle._bind(generation, None)
-            generation.settle(FinishReason.CANCELLED, "session is closed", (), "")
+            generation.settle(FinishReason.CANCELLED, "session is closed")
             return generation.handle
         inbox = self._inbox if self._state is not None else None
         return start_generation(generation, delta, inbox, self._defaults)
