@@ -580,3 +580,27 @@ def test_default_model_knows_the_capital_of_france(tmp_path: Path) -> None:
     assert code == 0
     (entry,) = json.loads(report_path.read_text())["generations"]
     assert "Paris" in entry["text"], entry
+
+
+def test_answers_fit_the_constraint_options(cli, tmp_path: Path) -> None:
+    import jsonschema
+
+    prompts = write_lines(tmp_path / "p.txt", ["Describe a cat.", "Describe a dog."])
+    schema = {
+        "type": "object",
+        "properties": {"legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+        "required": ["legs"],
+        "additionalProperties": False,
+    }
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    fitted = cli(
+        "--prompts-file", str(prompts), "--max-new-tokens", "24", "--json-schema", str(schema_file)
+    )
+    assert fitted.code == 0, fitted.stderr
+    for entry in fitted.generations:
+        jsonschema.validate(json.loads(entry["text"]), schema)
+    chosen = cli("--prompts-file", str(prompts), "--choice", "meow", "--choice", "woof")
+    assert chosen.code == 0 and {e["text"] for e in chosen.generations} <= {"meow", "woof"}
+    bad = cli("--prompts-file", str(prompts), "--regex", "(unclosed")
+    assert bad.code == 2 and "does not compile" in bad.stderr and bad.report is None

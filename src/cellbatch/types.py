@@ -9,8 +9,9 @@ Never: holds engine state; these objects are values.
 from __future__ import annotations
 
 import enum
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 Token = int
@@ -64,6 +65,53 @@ class ModelGeometry:
         return float(self.head_dim**-0.5)
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a generation's text must be: `kind` "json_schema" (`spec`: the schema as JSON
+    text), "json_object" (any JSON object; `spec` unused), "regex" (`spec`: a regular
+    expression the whole text matches), "choice" (`choices`: the text is one of them) or
+    "grammar" (`spec`: a Lark grammar, or GBNF when `gbnf`). Build one with the class
+    methods; `cellbatch.constraint` compiles it for a tokenizer."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    gbnf: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidArgumentError(
+                f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}"
+            )
+        if self.kind == "choice" and not self.choices:
+            raise InvalidArgumentError("a choice constraint needs at least one choice")
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            raise InvalidArgumentError(f"a {self.kind} constraint needs its {self.kind} text")
+
+    @classmethod
+    def json_schema(cls, schema: str | Mapping[str, object]) -> Constraint:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> Constraint:
+        return cls("choice", choices=tuple(choices))
+
+    @classmethod
+    def grammar(cls, grammar: str, *, gbnf: bool = False) -> Constraint:
+        return cls("grammar", grammar, gbnf=gbnf)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one generation picks its tokens, and what it reports about them.
@@ -80,6 +128,8 @@ class SamplingParams:
     ones; `prompt_logprobs` k the same for every prompt token the generation feeds
     (None: not asked). Log-probabilities are those of the raw model distribution
     (float32 log-softmax of the logits, before temperature, penalties and filters).
+    `constraint` limits each draw to the tokens that keep the text within it, and ends
+    the generation (its end-of-sequence token) where the constraint is complete.
     """
 
     temperature: float = 0.0
@@ -91,6 +141,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:

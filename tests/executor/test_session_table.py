@@ -11,6 +11,7 @@ from cellbatch.executor.sampling import SessionSampler, sample_rows, token_logpr
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
     BatchInput,
+    Constraint,
     Input,
     InvalidArgumentError,
     OutOfResourcesError,
@@ -657,3 +658,13 @@ def test_a_one_token_prompt_chunk_after_a_pending_row_is_scored() -> None:
     _execute(table, _batch(_prompt(sid, prompt, 0, 2, output=False)))
     out = _execute(table, _batch(_prompt(sid, prompt, 2, 1)))[0]  # no scored row at all
     assert out.prompt_logprobs == tuple(_expected_prompt_logprobs(prompt, 0, 4))
+
+
+def test_a_constraint_without_a_compiler_is_refused_naming_why() -> None:
+    table = _table()
+    sid = table.open()
+    with pytest.raises(InvalidArgumentError, match="no tokenizer"):
+        table.set_sampling(sid, SamplingParams(constraint=Constraint.regex("a+")), seed=1)
+    logits = torch.zeros(1, 8)
+    logits[0, 5] = 1.0
+    assert table.sample([sid], logits)[0].tokens == (5,)  # still greedy, unconstrained

@@ -181,9 +181,21 @@ def test_a_missing_or_wrong_key_is_401_and_health_needs_none(live) -> None:
         (json.dumps({"prompt": "hi", "max_tokens": -1}).encode(), 400, "max_tokens", None),
         (json.dumps({"prompt": "hi", "model": "gpt-9"}).encode(), 404, "model", "model_not_found"),
         (
-            json.dumps({"prompt": "hi", "response_format": {"type": "json_object"}}).encode(),
+            json.dumps({"prompt": "hi", "response_format": {"type": "yaml"}}).encode(),
+            400,
+            "response_format.type",
+            None,
+        ),
+        (
+            json.dumps({"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}).encode(),
             400,
             "response_format",
+            None,
+        ),
+        (
+            json.dumps({"prompt": "hi", "tools": [{"type": "function"}]}).encode(),
+            400,
+            "tools",
             None,
         ),
         (json.dumps({"prompt": "hi", "logit_bias": {"5": 100}}).encode(), 400, "logit_bias", None),
@@ -274,5 +286,6 @@ def test_openapi_documents_the_request_bodies(live) -> None:
         assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
     chat = components["ChatCompletionRequest"]
     assert {"messages", "max_tokens", "temperature", "stop", "stream"} <= set(chat["properties"])
-    assert "response_format" not in chat["properties"]  # refused, so not claimed
+    assert {"response_format", "structured_outputs", "grammar"} <= set(chat["properties"])
+    assert "tools" not in chat["properties"]  # refused, so not claimed
     assert "ChatMessage" in components and "ErrorResponse" in components

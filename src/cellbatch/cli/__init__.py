@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--seed", type=int, default=42, help="per-prompt seeds derive from it")
     run.add_argument("--stop", action="append", default=[], help="a text stop string")
+    shape = run.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, help="every answer fits this JSON schema file")
+    shape.add_argument("--json-object", action="store_true", help="every answer is a JSON object")
+    shape.add_argument("--regex", help="every answer matches this regular expression")
+    shape.add_argument(
+        "--choice", action="append", help="every answer is one of these (repeat the option)"
+    )
+    shape.add_argument("--grammar", type=Path, help="every answer fits this Lark grammar file")
     add_engine_options(run)
     run.add_argument("--report-json", type=Path, help="write the whole report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -32,7 +32,7 @@ from cellbatch.cli.options import (
 )
 from cellbatch.cli.prompts import PromptLine, read_prompts
 from cellbatch.cli.report import RunRecord, build_report, memory_snapshot, print_report
-from cellbatch.types import Token
+from cellbatch.types import Constraint, GenConfig, InvalidArgumentError, SamplingParams, Token
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine, GenerationBatch
@@ -55,8 +55,29 @@ def _check_run_options(args: argparse.Namespace) -> None:
             )
 
 
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    """The constraint the options ask for; an unreadable file is a UsageError."""
+    try:
+        if args.json_schema is not None:
+            return Constraint.json_schema(args.json_schema.read_text())
+        if args.grammar is not None:
+            return Constraint.grammar(args.grammar.read_text())
+        if args.json_object:
+            return Constraint.json_object()
+        if args.regex is not None:
+            return Constraint.regex(args.regex)
+        if args.choice:
+            return Constraint.choice(args.choice)
+    except OSError as error:
+        raise UsageError(f"cannot read {error.filename}: {error.strerror}") from error
+    except ValueError as error:  # InvalidArgumentError: an empty regex, say
+        raise UsageError(str(error)) from error
+    return None
+
+
 def run_command(args: argparse.Namespace) -> int:
     _check_run_options(args)
+    constraint = _constraint(args)
     prompts = read_prompts(args)
     if not prompts:
         raise UsageError("every prompt line is empty: nothing to run")
@@ -69,8 +90,6 @@ def run_command(args: argparse.Namespace) -> int:
             note(
                 f"{len(prompts)} prompts, {SESSION_CAP} sessions at once (--max-sessions to change)"
             )
-
-    from cellbatch.types import GenConfig, InvalidArgumentError, SamplingParams
 
     try:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -88,6 +107,11 @@ def run_command(args: argparse.Namespace) -> int:
         memory["after_load"] = memory_snapshot()
 
     with engine:
+        if constraint is not None:
+            try:
+                engine.check_constraint(constraint)  # one message, not one per prompt
+            except InvalidArgumentError as error:
+                raise UsageError(str(error)) from error
         inputs, failures = _encode(prompts, engine)
         config = GenConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
         if not args.quiet:
@@ -98,6 +122,7 @@ def run_command(args: argparse.Namespace) -> int:
                 [tokens for _, tokens in inputs],
                 config,
                 stop=args.stop,
+                constraint=constraint,
                 on_tokens=progress,
             )
             interrupted = _wait_interruptibly(batch)

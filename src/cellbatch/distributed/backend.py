@@ -32,13 +32,20 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cellbatch.constraint import ConstraintCompiler
 from cellbatch.distributed.replica import Delivery
 from cellbatch.distributed.replicas import ReplicaSet
 from cellbatch.distributed.routing import PrefixRouter
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector
-from cellbatch.types import FinishReason, GenerationUpdate, Token
+from cellbatch.types import (
+    Constraint,
+    FinishReason,
+    GenerationUpdate,
+    InvalidArgumentError,
+    Token,
+)
 
 # A replica that does not answer a ping (or a figures call) this fast is shown down.
 PING_TIMEOUT_S = 2.0
@@ -62,6 +69,20 @@ class ReplicaBackend:
         self.failures: Counter[int] = Counter()  # requests ended by their replica's failure
         self._requests: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self._constraints: ConstraintCompiler | None = None  # built on first use
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Compiled here with the replicas' tokenizer (each replica compiles it again for
+        its own engine)."""
+        if self._constraints is None and self.tokenizer is not None:
+            self._constraints = ConstraintCompiler.for_tokenizer(
+                self.tokenizer, self.vocab_size, self.tokenizer.stop_tokens
+            )
+        if self._constraints is None:
+            raise InvalidArgumentError(
+                "the served model has no tokenizer, so a constraint cannot be compiled for it"
+            )
+        self._constraints.check(constraint)
 
     def decode(self, tokens: Sequence[Token]) -> str:
         if self.tokenizer is None:

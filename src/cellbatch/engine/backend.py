@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
@@ -69,8 +70,11 @@ class ModelBackend(ABC):
         return None
 
     @abstractmethod
-    def executor(self, shape: ExecutorShape) -> CellExecutor:
-        """A new executor over this model (initialised by the Runner's engine thread)."""
+    def executor(
+        self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
+    ) -> CellExecutor:
+        """A new executor over this model (initialised by the Runner's engine thread);
+        `constraints` compiles its generations' constraints."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +108,10 @@ class ModuleBackend(ModelBackend):
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
-    def executor(self, shape: ExecutorShape) -> CellExecutor:
-        return ModuleExecutor(self.module, self.config, shape)
+    def executor(
+        self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
+    ) -> CellExecutor:
+        return ModuleExecutor(self.module, self.config, shape, constraints)
 
     @classmethod
     def load(
@@ -170,8 +176,10 @@ class ProgramBackend(ModelBackend):
     def max_step_tokens(self) -> int | None:
         return self.program.manifest.max_step_tokens
 
-    def executor(self, shape: ExecutorShape) -> CellExecutor:
-        return ProgramExecutor(self.program, shape)
+    def executor(
+        self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
+    ) -> CellExecutor:
+        return ProgramExecutor(self.program, shape, constraints)
 
     @classmethod
     def load(

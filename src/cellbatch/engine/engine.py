@@ -18,16 +18,21 @@ Runner's faces), or asks which kind of backend it holds.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from cellbatch.cache import kv_bytes_per_cell
+from cellbatch.constraint import ConstraintCompiler
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
+from cellbatch.engine.limits import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    EngineShape,
+    resolve_limits,
+)
+from cellbatch.engine.prefix import feed_shared_prefix
 from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.export import is_program
 from cellbatch.metrics import EngineMetrics
@@ -38,11 +43,9 @@ from cellbatch.model.quantized import WeightsSummary, resolve_quantize
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.runner import AdmissionPolicy, Runner, Session
-from cellbatch.runner.snapshots import common_prefix_length
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
-    MAX_POSITION,
-    FinishReason,
+    Constraint,
     GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
@@ -53,39 +56,6 @@ from cellbatch.types import (
 )
 
 Message = Mapping[str, str]
-
-# Bounds the KV pool by default: cells past this many bytes are never allocated.
-DEFAULT_KV_BUDGET_BYTES = 4 * 2**30
-DEFAULT_MAX_SESSIONS = 64
-DEFAULT_MAX_BATCH_TOKENS = 544
-DEFAULT_MAX_SESSION_TOKENS = 8192
-# Shorter common prefixes are fed by every prompt: the extra turn would cost more than
-# it saves.
-MIN_SHARED_PREFIX = 16
-
-
-@dataclass(frozen=True)
-class EngineShape:
-    """The engine's limits; None means "derive from the model and the others"."""
-
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    max_session_tokens: int | None = None
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    max_decode_sequences: int | None = None
-    max_prefill_chunk: int | None = None
-    max_cells: int | None = None
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """An EngineShape with every limit derived: what the engine runs with."""
-
-    max_sessions: int
-    max_session_tokens: int
-    max_batch_tokens: int
-    max_decode_sequences: int
-    max_prefill_chunk: int
-    max_cells: int
 
 
 class Engine:
@@ -100,7 +70,7 @@ class Engine:
         backend: ModelBackend,
         tokenizer: Tokenizer | None,
         *,
-        shape: EngineShape = EngineShape(),
+        shape: EngineShape | None = None,
         kv_dtype: torch.dtype | None = None,
         model_path: Path | None = None,
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
@@ -113,7 +83,11 @@ class Engine:
         self.stop_tokens = frozenset(
             tokenizer.stop_tokens if tokenizer is not None else backend.geometry.eos_token_ids
         )
-        self.shape = _resolve_shape(shape, backend.geometry, self.kv_dtype)
+        self.shape = resolve_limits(shape or EngineShape(), backend.geometry, self.kv_dtype)
+        # Constraints need the vocabulary's text: without a tokenizer they are refused.
+        self.constraints = ConstraintCompiler.for_tokenizer(
+            tokenizer, backend.geometry.vocab_size, self.stop_tokens
+        )
         self.executor = backend.executor(
             ExecutorShape(
                 max_sessions=self.shape.max_sessions,
@@ -121,7 +95,8 @@ class Engine:
                 max_cells=self.shape.max_cells,
                 max_batch_tokens=self.shape.max_batch_tokens,
                 kv_dtype=self.kv_dtype,
-            )
+            ),
+            self.constraints,
         )
         self.scheduler = DecodeFirstScheduler.create(
             max_batch_tokens=self.shape.max_batch_tokens,
@@ -272,6 +247,7 @@ class Engine:
         seed: int | None = None,
         on_tokens: Callable[[int], None] | None = None,
         share_prefix: bool = True,
+        constraint: Constraint | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt at once; results in prompt order.
 
@@ -279,7 +255,10 @@ class Engine:
         token lists are used verbatim. `stop` adds text stop strings (the text ends
         before the stop string). `on_tokens(n)` is called from the engine thread as
         tokens arrive (for progress bars). `share_prefix` feeds the prompts' common
-        prefix (when at least MIN_SHARED_PREFIX tokens) once.
+        prefix (when at least MIN_SHARED_PREFIX tokens) once. `constraint` (a
+        `Constraint`: JSON schema, any JSON object, regex, choice or grammar) limits every
+        generation's text to it; one that does not compile fails each prompt with the
+        library's message, before anything runs.
         """
         batch = self.generate_async(
             prompts,
@@ -289,6 +268,7 @@ class Engine:
             seed=seed,
             on_tokens=on_tokens,
             share_prefix=share_prefix,
+            constraint=constraint,
         )
         return batch.results()
 
@@ -302,14 +282,25 @@ class Engine:
         seed: int | None = None,
         on_tokens: Callable[[int], None] | None = None,
         share_prefix: bool = True,
+        constraint: Constraint | None = None,
     ) -> GenerationBatch:
         """`generate` without waiting: the batch can be waited on, cancelled (what
         finished stays finished) and collected."""
         self._require_open()
         base = _gen_config(params, max_new_tokens, seed, stop)
+        if constraint is not None:
+            base = replace(base, sampling=replace(base.sampling, constraint=constraint))
         results = [self._prepare(prompt, base) for prompt in prompts]
         jobs = [(index, result) for index, result in enumerate(results) if result.error == ""]
-        root = self._feed_shared_prefix([result for _, result in jobs]) if share_prefix else None
+        root = (
+            feed_shared_prefix(
+                self.runner,
+                [result.prompt_tokens for _, result in jobs],
+                self.shape.max_sessions,
+            )
+            if share_prefix
+            else None
+        )
         batch = GenerationBatch(
             results, self.decode if self.tokenizer is None else None, self.runner.sync
         )
@@ -437,11 +428,28 @@ class Engine:
         result.error = self._prompt_problem(tokens, config)
         return result
 
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Compiles `constraint` for this model's tokenizer (kept for its generations);
+        InvalidArgumentError naming the problem when it does not compile."""
+        if self.constraints is None:
+            raise InvalidArgumentError(
+                "this model has no tokenizer, so a constraint cannot be compiled for it; "
+                "load a model with its tokenizer files"
+            )
+        self.constraints.check(constraint)
+
     def _prompt_problem(self, tokens: Sequence[Token], config: GenConfig) -> str:
-        """Why the prompt cannot run, or "": emptiness, the vocabulary and the session
-        limit (a bad max_new_tokens is the runner's to refuse)."""
+        """Why the prompt cannot run, or "": emptiness, the vocabulary, the session
+        limit and a constraint that does not compile (a bad max_new_tokens is the
+        runner's to refuse)."""
         if not tokens:
             return "the prompt is empty: a generation must feed at least one token"
+        constraint = config.sampling.constraint
+        if constraint is not None:
+            try:
+                self.check_constraint(constraint)
+            except InvalidArgumentError as error:
+                return str(error)
         vocab = self.geometry.vocab_size
         for index, token in enumerate(tokens):
             if not 0 <= token < vocab:
@@ -458,33 +466,6 @@ class Engine:
                 "the prompt, lower max_new_tokens or raise max_session_tokens"
             )
         return ""
-
-    def _feed_shared_prefix(self, results: list[GenerationResult]) -> _SharedPrefix | None:
-        """A session fed with the prompts' common prefix, or None when there is none
-        worth sharing or the engine cannot spare the session. Each prompt keeps at
-        least its last token to feed: its logits give the first new token."""
-        if len(results) < 2 or self.shape.max_sessions < 2:
-            return None  # with one session, the root would only delay the first prompt
-        prompts = [np.asarray(result.prompt_tokens, dtype=np.int64) for result in results]
-        common = min(common_prefix_length(prompts[0], prompt) for prompt in prompts[1:])
-        length = min(common, min(map(len, prompts)) - 1)
-        if length < MIN_SHARED_PREFIX:
-            return None
-        session = self.runner.open_session_async().result()
-        if session is None:
-            return None
-        handle = session.prefill_async(results[0].prompt_tokens[:length])
-        handle.wait()
-        if handle.finish_reason() != FinishReason.TOKEN_LIMIT:
-            session.close()
-            return None
-        return _SharedPrefix(session, length)
-
-
-@dataclass(frozen=True)
-class _SharedPrefix:
-    session: Session  # idle, holding exactly the first `length` tokens of every prompt
-    length: int
 
 
 def _gen_config(
@@ -524,37 +505,3 @@ def _set_threads(threads: int | None) -> None:
         if threads < 1:
             raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-
-
-def _resolve_shape(
-    shape: EngineShape, geometry: ModelGeometry, kv_dtype: torch.dtype
-) -> EngineLimits:
-    if shape.max_sessions < 1:
-        raise InvalidArgumentError(f"max_sessions must be >= 1, got {shape.max_sessions}")
-    if shape.max_batch_tokens < 2:
-        raise InvalidArgumentError(
-            f"max_batch_tokens must be >= 2 (a decode beside a prompt token), "
-            f"got {shape.max_batch_tokens}"
-        )
-    context = min(geometry.max_positions, MAX_POSITION + 1)
-    session_tokens = shape.max_session_tokens or min(context, DEFAULT_MAX_SESSION_TOKENS)
-    if session_tokens > context:
-        raise InvalidArgumentError(
-            f"max_session_tokens={session_tokens} is above the model's context of {context}"
-        )
-    decodes = shape.max_decode_sequences or min(shape.max_sessions, shape.max_batch_tokens // 2)
-    chunk = shape.max_prefill_chunk or shape.max_batch_tokens - decodes
-    bytes_per_cell = kv_bytes_per_cell(
-        geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, kv_dtype
-    )
-    cells = shape.max_cells or min(
-        shape.max_sessions * session_tokens, DEFAULT_KV_BUDGET_BYTES // bytes_per_cell
-    )
-    return EngineLimits(
-        max_sessions=shape.max_sessions,
-        max_batch_tokens=shape.max_batch_tokens,
-        max_session_tokens=session_tokens,
-        max_decode_sequences=decodes,
-        max_prefill_chunk=chunk,
-        max_cells=cells,
-    )

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from cellbatch.cache import AttentionPlan, CellCache, KVPool
+from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
     BatchInput,
@@ -68,9 +69,15 @@ class _Cells:
 class CellExecutor(ABC):
     """Sessions over a cell KV cache; subclasses map packed steps onto forwards."""
 
-    def __init__(self, geometry: ModelGeometry, shape: ExecutorShape) -> None:
+    def __init__(
+        self,
+        geometry: ModelGeometry,
+        shape: ExecutorShape,
+        constraints: ConstraintCompiler | None = None,
+    ) -> None:
         self.geometry = geometry
         self.shape = shape
+        self.constraints = constraints  # compiles the generations' constraints
         self._cells: _Cells | None = None
 
     # -- lifecycle -----------------------------------------------------------
@@ -84,7 +91,9 @@ class CellExecutor(ABC):
             self.shape.max_cells,
             dtype=self.shape.kv_dtype,
         )
-        table = SessionTable(cache, self.shape.max_sessions, self.shape.max_session_tokens)
+        table = SessionTable(
+            cache, self.shape.max_sessions, self.shape.max_session_tokens, self.constraints
+        )
         self._cells = _Cells(cache, pool, table)
 
     def _initialized(self) -> _Cells:

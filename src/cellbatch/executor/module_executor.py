@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cellbatch.cache import AttentionPlan
+from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.step_plan import plan_slices
 from cellbatch.types import BatchInput, BatchOutput, Output
@@ -33,8 +34,14 @@ __all__ = ["ExecutorShape", "ModuleExecutor"]
 class ModuleExecutor(CellExecutor):
     """One torch module, one forward per slice of a packed step."""
 
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, shape: ExecutorShape) -> None:
-        super().__init__(config.geometry, shape)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        shape: ExecutorShape,
+        constraints: ConstraintCompiler | None = None,
+    ) -> None:
+        super().__init__(config.geometry, shape, constraints)
         self.model = model
         self.config = config
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
+from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.step_plan import pick_width, plan_slices
 from cellbatch.export.manifest import MethodSpec
@@ -40,8 +41,13 @@ MIN_DYNAMIC = 2
 class ProgramExecutor(CellExecutor):
     """An exported program's methods, one call per slice of a packed step."""
 
-    def __init__(self, program: Program, shape: ExecutorShape) -> None:
-        super().__init__(program.manifest.model, shape)
+    def __init__(
+        self,
+        program: Program,
+        shape: ExecutorShape,
+        constraints: ConstraintCompiler | None = None,
+    ) -> None:
+        super().__init__(program.manifest.model, shape, constraints)
         self.program = program
         manifest = program.manifest
         self._prefill = manifest.prefill

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from cellbatch.cache import CellCache
+from cellbatch.constraint import ConstraintCompiler, ConstraintMatcher, mask_rows
 from cellbatch.executor.sampling import (
     GREEDY_ROW,
     NUM_PARAMS,
@@ -150,6 +151,7 @@ class _Session:
     fed: int = 0
     generated_from: int | None = None  # the position of the generation's first sampled token
     prompt: _PromptScores | None = None  # while the generation's prompt is being scored
+    matcher: ConstraintMatcher | None = None  # the generation's constraint, where it has one
 
     def record(self, start: int, tokens: np.ndarray, capacity: int) -> None:
         end = start + len(tokens)
@@ -164,7 +166,13 @@ class _Session:
 class SessionTable:
     """Sessions, their cache sequences, sampling policies and fed tokens; packs batches."""
 
-    def __init__(self, cache: CellCache, max_sessions: int, max_session_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: CellCache,
+        max_sessions: int,
+        max_session_tokens: int,
+        constraints: ConstraintCompiler | None = None,
+    ) -> None:
         if max_sessions < 1:
             raise InvalidArgumentError(f"max_sessions must be >= 1, got {max_sessions}")
         if not 1 <= max_session_tokens <= MAX_POSITION + 1:
@@ -174,6 +182,7 @@ class SessionTable:
         self.cache = cache
         self.max_sessions = max_sessions
         self.max_session_tokens = max_session_tokens
+        self.constraints = constraints  # None: no tokenizer, so constraints are refused
         self._sessions: dict[SessionId, _Session] = {}
         self._next_sid: SessionId = 0
 
@@ -233,8 +242,19 @@ class SessionTable:
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         """Install a generation's policy; its coins restart from `seed` (None: random).
         Its presence and frequency penalties count from its first sampled token; its
-        prompt logprobs (when asked) gather from its next input on."""
+        prompt logprobs (when asked) gather from its next input on. A constraint starts
+        its matcher afresh (InvalidArgumentError when it does not compile, or when there is
+        no tokenizer to compile it for)."""
         session = self._session(sid)
+        matcher = None
+        if params.constraint is not None:
+            if self.constraints is None:
+                raise InvalidArgumentError(
+                    "this model has no tokenizer, so a constraint cannot be compiled for it; "
+                    "load a model with its tokenizer files"
+                )
+            matcher = self.constraints.matcher(params.constraint)
+        session.matcher = matcher
         session.sampler = SessionSampler(params, seed)
         session.generated_from = None
         session.prompt = (
@@ -342,7 +362,8 @@ class SessionTable:
         """Draw row i of `logits` [R, V] with session `sids[i]`'s policy, all in one call;
         row i must be the logits of the last token the session fed in this step.
 
-        Penalties change the rows of the sessions that use them first; the logprobs
+        Penalties change the rows of the sessions that use them first, then constraints
+        mask theirs (and take the drawn token); the logprobs
         (where a policy asks) come from the raw rows. A generation's first output
         carries its prompt logprobs when its policy asks. A session without an
         installed policy samples greedily.
@@ -368,7 +389,16 @@ class SessionTable:
             if policy and policy.logprobs is not None
         ]
         drawn = self._penalise(logits, sessions, penalised) if penalised else logits
+        constrained = [
+            (row, session.matcher)
+            for row, session in enumerate(sessions)
+            if session.matcher is not None
+        ]
+        if constrained:
+            drawn = mask_rows(drawn, [row for row, _ in constrained], [m for _, m in constrained])
         tokens = sample_rows(drawn, torch.from_numpy(params)).tolist()
+        for row, matcher in constrained:
+            matcher.consume(tokens[row])
         logprobs: dict[int, TokenLogprob] = {}
         if asking:
             rows = [row for row, _ in asking]

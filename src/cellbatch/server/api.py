@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from cellbatch.metrics import GenerationMetrics
-from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, Token, TokenLogprob
+from cellbatch.types import (
+    Constraint,
+    FinishReason,
+    GenConfig,
+    GenerationUpdate,
+    Token,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -99,6 +106,11 @@ class Backend(Protocol):
     shape: EngineLimits
 
     def decode(self, tokens: Sequence[Token]) -> str: ...
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Compiles `constraint` for the served model's tokenizer; InvalidArgumentError
+        naming the problem when it does not compile (before anything runs)."""
+        ...
 
     async def start(self, plan: Plan) -> list[Choice]:
         """Launch every generation of the plan; the choices stream as they run."""

@@ -20,7 +20,7 @@ from cellbatch.engine import Engine
 from cellbatch.runner import GenerationHandle
 from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector, engine_figures
-from cellbatch.types import GenConfig, Token
+from cellbatch.types import Constraint, GenConfig, Token
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -51,6 +51,9 @@ class LocalBackend:
 
     def decode(self, tokens: Sequence[Token]) -> str:
         return self.engine.decode(tokens)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        self.engine.check_constraint(constraint)
 
     async def start(self, plan: Plan) -> list[Choice]:
         handles = await asyncio.to_thread(

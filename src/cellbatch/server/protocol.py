@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cellbatch.types import Constraint
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -40,9 +42,8 @@ def _asks_nothing(name: str, value: Any) -> bool:
 # (not null, false, 0, empty, "none", {"type": "text"}, or best_of 1) is refused, never answered
 # as if the field were absent.
 UNSUPPORTED_FIELDS = (
-    "response_format", "tools", "tool_choice", "functions", "function_call",
-    "logit_bias", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "grammar", "json_schema", "stop_token_ids", "ignore_eos",
+    "tools", "tool_choice", "functions", "function_call",
+    "logit_bias", "stop_token_ids", "ignore_eos",
     "min_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "best_of", "suffix", "prompt_logprobs", "logits_processors",
 )  # fmt: skip
@@ -54,6 +55,38 @@ def refused_fields(extra: dict[str, Any] | None) -> list[str]:
         name for name in UNSUPPORTED_FIELDS
         if extra and name in extra and not _asks_nothing(name, extra[name])
     ]  # fmt: skip
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON fitting a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a schema, a regex, a choice or a grammar."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Request(BaseModel):
@@ -76,6 +109,67 @@ class _Request(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
     user: str | None = None  # accepted and ignored
+    # What the text must be: OpenAI's, vLLM's (and its older guided_*) and llama.cpp's
+    # ways of saying it; a request gives at most one (`constraint`).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None  # llama.cpp's: GBNF
+    json_schema: dict[str, Any] | None = None  # llama.cpp's
+
+    def constraint(self) -> tuple[Constraint, str] | None:
+        """The request's constraint and the field that gave it; ValueError (naming the
+        fields) when it gives more than one, or one that asks for nothing to enforce."""
+        found: list[tuple[Constraint, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append((Constraint.json_object(), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ValueError("response_format of type json_schema needs its json_schema")
+            found.append((Constraint.json_schema(fmt.json_schema.json_schema), "response_format"))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            given = [
+                (Constraint.json_schema(outputs.json_), "structured_outputs.json")
+                if outputs.json_ is not None
+                else None,
+                (Constraint.regex(outputs.regex), "structured_outputs.regex")
+                if outputs.regex is not None
+                else None,
+                (Constraint.choice(outputs.choice), "structured_outputs.choice")
+                if outputs.choice is not None
+                else None,
+                (Constraint.grammar(outputs.grammar), "structured_outputs.grammar")
+                if outputs.grammar is not None
+                else None,
+                (Constraint.json_object(), "structured_outputs.json_object")
+                if outputs.json_object
+                else None,
+            ]
+            found.extend(item for item in given if item is not None)
+        if self.guided_json is not None:
+            found.append((Constraint.json_schema(self.guided_json), "guided_json"))
+        if self.guided_regex is not None:
+            found.append((Constraint.regex(self.guided_regex), "guided_regex"))
+        if self.guided_choice is not None:
+            found.append((Constraint.choice(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append((Constraint.grammar(self.guided_grammar), "guided_grammar"))
+        if self.json_schema is not None:
+            found.append((Constraint.json_schema(self.json_schema), "json_schema"))
+        if self.grammar is not None:
+            found.append((Constraint.grammar(self.grammar, gbnf=True), "grammar"))
+        if len(found) > 1:
+            raise ValueError(
+                "a request takes one constraint, got "
+                + ", ".join(name for _, name in found)
+                + "; keep one of them"
+            )
+        return found[0] if found else None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -133,6 +133,17 @@ class EngineService:
         self, request: CompletionRequest | ChatCompletionRequest, top: int | None
     ) -> SamplingParams:
         try:
+            asked = request.constraint()
+        except ValueError as error:  # InvalidArgumentError among them
+            raise ApiError(400, str(error), "response_format") from error
+        constraint = None
+        if asked is not None:
+            constraint, field = asked
+            try:
+                self.backend.check_constraint(constraint)
+            except InvalidArgumentError as error:
+                raise ApiError(400, str(error), field.partition(".")[0]) from error
+        try:
             return SamplingParams(
                 temperature=request.temperature,
                 top_p=request.top_p,
@@ -142,6 +153,7 @@ class EngineService:
                 frequency_penalty=request.frequency_penalty,
                 repetition_penalty=request.repetition_penalty,
                 logprobs=top,
+                constraint=constraint,
             )
         except InvalidArgumentError as error:
             raise ApiError(400, str(error)) from error
