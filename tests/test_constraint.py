@@ -178,3 +178,14 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_a_tokenizer_the_library_cannot_read_refuses_constraints_and_nothing_else(
+    tiny_bench_model: Path,
+) -> None:
+    # A word-level tokenizer without a decoder: llguidance cannot map its tokens to bytes.
+    with Engine.from_pretrained(tiny_bench_model, dtype="float32", kernels="torch") as words:
+        assert words.chat(["hi"], GenConfig(max_new_tokens=3))[0].ok
+        refused = words.chat(["hi"], BUDGET, constraint=Constraint.choice(["yes"]))[0]
+        assert refused.finish_reason == FinishReason.FAILED
+        assert "cannot drive constraints" in refused.error

@@ -58,18 +58,36 @@ class ConstraintMatcher:
 
 
 class ConstraintCompiler:
-    """Compiles constraints for one tokenizer; safe to call from any thread."""
+    """Compiles constraints for one tokenizer; safe to call from any thread. llguidance's
+    view of the vocabulary is built on the first constraint (about a second), so that
+    an engine that never sees one never pays for it, nor fails for a tokenizer the
+    library cannot read."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token: Token) -> None:
-        import llguidance.hf
-
         self.vocab_size = vocab_size
         self.eos_token = eos_token
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token
-        )
+        self._hf_tokenizer = hf_tokenizer
+        self._tokenizer: Any = None
         self._grammars: OrderedDict[Constraint, str] = OrderedDict()
         self._lock = threading.Lock()
+
+    def _vocabulary(self) -> Any:
+        """llguidance's tokenizer, built once; InvalidArgumentError when it cannot be."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token
+                    )
+                except Exception as error:
+                    raise InvalidArgumentError(
+                        f"this model's tokenizer cannot drive constraints ({error}); "
+                        "constrained generation needs a byte-level or sentencepiece "
+                        "Hugging Face tokenizer"
+                    ) from error
+            return self._tokenizer
 
     @classmethod
     def for_tokenizer(
@@ -91,7 +109,7 @@ class ConstraintCompiler:
     def matcher(self, constraint: Constraint) -> ConstraintMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer, self._grammar(constraint))
+        matcher = llguidance.LLMatcher(self._vocabulary(), self._grammar(constraint))
         return ConstraintMatcher(matcher)
 
     def _grammar(self, constraint: Constraint) -> str:
@@ -104,7 +122,7 @@ class ConstraintCompiler:
         import llguidance
 
         try:
-            probe = llguidance.LLMatcher(self._tokenizer, grammar)
+            probe = llguidance.LLMatcher(self._vocabulary(), grammar)
         except Exception as error:  # the library's refusal, raised rather than flagged
             raise InvalidArgumentError(
                 f"the {constraint.kind} constraint does not compile: {error}"

@@ -64,8 +64,14 @@ class TextStream:
     released is cut off by length.
     """
 
-    def __init__(self, tokenizer: Detokenizer, stop_strings: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Detokenizer,
+        stop_strings: Sequence[str] = (),
+        include_stop: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
+        self._include_stop = include_stop  # the text ends with the stop string, not before
         self._stop_strings = check_stop_strings(stop_strings)
         self._longest_stop = max((len(s) for s in self._stop_strings), default=0)
         self._tokens: list[Token] = []
@@ -117,14 +123,16 @@ class TextStream:
         # A stop string cannot start in released text (its start would have been held),
         # so searching the held text and the new text is enough.
         candidate = self._held + new_text
-        cut = min(
-            (index for s in self._stop_strings if (index := candidate.find(s)) >= 0),
-            default=-1,
+        found = min(
+            ((index, len(s)) for s in self._stop_strings if (index := candidate.find(s)) >= 0),
+            default=None,
         )
-        if cut >= 0:
+        if found is not None:
+            cut, length = found
             self._held = ""
             self._stopped = True
-            return TextStep(candidate[:cut], stopped=True)
+            end = cut + length if self._include_stop else cut
+            return TextStep(candidate[:end], stopped=True)
         keep = self._start_of_stop(candidate)
         self._held = candidate[len(candidate) - keep :] if keep else ""
         return TextStep(candidate[: len(candidate) - keep])

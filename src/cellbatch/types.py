@@ -130,6 +130,12 @@ class SamplingParams:
     (float32 log-softmax of the logits, before temperature, penalties and filters).
     `constraint` limits each draw to the tokens that keep the text within it, and ends
     the generation (its end-of-sequence token) where the constraint is complete.
+    Token rules, applied after the penalties, before the constraint: `logit_bias`
+    ((token, bias) pairs, bias in [-100, 100], OpenAI's) adds to those logits;
+    `allowed_tokens` (when not None) keeps only those; `banned_sequences` never lets a
+    generation complete one of those token sequences (vLLM's `bad_words`); `min_tokens`
+    holds back `min_tokens_held` until that many tokens were generated (a runner fills
+    it with the generation's stop tokens).
     """
 
     temperature: float = 0.0
@@ -142,6 +148,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    logit_bias: tuple[tuple[Token, float], ...] = ()
+    allowed_tokens: frozenset[Token] | None = None
+    banned_sequences: tuple[tuple[Token, ...], ...] = ()
+    min_tokens: int = 0
+    min_tokens_held: frozenset[Token] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -163,6 +174,20 @@ class SamplingParams:
                 "repetition_penalty must be a finite number > 0 (1 is off; above 1 "
                 f"discourages repeats), got {self.repetition_penalty}"
             )
+        for token, bias in self.logit_bias:
+            if not (isinstance(token, int) and token >= 0 and -100.0 <= bias <= 100.0):
+                raise InvalidArgumentError(
+                    f"logit_bias takes (token id >= 0, bias in [-100, 100]) pairs, got "
+                    f"({token!r}, {bias!r})"
+                )
+        if self.allowed_tokens is not None and not self.allowed_tokens:
+            raise InvalidArgumentError(
+                "allowed_tokens is empty: give at least one token id, or None for all"
+            )
+        if any(not sequence for sequence in self.banned_sequences):
+            raise InvalidArgumentError("banned_sequences holds an empty sequence")
+        if self.min_tokens < 0:
+            raise InvalidArgumentError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -175,6 +200,16 @@ class SamplingParams:
                     f"(how many most likely tokens to report besides the chosen one), "
                     f"got {value!r}"
                 )
+
+    @property
+    def restricted(self) -> bool:
+        """Whether a token rule changes the logits (see the class docstring)."""
+        return bool(
+            self.logit_bias
+            or self.allowed_tokens is not None
+            or self.banned_sequences
+            or (self.min_tokens and self.min_tokens_held)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -308,7 +343,9 @@ class GenConfig:
     runner made by an Engine); an explicit set replaces them (`frozenset()`: none).
     `stop_strings` end the generation once its text contains one of them (the text
     stops before it; the tokens stop at the token that completed it); they need a
-    runner with a tokenizer.
+    runner with a tokenizer. `extra_stop_tokens` stop it too, besides `stop_tokens`
+    (or the runner's). `include_stop_string` keeps the stop string at the end of the
+    text. `sampling.min_tokens` must not exceed `max_new_tokens`.
     """
 
     max_new_tokens: int = 256
@@ -316,6 +353,17 @@ class GenConfig:
     stop_tokens: frozenset[Token] | None = None
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    extra_stop_tokens: frozenset[Token] = frozenset()
+    include_stop_string: bool = False
+
+    def __post_init__(self) -> None:
+        # A malformed max_new_tokens is the runner's to refuse, with its own message.
+        min_tokens = getattr(self.sampling, "min_tokens", 0)
+        if isinstance(self.max_new_tokens, int) and 0 < self.max_new_tokens < min_tokens:
+            raise InvalidArgumentError(
+                f"min_tokens ({min_tokens}) is above max_new_tokens "
+                f"({self.max_new_tokens}); lower min_tokens or raise max_new_tokens"
+            )
 
 
 @dataclass(frozen=True)

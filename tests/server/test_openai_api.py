@@ -198,8 +198,14 @@ def test_a_missing_or_wrong_key_is_401_and_health_needs_none(live) -> None:
             "tools",
             None,
         ),
-        (json.dumps({"prompt": "hi", "logit_bias": {"5": 100}}).encode(), 400, "logit_bias", None),
-        (json.dumps({"prompt": "hi", "ignore_eos": True}).encode(), 400, "ignore_eos", None),
+        (
+            json.dumps({"prompt": "hi", "logit_bias": {"5": 101}}).encode(),
+            400,
+            "logit_bias.5",
+            None,
+        ),
+        (json.dumps({"prompt": "hi", "best_of": 2}).encode(), 400, "best_of", None),
+        (json.dumps({"prompt": "hi", "suffix": "end"}).encode(), 400, "suffix", None),
     ],
 )
 def test_bad_requests_get_openai_errors_and_harm_no_one(live, body, status, param, code) -> None:

@@ -53,6 +53,7 @@ def api(tiny_chat_model: Path) -> Iterator[schemathesis.BaseSchema]:
 
 READS = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics")]
 GENERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+TOKENS = [("POST", "/tokenize"), ("POST", "/detokenize")]
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -63,7 +64,7 @@ CHECKS = [
 
 def test_the_schema_lists_every_route(api: schemathesis.BaseSchema) -> None:
     listed = {(op.ok().method.upper(), op.ok().path) for op in api.get_all_operations()}
-    assert listed == {*READS, *GENERATIONS}
+    assert listed == {*READS, *GENERATIONS, *TOKENS}
 
 
 def call_and_check(case: schemathesis.Case) -> None:
@@ -84,7 +85,7 @@ def test_the_reads_answer_as_documented(api: schemathesis.BaseSchema, method, pa
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize(("method", "path"), GENERATIONS)
+@pytest.mark.parametrize(("method", "path"), GENERATIONS + TOKENS)
 def test_no_request_drawn_from_the_schema_breaks_the_api(
     api: schemathesis.BaseSchema, method: str, path: str, mode: GenerationMode
 ) -> None:

@@ -149,6 +149,19 @@ class CellExecutor(ABC):
         self.table.truncate(sid, length)
 
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
+        """Installs the policy; a token rule naming a token outside the vocabulary is
+        refused here, so that it fails its generation alone, never a step."""
+        vocab = self.geometry.vocab_size
+        named = [token for token, _ in params.logit_bias]
+        named += sorted(params.allowed_tokens or ())
+        named += [token for sequence in params.banned_sequences for token in sequence]
+        named += sorted(params.min_tokens_held)
+        outside = [token for token in named if not 0 <= token < vocab]
+        if outside:
+            raise InvalidArgumentError(
+                f"token id {outside[0]} of the sampling rules is outside the vocabulary "
+                f"[0, {vocab}); use ids of this model's tokenizer"
+            )
         self.table.set_sampling(sid, params, seed)
 
     def position(self, sid: SessionId) -> int:

@@ -362,7 +362,8 @@ class SessionTable:
         """Draw row i of `logits` [R, V] with session `sids[i]`'s policy, all in one call;
         row i must be the logits of the last token the session fed in this step.
 
-        Penalties change the rows of the sessions that use them first, then constraints
+        Penalties change the rows of the sessions that use them first, then token rules
+        (logit bias, allowed tokens, banned sequences, min_tokens), then constraints
         mask theirs (and take the drawn token); the logprobs
         (where a policy asks) come from the raw rows. A generation's first output
         carries its prompt logprobs when its policy asks. A session without an
@@ -389,6 +390,9 @@ class SessionTable:
             if policy and policy.logprobs is not None
         ]
         drawn = self._penalise(logits, sessions, penalised) if penalised else logits
+        restricted = [row for row, policy in enumerate(policies) if policy and policy.restricted]
+        if restricted:
+            drawn = _apply_token_rules(drawn, logits, sessions, restricted)
         constrained = [
             (row, session.matcher)
             for row, session in enumerate(sessions)
@@ -563,3 +567,41 @@ def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
         np.concatenate([inputs, np.full(scored_rows.size, -1, dtype=np.int64)])[order],
         np.concatenate([np.zeros(rows.size, bool), np.ones(scored_rows.size, bool)])[order],
     )
+
+
+def _apply_token_rules(
+    drawn: torch.Tensor, raw: torch.Tensor, sessions: Sequence[_Session], rows: Sequence[int]
+) -> torch.Tensor:
+    """`drawn` with each of `rows` changed by its policy's token rules (a float32 copy
+    when `drawn` is still the raw logits, which give logprobs). Per row, index ops over
+    the few tokens a rule names; a banned sequence is checked against what the
+    generation produced."""
+    out = drawn.float().clone() if drawn is raw else drawn
+    for row in rows:
+        session = sessions[row]
+        assert session.sampler is not None
+        params = session.sampler.params
+        line = out[row]
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias, strict=True)
+            line.index_add_(0, torch.tensor(ids), torch.tensor(biases, dtype=line.dtype))
+        if params.allowed_tokens is not None:
+            keep = torch.tensor(sorted(params.allowed_tokens))
+            kept = line[keep]
+            line.fill_(float("-inf"))
+            line[keep] = kept
+        start = session.generated_from if session.generated_from is not None else session.fed
+        produced = session.history[start : session.fed]
+        held = params.min_tokens_held if len(produced) < params.min_tokens else frozenset()
+        banned = [
+            sequence[-1]
+            for sequence in params.banned_sequences
+            if len(sequence) == 1
+            or (
+                len(produced) >= len(sequence) - 1
+                and tuple(produced[len(produced) - len(sequence) + 1 :].tolist()) == sequence[:-1]
+            )
+        ]
+        if held or banned:
+            line[torch.tensor(sorted({*held, *banned}))] = float("-inf")
+    return out

@@ -60,8 +60,11 @@ class Tokenizer:
         text: str = self.backend.decode(list(tokens), skip_special_tokens=skip_special_tokens)
         return text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[Token]:
-        """The prompt ids for a conversation, ending with the assistant's turn opening."""
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[Token]:
+        """The prompt ids for a conversation, ending with the assistant's turn opening
+        (unless `add_generation_prompt` is False)."""
         if not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass plain prompts "
@@ -69,7 +72,7 @@ class Tokenizer:
             )
         ids = self.backend.apply_chat_template(
             [dict(m) for m in messages],
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
         )

@@ -37,6 +37,7 @@ from cellbatch.types import (
     GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
+    SamplingParams,
     SessionId,
     Token,
     TokenLogprob,
@@ -204,7 +205,8 @@ class Generation:
         `input_error` and fails the generation on the engine thread."""
         self.delta, self.input_error = read_delta(delta, self.config)
         config = self.config
-        self.stop_tokens = default_stop_tokens if config.stop_tokens is None else config.stop_tokens
+        stop_tokens = default_stop_tokens if config.stop_tokens is None else config.stop_tokens
+        self.stop_tokens = stop_tokens | config.extra_stop_tokens
         if self.input_error or self.feeds_only:
             return
         try:
@@ -213,12 +215,20 @@ class Generation:
             self.input_error = str(error)
             return
         if tokenizer is not None:
-            self.text = TextStream(tokenizer, stop_strings)
+            self.text = TextStream(tokenizer, stop_strings, config.include_stop_string)
         elif stop_strings:
             self.input_error = (
                 "stop strings need a runner with a tokenizer (Runner(..., tokenizer=...)); "
                 "use stop tokens instead"
             )
+
+    def executor_sampling(self) -> SamplingParams:
+        """The policy the executor installs: the config's, with min_tokens holding back
+        this generation's stop tokens (when it asks for min_tokens and names none)."""
+        sampling = self.config.sampling
+        if sampling.min_tokens and not sampling.min_tokens_held:
+            return dataclasses.replace(sampling, min_tokens_held=self.stop_tokens)
+        return sampling
 
     def refusal(self) -> str:
         """Why the generation cannot be queued, or ""."""

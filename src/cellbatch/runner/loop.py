@@ -368,8 +368,11 @@ class EngineLoop:
             self._ledger.record(PromptFed(generation.metrics.prompt_tokens))
             try:
                 self._executor.set_sampling(
-                    state.sid, generation.config.sampling, generation.config.seed
+                    state.sid, generation.executor_sampling(), generation.config.seed
                 )
+            except InvalidArgumentError as exc:  # a policy the executor cannot run
+                self._end(generation, FinishReason.FAILED, str(exc))
+                return
             except Exception as exc:
                 self._end(generation, FinishReason.FAILED, f"executor.set_sampling raised {exc!r}")
                 return

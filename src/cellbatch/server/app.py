@@ -54,10 +54,15 @@ from cellbatch.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    dump,
     refused_fields,
 )
 from cellbatch.server.responses import Responses
@@ -213,8 +218,26 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat/completions")
 
+    @app.post("/tokenize", responses=_answers_of(TokenizeResponse))
+    async def tokenize(request: Request) -> JSONResponse:
+        parsed = _parse(TokenizeRequest, await _read_body(request, settings))
+        _check_model(parsed.model, names)
+        return JSONResponse(dump(service.tokenize(parsed)))
+
+    @app.post("/detokenize", responses=_answers_of(DetokenizeResponse))
+    async def detokenize(request: Request) -> JSONResponse:
+        parsed = _parse(DetokenizeRequest, await _read_body(request, settings))
+        _check_model(parsed.model, names)
+        return JSONResponse(dump(service.detokenize(parsed)))
+
     _document_request_bodies(
-        app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
     )
     return app
 
@@ -235,14 +258,7 @@ def _check_fields(
 ) -> None:
     """Refuse a model that is not served and the fields that ask for what the server
     does not do; log each unknown field name once."""
-    if request.model is not None and request.model not in names:
-        raise ApiError(
-            404,
-            f"the model `{request.model}` does not exist; this server serves "
-            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
-            "model",
-            code="model_not_found",
-        )
+    _check_model(request.model, names)
     refused = refused_fields(request.model_extra)
     if refused:
         raise ApiError(
@@ -257,6 +273,31 @@ def _check_fields(
         if not known and len(warned) < MAX_WARNED_FIELDS:
             warned.add(name)
             log.warning("ignoring the unknown request field %r (said once per field name)", name)
+
+
+def _check_model(model: str | None, names: tuple[str, ...]) -> None:
+    if model is not None and model not in names:
+        raise ApiError(
+            404,
+            f"the model `{model}` does not exist; this server serves "
+            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
+            "model",
+            code="model_not_found",
+        )
+
+
+def _answers_of(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI answers of a plain JSON route: its body, or an error in OpenAI's shape."""
+    errors: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse, "description": description}
+        for status, description in (
+            (400, "a bad request"),
+            (401, "a missing or wrong API key"),
+            (404, "the model is not served"),
+            (413, "the body is too large"),
+        )
+    }
+    return {200: {"model": body, "description": f"a {body.__name__}"}, **errors}
 
 
 def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

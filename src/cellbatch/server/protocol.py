@@ -43,8 +43,6 @@ def _asks_nothing(name: str, value: Any) -> bool:
 # as if the field were absent.
 UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call",
-    "logit_bias", "stop_token_ids", "ignore_eos",
-    "min_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "best_of", "suffix", "prompt_logprobs", "logits_processors",
 )  # fmt: skip
 
@@ -119,6 +117,14 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     grammar: str | None = None  # llama.cpp's: GBNF
     json_schema: dict[str, Any] | None = None  # llama.cpp's
+    # Token rules and stopping (OpenAI's logit_bias; vLLM's others), per request.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
 
     def constraint(self) -> tuple[Constraint, str] | None:
         """The request's constraint and the field that gave it; ValueError (naming the
@@ -302,6 +308,35 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a completion prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

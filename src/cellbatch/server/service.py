@@ -27,6 +27,10 @@ from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from cellbatch.text_stream import check_stop_strings
 from cellbatch.types import (
@@ -143,8 +147,10 @@ class EngineService:
                 self.backend.check_constraint(constraint)
             except InvalidArgumentError as error:
                 raise ApiError(400, str(error), field.partition(".")[0]) from error
+        rules = self._token_rules(request)
         try:
             return SamplingParams(
+                **rules,
                 temperature=request.temperature,
                 top_p=request.top_p,
                 top_k=max(0, request.top_k),
@@ -157,6 +163,73 @@ class EngineService:
             )
         except InvalidArgumentError as error:
             raise ApiError(400, str(error)) from error
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """The prompt's token ids (or the chat template's, for messages), as `/tokenize`."""
+        tokenizer = self._tokenizer("tokenize")
+        if (request.prompt is None) == (request.messages is None):
+            raise ApiError(400, "give either prompt or messages, not both or neither", "prompt")
+        if request.messages is not None:
+            if not tokenizer.has_chat_template:
+                raise ApiError(400, "this model has no chat template", "messages")
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            try:
+                tokens = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=request.add_generation_prompt
+                )
+            except Exception as error:  # the template rejected the conversation
+                raise ApiError(
+                    400, f"the chat template refused the messages: {error}", "messages"
+                ) from error
+        else:
+            assert request.prompt is not None
+            tokens = tokenizer.encode(request.prompt, request.add_special_tokens)
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=self.context_limit, tokens=list(tokens)
+        )
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        vocab = self.backend.vocab_size
+        if any(token >= vocab for token in request.tokens):
+            raise ApiError(400, f"a token id is outside the vocabulary [0, {vocab})", "tokens")
+        tokenizer = self._tokenizer("detokenize")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens, False))
+
+    def _token_rules(self, request: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+        """SamplingParams' token rules from the request, each id checked against the
+        vocabulary and each bad word tokenized (as it is and after a space, as vLLM)."""
+        vocab = self.backend.vocab_size
+        rules: dict[str, Any] = {"min_tokens": request.min_tokens}
+        if request.logit_bias:
+            pairs = []
+            for key, bias in request.logit_bias.items():
+                if not key.isdigit() or int(key) >= vocab:
+                    raise ApiError(
+                        400,
+                        f"logit_bias key {key!r} is not a token id in [0, {vocab})",
+                        "logit_bias",
+                    )
+                pairs.append((int(key), float(bias)))
+            rules["logit_bias"] = tuple(pairs)
+        if request.allowed_token_ids is not None:
+            outside = [t for t in request.allowed_token_ids if t >= vocab]
+            if outside or not request.allowed_token_ids:
+                raise ApiError(
+                    400,
+                    f"allowed_token_ids must name token ids in [0, {vocab}), got "
+                    f"{outside[:1] or 'none'}",
+                    "allowed_token_ids",
+                )
+            rules["allowed_tokens"] = frozenset(request.allowed_token_ids)
+        if request.bad_words:
+            tokenizer = self._tokenizer("tokenize bad_words")
+            sequences = {
+                tuple(tokenizer.encode(text, add_special_tokens=False))
+                for word in request.bad_words
+                for text in (word, " " + word.lstrip())
+            }
+            rules["banned_sequences"] = tuple(sorted(s for s in sequences if s))
+        return rules
 
     def _config(
         self,
@@ -187,12 +260,23 @@ class EngineService:
             stop_strings = check_stop_strings(request.stop_strings())
         except InvalidArgumentError as error:
             raise ApiError(400, f"stop: {error}", "stop") from error
+        extra_stop = frozenset(request.stop_token_ids or ())
+        if any(token >= self.backend.vocab_size for token in extra_stop):
+            raise ApiError(
+                400,
+                f"stop_token_ids must name token ids in [0, {self.backend.vocab_size})",
+                "stop_token_ids",
+            )
         try:
             return GenConfig(
                 max_new_tokens=max_tokens if max_tokens is not None else room,
                 sampling=sampling,
                 stop_strings=stop_strings,
                 seed=request.seed,
+                # ignore_eos: no stop token but the ones the request names (vLLM's).
+                stop_tokens=frozenset() if request.ignore_eos else None,
+                extra_stop_tokens=extra_stop,
+                include_stop_string=request.include_stop_str_in_output,
             )
         except InvalidArgumentError as error:
             raise ApiError(400, str(error)) from error
