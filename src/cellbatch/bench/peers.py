@@ -71,13 +71,13 @@ def load_transformers_model(path: Path, dtype: torch.dtype) -> HFModel:
     model = AutoModelForCausalLM.from_pretrained(
         str(files.folder), dtype=dtype, attn_implementation="sdpa", **extra
     )
-    return model.eval()  # type: ignore[no-untyped-call]
+    return model.eval()  # type: ignore[no-untyped-call]  # transformers: untyped
 
 
 def greedy_config(max_new_tokens: int, stop_tokens: frozenset[Token], pad: Token) -> Any:
     from transformers import GenerationConfig
 
-    return GenerationConfig(  # type: ignore[no-untyped-call]
+    return GenerationConfig(  # type: ignore[no-untyped-call]  # transformers: untyped
         max_new_tokens=max_new_tokens,
         do_sample=False,
         num_beams=1,

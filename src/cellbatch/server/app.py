@@ -286,18 +286,28 @@ def _check_model(model: str | None, names: tuple[str, ...]) -> None:
         )
 
 
+# The error answers the routes document, each in OpenAI's shape.
+ERROR_STATUSES = {
+    400: "a bad request",
+    401: "a missing or wrong API key",
+    404: "the model is not served",
+    413: "the body is too large",
+    429: "too many requests wait",
+    500: "the generation failed",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]}
+        for status in statuses
+    }
+
+
 def _answers_of(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI answers of a plain JSON route: its body, or an error in OpenAI's shape."""
-    errors: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": description}
-        for status, description in (
-            (400, "a bad request"),
-            (401, "a missing or wrong API key"),
-            (404, "the model is not served"),
-            (413, "the body is too large"),
-        )
-    }
-    return {200: {"model": body, "description": f"a {body.__name__}"}, **errors}
+    success = {"model": body, "description": f"a {body.__name__}"}
+    return {200: success, **_errors(400, 401, 404, 413)}
 
 
 def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -309,18 +319,7 @@ def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, d
         "description": f"a {body.__name__}, or with stream: true server-sent events, "
         f"each a {chunk.__name__}, then [DONE]",
     }
-    errors: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": description}
-        for status, description in (
-            (400, "a bad request"),
-            (401, "a missing or wrong API key"),
-            (404, "the model is not served"),
-            (413, "the body is too large"),
-            (429, "too many requests wait"),
-            (500, "the generation failed"),
-        )
-    }
-    return {200: success, **errors}
+    return {200: success, **_errors(*ERROR_STATUSES)}
 
 
 def _document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
