@@ -4,8 +4,8 @@ Owns: the map from session ids to `CellCache` sequences, each session's sampling
 policy and the token ids it was fed; `pack`, which lays a batch onto one token
 axis; `select_rows`, the logits rows a forward over one slice of that axis must
 return; `sample`, which draws every output row with its own session's policy in
-one call (penalties first, logprobs where asked); `score`, which gathers a
-generation's prompt logprobs across its chunks.
+one call (penalties, then token rules and constraints; logprobs where asked);
+`score`, which gathers a generation's prompt logprobs across its chunks.
 Promises: session ids are issued monotonically and never reused (cache sequence
 ids may be); sessions are bounded by `max_sessions` (clones count) and each by
 `max_session_tokens`; `pack` either succeeds or raises having changed nothing but
@@ -37,6 +37,7 @@ from cellbatch.executor.sampling import (
     sample_rows,
     token_logprobs,
 )
+from cellbatch.executor.token_rules import TokenRules, apply_token_rules
 from cellbatch.types import (
     MAX_POSITION,
     BatchInput,
@@ -152,6 +153,12 @@ class _Session:
     generated_from: int | None = None  # the position of the generation's first sampled token
     prompt: _PromptScores | None = None  # while the generation's prompt is being scored
     matcher: ConstraintMatcher | None = None  # the generation's constraint, where it has one
+    rules: TokenRules | None = None  # the generation's token rules, where it has any
+
+    def produced(self) -> np.ndarray:
+        """The tokens the generation has produced so far (its draws fed back)."""
+        start = self.generated_from if self.generated_from is not None else self.fed
+        return self.history[start : self.fed]
 
     def record(self, start: int, tokens: np.ndarray, capacity: int) -> None:
         end = start + len(tokens)
@@ -255,6 +262,7 @@ class SessionTable:
                 )
             matcher = self.constraints.matcher(params.constraint)
         session.matcher = matcher
+        session.rules = TokenRules.of(params)
         session.sampler = SessionSampler(params, seed)
         session.generated_from = None
         session.prompt = (
@@ -390,9 +398,13 @@ class SessionTable:
             if policy and policy.logprobs is not None
         ]
         drawn = self._penalise(logits, sessions, penalised) if penalised else logits
-        restricted = [row for row, policy in enumerate(policies) if policy and policy.restricted]
+        restricted = [
+            (row, session.rules, session.produced())
+            for row, session in enumerate(sessions)
+            if session.rules is not None
+        ]
         if restricted:
-            drawn = _apply_token_rules(drawn, logits, sessions, restricted)
+            drawn = apply_token_rules(drawn, logits, restricted)
         constrained = [
             (row, session.matcher)
             for row, session in enumerate(sessions)
@@ -454,12 +466,7 @@ class SessionTable:
         context = np.concatenate(
             [p * vocab + sessions[r].history[: sessions[r].fed] for p, r in enumerate(rows)]
         )
-        generated = np.concatenate(
-            [
-                p * vocab + sessions[r].history[sessions[r].generated_from : sessions[r].fed]
-                for p, r in enumerate(rows)
-            ]
-        )
+        generated = np.concatenate([p * vocab + sessions[r].produced() for p, r in enumerate(rows)])
         pairs = np.unique(context)
         repeated, times = np.unique(generated, return_counts=True)
         counts = np.zeros(len(pairs), dtype=np.float32)
@@ -567,41 +574,3 @@ def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
         np.concatenate([inputs, np.full(scored_rows.size, -1, dtype=np.int64)])[order],
         np.concatenate([np.zeros(rows.size, bool), np.ones(scored_rows.size, bool)])[order],
     )
-
-
-def _apply_token_rules(
-    drawn: torch.Tensor, raw: torch.Tensor, sessions: Sequence[_Session], rows: Sequence[int]
-) -> torch.Tensor:
-    """`drawn` with each of `rows` changed by its policy's token rules (a float32 copy
-    when `drawn` is still the raw logits, which give logprobs). Per row, index ops over
-    the few tokens a rule names; a banned sequence is checked against what the
-    generation produced."""
-    out = drawn.float().clone() if drawn is raw else drawn
-    for row in rows:
-        session = sessions[row]
-        assert session.sampler is not None
-        params = session.sampler.params
-        line = out[row]
-        if params.logit_bias:
-            ids, biases = zip(*params.logit_bias, strict=True)
-            line.index_add_(0, torch.tensor(ids), torch.tensor(biases, dtype=line.dtype))
-        if params.allowed_tokens is not None:
-            keep = torch.tensor(sorted(params.allowed_tokens))
-            kept = line[keep]
-            line.fill_(float("-inf"))
-            line[keep] = kept
-        start = session.generated_from if session.generated_from is not None else session.fed
-        produced = session.history[start : session.fed]
-        held = params.min_tokens_held if len(produced) < params.min_tokens else frozenset()
-        banned = [
-            sequence[-1]
-            for sequence in params.banned_sequences
-            if len(sequence) == 1
-            or (
-                len(produced) >= len(sequence) - 1
-                and tuple(produced[len(produced) - len(sequence) + 1 :].tolist()) == sequence[:-1]
-            )
-        ]
-        if held or banned:
-            line[torch.tensor(sorted({*held, *banned}))] = float("-inf")
-    return out
