@@ -42,14 +42,6 @@ class ConstraintMatcher:
         made that impossible, so this means a bug or a token the caller forced)."""
         return bool(self._matcher.consume_token(token))
 
-    def consume_all(self, tokens: Sequence[Token]) -> bool:
-        return all(self.consume(token) for token in tokens)
-
-    @property
-    def done(self) -> bool:
-        """The constraint is complete and its end-of-sequence token was taken."""
-        return bool(self._matcher.is_stopped())
-
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed tokens into row `row` of an int32 bitmask [R, words]
         (`new_bitmask`): bit b of word w is token 32 * w + b."""
@@ -104,20 +96,24 @@ class ConstraintCompiler:
     def check(self, constraint: Constraint) -> None:
         """Compiles `constraint` (kept for later); raises InvalidArgumentError naming what
         the library rejected."""
-        self._grammar(constraint)
+        self._compiled(constraint)
 
     def matcher(self, constraint: Constraint) -> ConstraintMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._vocabulary(), self._grammar(constraint))
+        grammar, fresh = self._compiled(constraint)
+        # A grammar compiled just now was checked by building a matcher: that one serves.
+        matcher = fresh if fresh is not None else llguidance.LLMatcher(self._vocabulary(), grammar)
         return ConstraintMatcher(matcher)
 
-    def _grammar(self, constraint: Constraint) -> str:
+    def _compiled(self, constraint: Constraint) -> tuple[str, Any]:
+        """The grammar text, and the matcher built to check it when it was not kept
+        already (None when it was)."""
         with self._lock:
             grammar = self._grammars.get(constraint)
             if grammar is not None:
                 self._grammars.move_to_end(constraint)
-                return grammar
+                return grammar, None
         grammar = _compile(constraint)
         import llguidance
 
@@ -136,7 +132,7 @@ class ConstraintCompiler:
             self._grammars[constraint] = grammar
             while len(self._grammars) > MAX_CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
-        return grammar
+        return grammar, probe
 
 
 def _compile(constraint: Constraint) -> str:
