@@ -290,7 +290,8 @@ class Engine:
         base = _gen_config(params, max_new_tokens, seed, stop)
         if constraint is not None:
             base = replace(base, sampling=replace(base.sampling, constraint=constraint))
-        results = [self._prepare(prompt, base) for prompt in prompts]
+        unconstrainable = self._constraint_problem(base.sampling.constraint)
+        results = [self._prepare(prompt, base, unconstrainable) for prompt in prompts]
         jobs = [(index, result) for index, result in enumerate(results) if result.error == ""]
         root = (
             feed_shared_prefix(
@@ -418,14 +419,15 @@ class Engine:
             raise InvalidArgumentError(f"this model has no tokenizer, so it cannot {why}")
         return self.tokenizer
 
-    def _prepare(self, prompt: Prompt, config: GenConfig) -> GenerationResult:
-        """Tokenizes and checks one prompt; a bad one comes back already failed."""
+    def _prepare(self, prompt: Prompt, config: GenConfig, unconstrainable: str) -> GenerationResult:
+        """Tokenizes and checks one prompt; a bad one comes back already failed
+        (`unconstrainable`: why the call's constraint cannot run, or "")."""
         if isinstance(prompt, str):
             tokens = self._require_tokenizer("encode text prompts").encode(prompt)
         else:
             tokens = [int(token) for token in prompt]
         result = GenerationResult(prompt=prompt, prompt_tokens=tokens)
-        result.error = self._prompt_problem(tokens, config)
+        result.error = self._prompt_problem(tokens, config, unconstrainable)
         return result
 
     def check_constraint(self, constraint: Constraint) -> None:
@@ -438,18 +440,26 @@ class Engine:
             )
         self.constraints.check(constraint)
 
-    def _prompt_problem(self, tokens: Sequence[Token], config: GenConfig) -> str:
-        """Why the prompt cannot run, or "": emptiness, the vocabulary, the session
-        limit and a constraint that does not compile (a bad max_new_tokens is the
-        runner's to refuse)."""
+    def _constraint_problem(self, constraint: Constraint | None) -> str:
+        """Why `constraint` cannot run, or "" (checked once per call, for every prompt)."""
+        if constraint is None:
+            return ""
+        try:
+            self.check_constraint(constraint)
+        except InvalidArgumentError as error:
+            return str(error)
+        return ""
+
+    def _prompt_problem(
+        self, tokens: Sequence[Token], config: GenConfig, unconstrainable: str
+    ) -> str:
+        """Why the prompt cannot run, or "": emptiness, the call's constraint, the
+        vocabulary and the session limit (a bad max_new_tokens is the runner's to
+        refuse)."""
         if not tokens:
             return "the prompt is empty: a generation must feed at least one token"
-        constraint = config.sampling.constraint
-        if constraint is not None:
-            try:
-                self.check_constraint(constraint)
-            except InvalidArgumentError as error:
-                return str(error)
+        if unconstrainable:
+            return unconstrainable
         vocab = self.geometry.vocab_size
         for index, token in enumerate(tokens):
             if not 0 <= token < vocab:
