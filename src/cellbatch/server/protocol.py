@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -139,32 +140,16 @@ class _Request(BaseModel):
             found.append((Constraint.json_schema(fmt.json_schema.json_schema), "response_format"))
         outputs = self.structured_outputs
         if outputs is not None:
-            given = [
-                (Constraint.json_schema(outputs.json_), "structured_outputs.json")
-                if outputs.json_ is not None
-                else None,
-                (Constraint.regex(outputs.regex), "structured_outputs.regex")
-                if outputs.regex is not None
-                else None,
-                (Constraint.choice(outputs.choice), "structured_outputs.choice")
-                if outputs.choice is not None
-                else None,
-                (Constraint.grammar(outputs.grammar), "structured_outputs.grammar")
-                if outputs.grammar is not None
-                else None,
-                (Constraint.json_object(), "structured_outputs.json_object")
-                if outputs.json_object
-                else None,
-            ]
-            found.extend(item for item in given if item is not None)
-        if self.guided_json is not None:
-            found.append((Constraint.json_schema(self.guided_json), "guided_json"))
-        if self.guided_regex is not None:
-            found.append((Constraint.regex(self.guided_regex), "guided_regex"))
-        if self.guided_choice is not None:
-            found.append((Constraint.choice(self.guided_choice), "guided_choice"))
-        if self.guided_grammar is not None:
-            found.append((Constraint.grammar(self.guided_grammar), "guided_grammar"))
+            found += _vllm_constraints(
+                outputs.json_, outputs.regex, outputs.choice, outputs.grammar,
+                lambda kind: f"structured_outputs.{kind}",
+            )  # fmt: skip
+            if outputs.json_object:
+                found.append((Constraint.json_object(), "structured_outputs.json_object"))
+        found += _vllm_constraints(
+            self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar,
+            lambda kind: f"guided_{kind}",
+        )  # fmt: skip
         if self.json_schema is not None:
             found.append((Constraint.json_schema(self.json_schema), "json_schema"))
         if self.grammar is not None:
@@ -181,6 +166,27 @@ class _Request(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def _vllm_constraints(
+    schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+    field: Callable[[str], str],
+) -> list[tuple[Constraint, str]]:
+    """The constraints of vLLM's four kinds that are given, each with the name of the
+    field that gave it (`field(kind)`): `structured_outputs`' and the older `guided_*`."""
+    found = []
+    if schema is not None:
+        found.append((Constraint.json_schema(schema), field("json")))
+    if regex is not None:
+        found.append((Constraint.regex(regex), field("regex")))
+    if choice is not None:
+        found.append((Constraint.choice(choice), field("choice")))
+    if grammar is not None:
+        found.append((Constraint.grammar(grammar), field("grammar")))
+    return found
 
 
 class CompletionRequest(_Request):
