@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from cellbatch.types import ModelGeometry
+
 TINY = dict(
     vocab_size=96,
     hidden_size=64,
@@ -28,6 +30,22 @@ TINY = dict(
     max_position_embeddings=256,
 )
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def head_geometry(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelGeometry:
+    """A one-layer geometry with these attention heads, for tests of the attention op
+    alone (the other sizes are never read there)."""
+    return ModelGeometry(
+        vocab_size=16,
+        max_positions=1024,
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=num_heads * head_dim,
+        layer_windows=(None,),
+        eos_token_ids=(),
+    )
 
 
 def tiny_config(kind: str, **overrides: object):  # -> transformers.PretrainedConfig

@@ -10,19 +10,9 @@ import torch
 from cellbatch.cache import CellCache
 from cellbatch.model import ops
 from cellbatch.model.attention import CellAttention
-from cellbatch.types import ModelGeometry
+from tiny_models import head_geometry
 
-HEADS = ModelGeometry(
-    vocab_size=16,
-    max_positions=1024,
-    num_layers=1,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=32,
-    hidden_size=192,
-    layer_windows=(None,),
-    eos_token_ids=(),
-)
+HEADS = head_geometry(num_heads=6, num_kv_heads=2, head_dim=32)
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from cellbatch.model import ops as model_ops
 from cellbatch.model.attention import CellAttention
 from cellbatch.model.loading import load_model
 from cellbatch.model.ops import rotate
-from cellbatch.types import InvalidArgumentError, ModelGeometry
+from cellbatch.types import InvalidArgumentError
+from tiny_models import head_geometry
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -112,17 +113,7 @@ def test_the_compiled_ops_refuse_bad_shapes_with_a_message(compiled_ops) -> None
 
 def attention_inputs(dtype: torch.dtype) -> tuple:
     """The op's arguments for a step of a 5-token prompt chunk beside a decode."""
-    heads = ModelGeometry(
-        vocab_size=16,
-        max_positions=1024,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        hidden_size=64,
-        layer_windows=(None,),
-        eos_token_ids=(),
-    )
+    heads = head_geometry(num_heads=4, num_kv_heads=2, head_dim=16)
     cache = CellCache(64)
     first, second = cache.seq_alloc(), cache.seq_alloc()
     for seq_ids, positions in (([second] * 3, [0, 1, 2]), ([first] * 5 + [second], [*range(5), 3])):
