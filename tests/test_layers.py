@@ -22,7 +22,7 @@ PACKAGE = Path(cellbatch.__file__).parent
 LAYERS: list[set[str]] = [
     {"types"},
     {"metrics", "text_stream", "threads"},
-    {"cache", "scheduler", "constraint"},
+    {"cache", "scheduler", "constraint", "tool_calls"},
     {"model"},
     {"export"},
     {"executor"},
