@@ -293,5 +293,7 @@ def test_openapi_documents_the_request_bodies(live) -> None:
     chat = components["ChatCompletionRequest"]
     assert {"messages", "max_tokens", "temperature", "stop", "stream"} <= set(chat["properties"])
     assert {"response_format", "structured_outputs", "grammar"} <= set(chat["properties"])
-    assert "tools" not in chat["properties"]  # refused, so not claimed
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat["properties"])
+    completion = components["CompletionRequest"]
+    assert "tools" not in completion["properties"]  # refused there, so not claimed
     assert "ChatMessage" in components and "ErrorResponse" in components

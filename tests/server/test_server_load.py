@@ -208,12 +208,12 @@ def test_sigterm_during_load_exits_0_within_the_grace_period(tiny_chat_model: Pa
 
 
 def test_an_error_inside_a_request_is_a_500_for_it_alone(live, monkeypatch) -> None:
-    service = live.server.config.app.state.service
+    planner = live.server.config.app.state.planner
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(service, "plan_completion", broken)
+    monkeypatch.setattr(planner, "plan_completion", broken)
     answer = httpx.post(
         live.base_url + "/v1/completions",
         json={"prompt": "hi", "max_tokens": 2},

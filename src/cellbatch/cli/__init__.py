@@ -24,6 +24,7 @@ from cellbatch.cli.export import export_command
 from cellbatch.cli.options import UsageError, add_engine_options
 from cellbatch.cli.run import run_command
 from cellbatch.cli.serve import serve_command
+from cellbatch.tool_calls.formats import FORMATS
 from cellbatch.types import QUANTIZE_CHOICES
 
 __all__ = ["main"]
@@ -101,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--shutdown-timeout", type=float, default=10.0, help="seconds for running requests"
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=list(FORMATS),
+        help="the format tool calls are offered and read in (default: from the chat "
+        "template; hermes for templates with no place for tools)",
     )
     serve.add_argument("--quiet", action="store_true", help="no startup lines")
     serve.add_argument(

@@ -69,6 +69,7 @@ def serve_command(args: argparse.Namespace) -> NoReturn:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
     if not args.quiet:
         print(

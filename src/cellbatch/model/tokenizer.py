@@ -61,10 +61,14 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Token]:
         """The prompt ids for a conversation, ending with the assistant's turn opening
-        (unless `add_generation_prompt` is False)."""
+        (unless `add_generation_prompt` is False); `tools` (OpenAI's function specs) go
+        to a template that has a place for them (`takes_tools`)."""
         if not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass plain prompts "
@@ -72,11 +76,40 @@ class Tokenizer:
             )
         ids = self.backend.apply_chat_template(
             [dict(m) for m in messages],
+            tools=[dict(tool) for tool in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
         )
         return [int(t) for t in ids]
+
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders tools it is given (ChatML's ignores them):
+        a conversation is rendered with a tool and without, and compared."""
+        if not self.has_chat_template:
+            return False
+        probe = [{"role": "user", "content": "Hello"}]
+        tool = {
+            "type": "function",
+            "function": {"name": "probe_tool", "parameters": {"type": "object"}},
+        }
+        try:
+            return self.apply_chat_template(probe, tools=[tool]) != self.apply_chat_template(probe)
+        except Exception:  # a template that fails on tools has no place for them
+            return False
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text`, if the vocabulary has one."""
+        token = self.backend.get_added_vocab().get(text)
+        if token is None or token not in set(self.backend.all_special_ids):
+            return None
+        return int(token)
+
+    @property
+    def chat_template_text(self) -> str:
+        template = getattr(self.backend, "chat_template", None)
+        return template if isinstance(template, str) else ""
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from cellbatch.metrics import GenerationMetrics
+from cellbatch.tool_calls.formats import ToolFormat
+from cellbatch.tool_calls.stream import ToolCallStream
 from cellbatch.types import (
     Constraint,
     FinishReason,
@@ -76,6 +78,7 @@ class Choice:
     error: str = ""
     echoed: bool = False  # streaming: the prompt went out with the first chunk
     offset: int = 0  # streaming: characters of token text sent so far (logprobs offsets)
+    tool_stream: ToolCallStream | None = None  # streaming with tools: content and calls sent
 
 
 @dataclass
@@ -88,6 +91,9 @@ class Plan:
     echo: bool = False
     drop_generated: bool = False  # echo with max_tokens 0: one token runs, none is shown
     logprobs: int | None = None
+    # Tools offered: the answers are read for calls in this format (None: plain text).
+    tool_format: ToolFormat | None = None
+    parallel_tool_calls: bool = True
 
 
 class ChoiceHandle(Protocol):

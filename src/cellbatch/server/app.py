@@ -47,7 +47,9 @@ from cellbatch.engine import Engine
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
 from cellbatch.server.observability import ServerMetrics
+from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
+    CHAT_ONLY_FIELDS,
     UNSUPPORTED_FIELDS,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -82,6 +84,7 @@ class ServerSettings:
     max_queued_requests: int = 256
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 10.0
+    tool_call_parser: str | None = None  # a tool_calls.formats name; None: the template's
 
 
 def create_app(
@@ -97,6 +100,7 @@ def create_app(
     service = EngineService(
         backend, settings.served_model_name, metrics, settings.max_queued_requests
     )
+    planner = RequestPlanner(backend, settings.tool_call_parser)
     metrics.watch(backend.collector(), service.load)
     responses = Responses(backend, settings.served_model_name)
 
@@ -112,6 +116,7 @@ def create_app(
 
     app = FastAPI(title="cellbatch", lifespan=lifespan)
     app.state.service = service
+    app.state.planner = planner
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -169,7 +174,7 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, max_model_len=service.context_limit) for name in names]
+        cards = [ModelCard(id=name, max_model_len=planner.context_limit) for name in names]
         return ModelList(data=cards).model_dump(mode="json")
 
     @app.get(
@@ -196,9 +201,9 @@ def create_app(
         _check_fields(parsed, names, warned)
         service.admit()
         plan = (
-            service.plan_chat(parsed)
+            planner.plan_chat(parsed)
             if isinstance(parsed, ChatCompletionRequest)
-            else service.plan_completion(parsed)
+            else planner.plan_completion(parsed)
         )
         job = await service.start(plan)
         if parsed.stream:
@@ -222,13 +227,13 @@ def create_app(
     async def tokenize(request: Request) -> JSONResponse:
         parsed = _parse(TokenizeRequest, await _read_body(request, settings))
         _check_model(parsed.model, names)
-        return JSONResponse(dump(service.tokenize(parsed)))
+        return JSONResponse(dump(planner.tokenize(parsed)))
 
     @app.post("/detokenize", responses=_answers_of(DetokenizeResponse))
     async def detokenize(request: Request) -> JSONResponse:
         parsed = _parse(DetokenizeRequest, await _read_body(request, settings))
         _check_model(parsed.model, names)
-        return JSONResponse(dump(service.detokenize(parsed)))
+        return JSONResponse(dump(planner.detokenize(parsed)))
 
     _document_request_bodies(
         app,
@@ -260,6 +265,13 @@ def _check_fields(
     does not do; log each unknown field name once."""
     _check_model(request.model, names)
     refused = refused_fields(request.model_extra)
+    if refused and refused[0] in CHAT_ONLY_FIELDS:
+        raise ApiError(
+            400,
+            f"{refused[0]} works on /v1/chat/completions only: a completion has no tool "
+            "calls; send the request there as messages",
+            refused[0],
+        )
     if refused:
         raise ApiError(
             400,

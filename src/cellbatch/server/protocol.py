@@ -2,7 +2,8 @@
 
 Owns: the fields cellbatch reads from `/v1/completions` and `/v1/chat/completions`
 requests, and the bodies and stream chunks it answers with, named as the OpenAI API
-names them (plus vLLM's `top_k`, `min_p` and `repetition_penalty`); the fields that
+names them (plus vLLM's `top_k`, `min_p` and `repetition_penalty`), tool definitions
+and calls (in history messages, answers and stream deltas) among them; the fields that
 peers take and cellbatch does not (`UNSUPPORTED_FIELDS`).
 Promises: a field of the wrong type or out of range fails validation (the app
 answers 400 in OpenAI's error shape, naming the field); a request's other top-level
@@ -19,7 +20,13 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from cellbatch.types import Constraint
 
@@ -42,10 +49,15 @@ def _asks_nothing(name: str, value: Any) -> bool:
 # that cellbatch does not do yet: a request giving one a value that asks for something
 # (not null, false, 0, empty, "none", {"type": "text"}, or best_of 1) is refused, never answered
 # as if the field were absent.
+# (`tools` and `tool_choice` are the chat route's: a completion asking for them is refused.)
 UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call",
     "best_of", "suffix", "prompt_logprobs", "logits_processors",
 )  # fmt: skip
+
+
+# Of those, the ones the chat route takes (a completion asking for them is sent there).
+CHAT_ONLY_FIELDS = ("tools", "tool_choice")
 
 
 def refused_fields(extra: dict[str, Any] | None) -> list[str]:
@@ -202,11 +214,31 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI's API sends it
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an assistant message of the history (and in an answer)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -215,12 +247,55 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as a chat template takes it (OpenAI's shape, text content)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -276,7 +351,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallMessage] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -295,9 +371,33 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: its first carries the id, type and name; the others
+    only the index and the next piece of the arguments (OpenAI's stream shape)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -326,6 +426,7 @@ class TokenizeRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
 
 
 class TokenizeResponse(BaseModel):

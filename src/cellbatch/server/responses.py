@@ -2,11 +2,13 @@
 
 Owns: the shapes of what `/v1/completions` and `/v1/chat/completions` answer:
 choices, finish reasons, usage (with prefix-cache hits as cached tokens), logprobs
-in both APIs' formats, echoed prompts, and the stream's role, content, finish and
-usage chunks.
+in both APIs' formats, echoed prompts, the stream's role, content, finish and
+usage chunks, and (tools offered) answers split into content and `tool_calls` with
+`finish_reason: "tool_calls"`, streamed as `delta.tool_calls` whose arguments grow.
 Promises: a choice's streamed text concatenates to its whole text; logprobs align
 with the tokens shown; with `echo` the prompt (and its logprobs, the first token's
-being null) comes first; with `max_tokens: 0` nothing generated is shown.
+being null) comes first; with `max_tokens: 0` nothing generated is shown; call markup
+never reaches `content` (a malformed call stays there, as written).
 Never: runs or cancels generations (the service does).
 """
 
@@ -28,11 +30,16 @@ from cellbatch.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunction,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCallMessage,
     TopLogprob,
     Usage,
 )
 from cellbatch.server.service import Job
+from cellbatch.tool_calls.stream import ToolCallStream, split_answer
 from cellbatch.types import FinishReason, GenerationUpdate, Token, TokenLogprob
 
 
@@ -78,16 +85,35 @@ class Responses:
         return CompletionResponse(model=self.model_name, choices=choices, usage=self.usage(job))
 
     def chat_body(self, job: Job) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=choice.index,
-                message=AssistantMessage(content="".join(choice.text)),
-                logprobs=self._chat_logprobs(choice.logprobs, job.plan),
-                finish_reason=self._finish(choice, job.plan),
+        choices = []
+        for choice in job.choices:
+            message = self._message(choice, job.plan)
+            choices.append(
+                ChatChoice(
+                    index=choice.index,
+                    message=message,
+                    logprobs=self._chat_logprobs(choice.logprobs, job.plan),
+                    finish_reason=self._finish(choice, job.plan, bool(message.tool_calls)),
+                )
             )
-            for choice in job.choices
-        ]
         return ChatCompletionResponse(model=self.model_name, choices=choices, usage=self.usage(job))
+
+    @staticmethod
+    def _message(choice: Choice, plan: Plan) -> AssistantMessage:
+        """The answer, split into content and calls when tools were offered."""
+        text = "".join(choice.text)
+        if plan.tool_format is None:
+            return AssistantMessage(content=text)
+        content, calls = split_answer(plan.tool_format, text, plan.parallel_tool_calls)
+        return AssistantMessage(
+            content=content,
+            tool_calls=[
+                ToolCallMessage(
+                    id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)
+                )
+                for call in calls
+            ],
+        )
 
     def completion_chunk(
         self, job: Job, stream_id: str, choice: Choice, update: GenerationUpdate
@@ -129,13 +155,16 @@ class Responses:
         if update is None:
             delta, logprobs, reason = ChatDelta(role="assistant", content=""), None, None
         else:
-            delta = ChatDelta(content=update.text or None)
+            delta = self._delta(choice, update, plan)
             logprobs = (
                 self._chat_logprobs(list(update.logprobs), plan)
                 if plan.logprobs is not None and update.logprobs
                 else None
             )
-            reason = self._finish(choice, plan) if update.finish_reason is not None else None
+            called = choice.tool_stream is not None and choice.tool_stream.made_calls
+            reason = (
+                self._finish(choice, plan, called) if update.finish_reason is not None else None
+            )
         return ChatCompletionChunk(
             id=stream_id,
             created=created,
@@ -158,15 +187,36 @@ class Responses:
         return CompletionResponse(id=stream_id, model=self.model_name, choices=[], usage=usage)
 
     @staticmethod
+    def _delta(choice: Choice, update: GenerationUpdate, plan: Plan) -> ChatDelta:
+        """The update's text as a delta: content, and call pieces when tools were offered."""
+        if plan.tool_format is None:
+            return ChatDelta(content=update.text or None)
+        if choice.tool_stream is None:
+            choice.tool_stream = ToolCallStream(plan.tool_format, plan.parallel_tool_calls)
+        content, pieces = choice.tool_stream.feed(update.text, update.finish_reason is not None)
+        calls = [
+            DeltaToolCall(
+                index=piece.index,
+                id=piece.id,
+                type="function" if piece.id is not None else None,
+                function=DeltaFunction(name=piece.name, arguments=piece.arguments),
+            )
+            for piece in pieces
+        ]
+        return ChatDelta(content=content or None, tool_calls=calls or None)
+
+    @staticmethod
     def new_stream_id(chat: bool) -> str:
         return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
-    def _finish(self, choice: Choice, plan: Plan) -> str | None:
+    def _finish(self, choice: Choice, plan: Plan, called: bool = False) -> str | None:
+        """OpenAI's finish reason; "tool_calls" for an answer that ended with calls."""
         if choice.finish_reason is None:
             return None
         if plan.drop_generated:
             return "length"
-        return FINISH_REASONS.get(choice.finish_reason, "error")
+        reason = FINISH_REASONS.get(choice.finish_reason, "error")
+        return "tool_calls" if called and reason == "stop" else reason
 
     def _completion_text(self, plan: Plan, choice: Choice) -> tuple[str, CompletionLogprobs | None]:
         text = "" if plan.drop_generated else "".join(choice.text)
