@@ -166,3 +166,16 @@ def test_the_format_follows_the_template_or_the_flag() -> None:
     assert format_named("mistral").name == "mistral"
     with pytest.raises(InvalidArgumentError, match="hermes"):
         format_named("bogus")
+
+
+def test_a_call_cut_short_stays_a_call_and_its_markup_stays_out() -> None:
+    whole = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+    cut = whole + '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    parsed = HermesFormat().parse(cut, final=True)
+    assert parsed.content == ""
+    assert [(c.name, c.arguments, c.done) for c in parsed.calls] == [
+        ("get_time", "{}", True),
+        ("get_weather", '{"ci', False),
+    ]
+    llama = Llama3JsonFormat().parse('{"name": "get_time", "parameters": {"zo', final=True)
+    assert llama.content == "" and llama.calls == (PartialCall("get_time", '{"zo'),)

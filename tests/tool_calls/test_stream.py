@@ -71,3 +71,16 @@ def test_an_answer_without_calls_is_content_as_written() -> None:
         assert split_answer(form, "  Sunny, 21 degrees.\n", True) == ("  Sunny, 21 degrees.\n", ())
     text, calls = streamed("A <b>bold</b> claim <tool", 3)
     assert text == "A <b>bold</b> claim <tool" and calls == []
+
+
+def test_a_call_cut_short_is_the_same_streamed_or_whole() -> None:
+    cut = ANSWER[: ANSWER.index('"days"')]
+    content, calls = split_answer(HermesFormat(), cut, True, lambda: "id0")
+    assert content == "Checking." and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris", ')
+    ]
+    text, streamed_calls = streamed(cut, 5)
+    assert text.strip() == content
+    assert [(c["name"], c["arguments"]) for c in streamed_calls] == [
+        ("get_weather", '{"city": "Paris", ')
+    ]

@@ -9,8 +9,9 @@ objects separated by `;`) and `mistral` (`[TOOL_CALLS]` then a JSON list of call
 Promises: `parse(text, final=False)` on a text that grows never takes back content or
 calls it gave (a stream sends the difference); a region that could still become a call
 is held back, not shown as content, until it is decided; `parse(text, final=True)`
-gives as calls only whole calls (a name and arguments that are a JSON object) and
-keeps everything else as content, markup included, so nothing the model wrote is lost.
+gives as calls the whole calls and a call the text ends inside (cut short by the token
+limit: its arguments as far as they go), and keeps everything else as content, markup
+included, so nothing the model wrote is lost.
 `grammar` is a Lark grammar (llguidance's dialect) that only the format's calls of the
 given tools, with arguments fitting each tool's schema, satisfy.
 Never: tokenizes, generates, or names call ids (the stream does).
@@ -187,12 +188,12 @@ class HermesFormat(ToolFormat):
             end = text.find(self.CLOSE, body_start)
             body = text[body_start:] if end < 0 else text[body_start:end]
             run = scan_calls(body)
-            if end < 0 and not final:
-                # The block is still being written: its calls so far, unless it has
-                # already broken the shape (then it waits to be decided at the end).
-                if not run.malformed:
-                    calls.extend(run.calls)
+            if end < 0 and not run.malformed:
+                # A call being written (or, at the end, cut short): its calls so far.
+                calls.extend(run.calls)
                 return Parsed("".join(content), tuple(calls))
+            if end < 0 and not final:
+                return Parsed("".join(content), tuple(calls))  # broken: decided at the end
             found: tuple[PartialCall, ...] | None = None
             if _whole(run.calls, run.end, body, run.malformed):
                 found = tuple(run.calls)
@@ -241,7 +242,8 @@ class _WholeAnswerFormat(ToolFormat):
                 return Parsed(text)
         run = scan_calls(text, at, self.separators)
         if final:
-            if _whole(run.calls, run.end, text, run.malformed):
+            cut_short = run.end is None and not run.malformed
+            if cut_short or _whole(run.calls, run.end, text, run.malformed):
                 return Parsed(content, tuple(run.calls))
             return Parsed(text)
         if run.malformed:

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cellbatch.tool_calls.calls import PartialCall, ToolCall, complete_call
+from cellbatch.tool_calls.calls import PartialCall, ToolCall
 from cellbatch.tool_calls.formats import ToolFormat
 
 
@@ -40,11 +40,12 @@ class CallDelta:
 def split_answer(
     form: ToolFormat, text: str, parallel: bool, new_id: Callable[[], str] = new_call_id
 ) -> tuple[str | None, tuple[ToolCall, ...]]:
-    """The content and the calls of a whole answer. Without calls, the content is the
+    """The content and the calls of a whole answer (a call cut short by the token limit
+    among them, its arguments as far as they go). Without calls, the content is the
     text as it is; with calls, the text around them, trimmed (None when nothing is
     left)."""
     parsed = form.parse(text, final=True)
-    calls = _kept([call for call in parsed.calls if complete_call(call)], parallel)
+    calls = _kept([call for call in parsed.calls if call.name is not None], parallel)
     if not calls:
         return parsed.content, ()
     content = parsed.content.strip()
@@ -83,11 +84,8 @@ class ToolCallStream:
         if parsed.content.startswith(self._content):
             content = parsed.content[len(self._content) :]
             self._content = parsed.content
-        calls = parsed.calls
-        if final:
-            calls = tuple(call for call in calls if complete_call(call))
         deltas = []
-        for index, call in enumerate(_kept(list(calls), self.parallel)):
+        for index, call in enumerate(_kept(list(parsed.calls), self.parallel)):
             if call.name is None:
                 break
             if index == len(self._calls):
