@@ -104,7 +104,7 @@ def test_a_required_call_fits_its_tools_schema(live) -> None:
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
     check_call(call.function.name, call.function.arguments)
-    # Without the grammar the same model writes no call.
+    # Left to choose, the random model writes text: the call above is the grammar's.
     free = chat(live, tools=TOOLS, tool_choice="auto")
     assert free.choices[0].message.tool_calls == []
     assert free.choices[0].finish_reason != "tool_calls"
@@ -224,6 +224,16 @@ def test_parse_with_a_pydantic_tool_works_unchanged(live) -> None:
                     {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
                 ],
                 "tool_choice": "required",
+            },
+            "tools",
+            "strin",
+        ),
+        # auto holds a call the model makes to its schema too: the schema must compile.
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
+                ]
             },
             "tools",
             "strin",

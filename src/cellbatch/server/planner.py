@@ -154,9 +154,10 @@ class RequestPlanner:
 
     def _tool_constraint(
         self, tools: list[Tool], choice: ToolChoice, request: ChatCompletionRequest
-    ) -> Constraint | None:
-        """The grammar a required or named call is held to (None for auto), compiled
-        now so that a schema the library rejects is a 400."""
+    ) -> Constraint:
+        """The grammar the answer is held to, compiled now so that a schema the library
+        rejects is a 400: calls alone (required, or one call of the named function), or
+        text or calls (auto: a call the model makes still fits its tool)."""
         try:
             asked = request.constraint()
         except ValueError:
@@ -168,20 +169,19 @@ class RequestPlanner:
                 "the answer; drop one, or send tool_choice 'none'",
                 asked[1].partition(".")[0],
             )
-        if not choice.enforced:
-            return None
-        called = [
-            tool for tool in tools if choice.mode is ToolMode.REQUIRED or tool.name == choice.name
-        ]
+        named = choice.mode is ToolMode.FUNCTION
+        called = [tool for tool in tools if not named or tool.name == choice.name]
         tokenizer = self._tokenizer("hold calls to a grammar")
         special = {
             marker: token
             for marker in self.tool_format.special_markers
             if (token := tokenizer.special_token_id(marker)) is not None
         }
-        parallel = choice.mode is ToolMode.REQUIRED and request.parallel_tool_calls
+        parallel = not named and request.parallel_tool_calls
+        free_text = choice.mode is ToolMode.AUTO
         try:
-            constraint = Constraint.grammar(self.tool_format.grammar(called, parallel, special))
+            grammar = self.tool_format.grammar(called, parallel, special, free_text)
+            constraint = Constraint.grammar(grammar)
             self.backend.check_constraint(constraint)
         except InvalidArgumentError as error:
             raise ApiError(400, f"the tools' schemas: {error}", "tools") from error

@@ -54,20 +54,19 @@ class Tool:
 
 
 class ToolMode(Enum):
+    """How a request lets the model call its tools; every call it makes fits its tool's
+    schema (a grammar holds it)."""
+
     NONE = "none"  # no calls: the tools are not offered
-    AUTO = "auto"  # the model decides; what it writes is parsed
-    REQUIRED = "required"  # at least one call of any tool, held to by a grammar
-    FUNCTION = "function"  # exactly one call of the named tool, held to by a grammar
+    AUTO = "auto"  # text, or calls, as the model decides
+    REQUIRED = "required"  # one or more calls of any tool, nothing else
+    FUNCTION = "function"  # exactly one call of the named tool, nothing else
 
 
 @dataclass(frozen=True)
 class ToolChoice:
     mode: ToolMode
     name: str = ""  # the function, for ToolMode.FUNCTION
-
-    @property
-    def enforced(self) -> bool:
-        return self.mode in (ToolMode.REQUIRED, ToolMode.FUNCTION)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ gives as calls the whole calls and a call the text ends inside (cut short by the
 limit: its arguments as far as they go), and keeps everything else as content, markup
 included, so nothing the model wrote is lost.
 `grammar` is a Lark grammar (llguidance's dialect) that only the format's calls of the
-given tools, with arguments fitting each tool's schema, satisfy.
+given tools, with arguments fitting each tool's schema, satisfy (with `free_text`, text
+without the format's markup too, or text and then such calls).
 Never: tokenizes, generates, or names call ids (the stream does).
 """
 
@@ -58,8 +59,10 @@ class ToolFormat(ABC):
     def parse(self, text: str, final: bool) -> Parsed: ...
 
     @abstractmethod
-    def _grammar_start(self, parallel: bool, markers: Mapping[str, str]) -> str:
-        """The Lark rules before `call_json` (the rule one call's JSON object is)."""
+    def _grammar_rules(self, parallel: bool, markers: Mapping[str, str]) -> str:
+        """Lark rules `calls` (the calls alone) and `answer` (free text without the
+        format's markup, or calls as the format allows them after text), over
+        `call_json`, the rule one call's JSON object is."""
 
     @abstractmethod
     def write_calls(self, calls: Sequence[tuple[str, object]]) -> str:
@@ -68,15 +71,27 @@ class ToolFormat(ABC):
     def write_result(self, name: str, content: str) -> str:
         return f"The function {name} returned:\n{content}"
 
-    def grammar(self, tools: Sequence[Tool], parallel: bool, special_ids: Mapping[str, int]) -> str:
-        """The Lark grammar of one call (or, `parallel`, one or more) of any of `tools`.
-        `special_ids` gives the ids of this format's markers that are special tokens."""
+    def grammar(
+        self,
+        tools: Sequence[Tool],
+        parallel: bool,
+        special_ids: Mapping[str, int],
+        free_text: bool = False,
+    ) -> str:
+        """The Lark grammar of one call (or, `parallel`, one or more) of any of `tools`;
+        with `free_text`, of an answer that is text or calls (tool_choice auto: a call,
+        when the model makes one, still fits its tool). `special_ids` gives the ids of
+        this format's markers that are special tokens."""
         markers = {
             marker: f"<[{special_ids[marker]}]>" if marker in special_ids else json.dumps(marker)
             for marker in self.special_markers
         }
         schema = _calls_schema(tools, self.arguments_key)
-        return self._grammar_start(parallel, markers) + f"\ncall_json: %json {json.dumps(schema)}\n"
+        return (
+            f"start: {'answer' if free_text else 'calls'}\n"
+            + self._grammar_rules(parallel, markers)
+            + f"\ncall_json: %json {json.dumps(schema)}\n"
+        )
 
     def instructions(self, tools: Sequence[Tool]) -> str:
         """A system message offering `tools` to a model whose template has no place for
@@ -206,9 +221,17 @@ class HermesFormat(ToolFormat):
                 content.append(text[start:block_end])
             at = block_end
 
-    def _grammar_start(self, parallel: bool, markers: Mapping[str, str]) -> str:
+    def _grammar_rules(self, parallel: bool, markers: Mapping[str, str]) -> str:
         repeat = ' ("\\n" call)*' if parallel else ""
-        return f'start: call{repeat}\ncall: "<tool_call>\\n" call_json "\\n</tool_call>"'
+        # Text before calls ends at the first "<tool_call>" (`stop` takes it in), and
+        # text alone never holds one.
+        return (
+            f"calls: call{repeat}\n"
+            'call: "<tool_call>\\n" call_json "\\n</tool_call>"\n'
+            f'answer: FREE | before_call "\\n" call_json "\\n</tool_call>"{repeat}\n'
+            "FREE: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/\n"
+            'before_call[stop="<tool_call>"]: /(?s:.*)/'
+        )
 
     def write_calls(self, calls: Sequence[tuple[str, object]]) -> str:
         written = (
@@ -267,9 +290,14 @@ class Llama3JsonFormat(_WholeAnswerFormat):
     opening = "{"
     separators = ";"
 
-    def _grammar_start(self, parallel: bool, markers: Mapping[str, str]) -> str:
+    def _grammar_rules(self, parallel: bool, markers: Mapping[str, str]) -> str:
         repeat = ' ("; " call_json)*' if parallel else ""
-        return f"start: call_json{repeat}"
+        # Text alone never opens with "{", which would start a call.
+        return (
+            f"calls: call_json{repeat}\n"
+            "answer: FREE | calls\n"
+            "FREE: /(?s:.*)/ & ~/(?s:[ \\t\\r\\n]*\\{.*)/"
+        )
 
     def write_calls(self, calls: Sequence[tuple[str, object]]) -> str:
         return "; ".join(
@@ -287,9 +315,14 @@ class MistralFormat(_WholeAnswerFormat):
     opening = "["
     separators = ","
 
-    def _grammar_start(self, parallel: bool, markers: Mapping[str, str]) -> str:
+    def _grammar_rules(self, parallel: bool, markers: Mapping[str, str]) -> str:
         repeat = ' (", " call_json)*' if parallel else ""
-        return f'start: {markers["[TOOL_CALLS]"]} "[" call_json{repeat} "]"'
+        # Text alone never opens with "[" nor holds the marker, which would start calls.
+        return (
+            f'calls: {markers["[TOOL_CALLS]"]} "[" call_json{repeat} "]"\n'
+            "answer: FREE | calls\n"
+            "FREE: /(?s:.*)/ & ~/(?s:[ \\t\\r\\n]*\\[.*)/ & ~/(?s:.*\\[TOOL_CALLS\\].*)/"
+        )
 
     def write_calls(self, calls: Sequence[tuple[str, object]]) -> str:
         listed = [{"name": name, "arguments": arguments} for name, arguments in calls]
