@@ -4,7 +4,8 @@ Owns: `Tokenizer`, a thin wrapper over a transformers tokenizer loaded from a Hu
 folder or from a GGUF file (`load_tokenizer`), or from the files a program stores
 (`tokenizer_from_files`), and the model's stop tokens.
 Promises: `apply_chat_template` returns exactly the token ids transformers produces for
-the same messages (generation prompt added); `stop_tokens` holds the EOS ids of the
+the same messages (generation prompt added; tools passed to the template as given);
+`takes_tools` says whether the template renders tools at all; `stop_tokens` holds the EOS ids of the
 config and generation config plus the end-of-turn tokens present in the vocabulary.
 A tokenizer is built once per file per process (the GGUF one takes seconds: the whole
 vocabulary is parsed from the GGUF metadata) and shared afterwards.
