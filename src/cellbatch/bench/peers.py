@@ -248,13 +248,16 @@ def probe_divergences(
 
 @dataclass(frozen=True)
 class Peer:
-    """Something to time: `generate(prompts, max_new_tokens)` -> tokens per prompt."""
+    """Something to time: `generate(prompts, max_new_tokens)` -> tokens per prompt.
+    A peer in another process times itself (`own_seconds`: its latest call's generation,
+    without the process start and the model load) and warms itself up."""
 
     name: str
     label: str
     concurrency: int  # generations in flight at once
     dtype: str
     generate: GenerateFn
+    own_seconds: Callable[[], float] | None = None
 
 
 def time_peer(peer: Peer, prompts: Sequence[Sequence[Token]], max_new_tokens: int) -> PeerRun:
@@ -262,10 +265,11 @@ def time_peer(peer: Peer, prompts: Sequence[Sequence[Token]], max_new_tokens: in
     run = PeerRun(peer.name, peer.label, peer.concurrency, peer.dtype)
     progress(f"{peer.label}: {len(prompts)} prompts, at most {max_new_tokens} new tokens each")
     try:
-        peer.generate(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
+        if peer.own_seconds is None:
+            peer.generate(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
         started = perf_counter()
         run.outputs = peer.generate(prompts, max_new_tokens)
-        run.seconds = perf_counter() - started
+        run.seconds = perf_counter() - started if peer.own_seconds is None else peer.own_seconds()
     except Exception as error:  # a failing peer is reported, and the others still run
         run.error = f"{type(error).__name__}: {error}"
         progress(f"{peer.label}: failed: {run.error}")

@@ -245,6 +245,9 @@ class BenchReport:
             output_json=str(self.options.output_json),
             plot=str(self.options.plot) if self.options.plot else None,
             skip=sorted(self.options.skip),
+            peers=sorted(self.options.peers),
+            vllm_python=str(self.options.vllm_python),
+            peer_cache=str(self.options.peer_cache),
         )
         return {
             "options": options,

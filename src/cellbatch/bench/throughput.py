@@ -4,7 +4,8 @@
 for transformers one prompt at a time, transformers on a left-padded batch (and that
 batch in float32 when the run is not), transformers continuous batching `generate_batch`,
 and cellbatch with and without its shared prompt prefix; then cellbatch's decode-only
-tokens/s at 1, 8, 32 and 64 sessions in lockstep. Each peer's greedy tokens are checked
+tokens/s at 1, 8, 32 and 64 sessions in lockstep; with `--peer vllm`, vLLM's CPU build
+(its own virtualenv: `make peers`) on all prompts at once. Each peer's greedy tokens are checked
 against transformers' one-prompt-at-a-time tokens (its padded batch's when that run is
 skipped). Prints a table, writes benchmarks/results/throughput-<dtype>[-quick].json and
 a PNG beside it (matplotlib: the `cellbatch[bench]` extra).
@@ -43,7 +44,7 @@ from cellbatch.bench.peers import (
     time_peer,
     transformers_peer,
 )
-from cellbatch.bench.report import BenchReport, compare, format_report, write_json
+from cellbatch.bench.report import BenchReport, PeerRun, compare, format_report, write_json
 from cellbatch.bench.workload import (
     CELLBATCH,
     CELLBATCH_UNSHARED,
@@ -53,6 +54,7 @@ from cellbatch.bench.workload import (
     PADDED_FP32,
     SINGLE,
     SWEEP,
+    VLLM,
     WARMUP_TOKENS,
     BenchOptions,
     parse_options,
@@ -120,6 +122,9 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
             if SWEEP not in options.skip:
                 _sweep(engine, prompts, options, report)
 
+    if VLLM in options.peers:
+        report.runs.append(_vllm_run(path, prompts, stop, options))
+
     reference = report.reference()
     if reference is not None:
         for run in report.runs:
@@ -128,6 +133,22 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
                 probe_divergences(reference_model, prompts, reference.outputs, run.agreement)
     report.environment["load_average_1min_at_end"] = _load_average()
     return report
+
+
+def _vllm_run(
+    path: Path, prompts: list[list[Token]], stop: frozenset[Token], options: BenchOptions
+) -> PeerRun:
+    from cellbatch.bench.vllm import vllm_folder, vllm_peer
+
+    try:
+        folder = vllm_folder(path, options.peer_cache)
+        peer = vllm_peer(
+            options.vllm_python, folder, len(prompts), options.dtype, options.threads, stop
+        )
+    except Exception as error:  # reported like any failing peer; the others ran
+        progress(f"vllm: cannot run: {error}")
+        return PeerRun(VLLM, "vLLM-CPU", len(prompts), options.dtype, error=str(error))
+    return time_peer(peer, prompts, options.max_new_tokens)
 
 
 def _sweep(

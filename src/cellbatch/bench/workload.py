@@ -146,6 +146,10 @@ CELLBATCH_UNSHARED = "cellbatch-unshared"
 PADDED_FP32 = "transformers-padded-fp32"
 SWEEP = "sweep"
 SKIPPABLE = (SINGLE, PADDED, CONTINUOUS, CELLBATCH, CELLBATCH_UNSHARED, SWEEP)
+VLLM = "vllm"  # a peer in its own virtualenv, timed only when asked (--peer)
+OPTIONAL_PEERS = (VLLM,)
+DEFAULT_VLLM_PYTHON = Path(".venv-peers/vllm/bin/python")
+DEFAULT_PEER_CACHE = Path(".venv-peers")
 # Whose greedy tokens the others are checked against: the first of these that ran.
 REFERENCES = (SINGLE, PADDED)
 
@@ -173,6 +177,9 @@ class BenchOptions:
     quick: bool
     output_json: Path
     plot: Path | None
+    peers: frozenset[str] = frozenset()  # OPTIONAL_PEERS asked for
+    vllm_python: Path = DEFAULT_VLLM_PYTHON
+    peer_cache: Path = DEFAULT_PEER_CACHE
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -212,6 +219,25 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         choices=SKIPPABLE,
         help="leave out a peer or the sweep (repeatable)",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=OPTIONAL_PEERS,
+        help="also time this peer, from its own virtualenv (`make peers` builds them)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=DEFAULT_VLLM_PYTHON,
+        help=f"the Python of vLLM's virtualenv (default {DEFAULT_VLLM_PYTHON})",
+    )
+    parser.add_argument(
+        "--peer-cache",
+        type=Path,
+        default=DEFAULT_PEER_CACHE,
+        help="where the peers' copies of the model are kept (default .venv-peers)",
     )
     parser.add_argument(
         "--fp32-baseline",
@@ -288,4 +314,7 @@ def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
         quick=args.quick,
         output_json=output,
         plot=None if args.no_plot else (args.plot or output.with_suffix(".png")),
+        peers=frozenset(args.peer),
+        vllm_python=args.vllm_python,
+        peer_cache=args.peer_cache,
     )

