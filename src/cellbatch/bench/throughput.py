@@ -138,7 +138,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
 def _vllm_run(
     path: Path, prompts: list[list[Token]], stop: frozenset[Token], options: BenchOptions
 ) -> PeerRun:
-    from cellbatch.bench.vllm import vllm_folder, vllm_peer
+    from cellbatch.bench.vllm_peer import vllm_folder, vllm_peer
 
     try:
         folder = vllm_folder(path, options.peer_cache)

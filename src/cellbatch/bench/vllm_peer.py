@@ -30,7 +30,7 @@ TIMEOUT_S = 3600.0
 
 def vllm_folder(model: Path, cache: Path) -> Path:
     """`model` as a Hugging Face folder under `cache` (written the first time)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cellbatch.model.loading import locate_model
 
@@ -40,7 +40,13 @@ def vllm_folder(model: Path, cache: Path) -> Path:
     folder = cache / f"{files.path.stem}-hf"
     if not (folder / "config.json").exists():
         progress(f"vllm: writing {model} as a Hugging Face folder in {folder}")
-        weights = load_transformers_model(model, torch.float32)
+        # The GGUF-loaded model is marked quantized and refuses to save: its dequantised
+        # weights go into a plain model of the same config.
+        loaded = load_transformers_model(model, torch.float32)
+        config = loaded.config
+        del config.quantization_config
+        weights = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]  # transformers: untyped
+        weights.load_state_dict(loaded.state_dict())
         weights.save_pretrained(folder)
         tokenizer = AutoTokenizer.from_pretrained(str(files.folder), gguf_file=files.path.name)
         tokenizer.save_pretrained(folder)
