@@ -1,17 +1,20 @@
-"""Speed, memory and greedy agreement of each weight format (issue 17), beside llama.cpp.
+"""Speed, memory and greedy agreement of each weight format and mode, beside llama.cpp.
 
-For each format (float32 "none", int8, int4) a fresh process loads the model with that
-`quantize` and measures: RSS after load; the chat figures of issue 17's table (the first
-`--single-prompts` chat prompts one at a time, "1 request alone"; all `--prompts` at once,
-"32 concurrent"), greedy, at most `--max-new-tokens` each; and decode-only tokens/s with
-1, 8 and 32 sessions decoding in lockstep. Each format's greedy tokens are compared with
-float32's. `--program PATH` adds the same figures for a program of the model (`cellbatch
-export`, e.g. with its default `--quantize auto`), run by ProgramExecutor. With
+For each mode (`--formats`: QUANTIZE[:DTYPE], the `--quantize` and `--dtype` options of
+`cellbatch run`, DTYPE float32 when left out; "auto:auto" is what a user gets by default)
+a fresh process loads the model so and measures: RSS after load; the chat figures of issue
+17's table (the first `--single-prompts` chat prompts one at a time, "1 request alone";
+all `--prompts` at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
+decode-only tokens/s with 1, 8 and 32 sessions decoding in lockstep. Each mode's greedy
+tokens are compared with the parity mode's (none:float32). `--program PATH` adds the same
+figures for a program of the model (`cellbatch export`, e.g. with its default `--quantize
+auto`), run by ProgramExecutor. With
 `--llama-python PY` (llama-cpp-python built there, see benchmarks/llama_cpp_peer.py)
 llama.cpp runs the same prompt tokens one at a time on the same file (its decode-only
 figure is its single-token steps).
 
-    .venv/bin/python benchmarks/quantized.py [--threads 2] [--formats none,int8,int4]
+    .venv/bin/python benchmarks/quantized.py [--threads 2]
+        [--formats none,int8,int4,auto:auto,none:bfloat16]
         [--prompts 32] [--single-prompts 8] [--max-new-tokens 64] [--sessions 1,8,32]
         [--rounds 2] [--program model.pt2] [--llama-python /tmp/llamacpp-venv/bin/python]
         [--output-json PATH]
@@ -56,12 +59,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     program = args.child.endswith(".pt2")
     path = args.child if program else args.model or default_model_path()
+    quantize, dtype = ("auto", "auto") if program else _mode(args.child)
     before = _rss()
     started = perf_counter()
     engine = Engine.from_pretrained(
         path,
-        dtype="auto" if program else "float32",
-        quantize="auto" if program else args.child,
+        dtype=dtype,
+        quantize=quantize,
         threads=args.threads,
         max_sessions=max(args.prompts, *args.sessions),
     )
@@ -69,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rss_before_load": before,
         "rss_after_load": _rss(),
         "load_seconds": perf_counter() - started,
-        "weights": engine.weights.format,
+        "weights": f"{engine.weights.format} x {str(engine.dtype).removeprefix('torch.')}",
         "weight_kernel": engine.weights.kernel,
         "weights_bytes": engine.weights_bytes,
     }
@@ -98,6 +102,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         result["prompts"] = prompts
         result["stop"] = sorted(tokenizer.stop_tokens)
     return result
+
+
+def _mode(spec: str) -> tuple[str, str]:
+    """A --formats entry, QUANTIZE[:DTYPE] (DTYPE float32 when left out): its quantize
+    and dtype options, as `cellbatch run` takes them ("auto:auto" is the default)."""
+    quantize, _, dtype = spec.partition(":")
+    return quantize, dtype or "float32"
 
 
 def _child(args: argparse.Namespace, fmt: str) -> dict[str, Any]:
@@ -135,7 +146,16 @@ LAYER_SHAPES = {
     "down": (576, 1536),
 }
 HEAD_SHAPE = (49152, 576)
-PRODUCT_KERNELS = ("fp32", "int4", "int8", "aten int4", "aten int8")
+PRODUCT_KERNELS = (
+    "fp32",
+    "bf16",
+    "int4",
+    "int8",
+    "int4 bf16",
+    "int8 bf16",
+    "aten int4",
+    "aten int8",
+)
 
 
 def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
@@ -148,13 +168,19 @@ def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
 
     n, k = shape
     weight = torch.randn(n, k, generator=generator) * 0.05
-    if kernel == "fp32":
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    if kernel in ("int4", "int8"):
+    if kernel in ("fp32", "bf16"):
+        dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(
+            x.to(dtype), packed, None, "none", [], ""
+        )
+    if kernel.split()[0] in ("int4", "int8"):
+        fmt, *activations = kernel.split()
         table = ops.table(ops.NAMESPACE)
-        op = table.int4_matmul if kernel == "int4" else table.int8_matmul
-        codes, scales = quantized.pack(quantized.from_float(weight, kernel))
+        op = table.int4_matmul if fmt == "int4" else table.int8_matmul
+        codes, scales = quantized.pack(quantized.from_float(weight, fmt))
+        if activations:  # bf16 activations: the bf16 products where the CPU has them
+            return lambda x: op(x.bfloat16(), codes, scales, n)
         return lambda x: op(x, codes, scales, n)
     aten = torch.ops.aten
     if kernel == "aten int4":
@@ -289,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("llama.cpp skipped: no --llama-python given", file=sys.stderr)
 
-    reference = runs.get("none")
+    # The parity mode, where it ran: float32 without quantisation.
+    reference = next((runs[f] for f in runs if _mode(f) == ("none", "float32")), None)
     header = (
-        f"{'peer':<10} {'weights':<34} {'RSS MiB':>8} {'single t/s':>10} {'32-conc t/s':>11} "
+        f"{'mode':<14} {'weights':<44} {'RSS MiB':>8} {'single t/s':>10} {'32-conc t/s':>11} "
         + " ".join(f"{'dec@' + str(s):>8}" for s in args.sessions)
         + f" {'agree 1':>8} {'agree 32':>8}"
     )
@@ -301,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         conc = run.get("concurrent")
         rss = run.get("rss_after_load")
         row = (
-            f"{name:<10} {run['weights']:<34} "
+            f"{name:<14} {run['weights']:<44} "
             f"{rss / 2**20 if rss else float('nan'):>8.0f} "
             f"{_tokens(single['outputs']) / single['seconds']:>10.1f} "
             f"{_tokens(conc['outputs']) / conc['seconds'] if conc else float('nan'):>11.1f} "

@@ -16,7 +16,7 @@ import torch
 from cellbatch.model import ops, quantized
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import Int4Weight, Int8Weight, QuantizedEmbedding, QuantizedLinear
-from cellbatch.model.transformer import PackedLinear
+from cellbatch.model.transformer import PackedLinear, cpu_has_fast_bf16
 from cellbatch.types import InvalidArgumentError
 from tiny_models import make_tiny_checkpoint, write_gguf
 
@@ -189,6 +189,63 @@ def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_thread
         torch.set_num_threads(1)
         alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
         for count in (2, 5, 6, 7, 13, 64, 65, 150):
+            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+        torch.set_num_threads(max(2, threads))
+        for count in (1, 7, 70, 150):
+            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+        assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
+    finally:
+        torch.set_num_threads(threads)
+
+
+needs_bf16_products = pytest.mark.skipif(
+    not cpu_has_fast_bf16(), reason="needs a CPU with native bf16 products (AVX512-BF16)"
+)
+
+
+@needs_bf16_products
+@pytest.mark.parametrize(
+    ("fmt", "rows", "cols"),
+    [(fmt, *shape) for fmt in ("int8", "int4") for shape in ((37, 64), (200, 96), (1000, 576))],
+)
+@pytest.mark.parametrize(("size", "scale_dtype"), [(0.05, torch.float16), (1e-7, torch.float32)])
+def test_bf16_products_are_the_product_of_the_weight_in_bf16(
+    compiled_ops, fmt, rows, cols, size, scale_dtype
+) -> None:
+    """bf16 activations take the bf16 dot products: within the result's bf16 rounding
+    (and fp32 sums) of the float64 product, for 1..70 rows (the few-row path, the buffered
+    one and their remainders), outputs in a part-filled block of panels, both scale dtypes."""
+    weight = _weight(fmt, rows, cols, size)
+    codes, scales = quantized.pack(weight)
+    assert scales.dtype == scale_dtype
+    op = compiled_ops.int4_matmul if fmt == "int4" else compiled_ops.int8_matmul
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1)).bfloat16()
+    dense = weight.dequantize().double()
+    reference = x.double() @ dense.t()
+    magnitude = x.double().abs() @ dense.abs().t()
+    bound = reference.abs() * 2.0**-8 + 2 * cols * torch.finfo(torch.float32).eps * magnitude
+    for count in (1, 2, 3, 4, 8, 9, 31, 32, 33, 64, 70):
+        got = op(x[:count], codes, scales, rows)
+        assert got.shape == (count, rows) and got.dtype == torch.bfloat16
+        assert ((got.double() - reference[:count]).abs() <= bound[:count]).all(), count
+
+
+@needs_bf16_products
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_bf16_product_row_depends_on_neither_the_other_rows_nor_the_threads(
+    compiled_ops, fmt
+) -> None:
+    """The few-row path (up to 3 rows, codes converted in registers) and the buffered one
+    (row blocks of 8, chunks of 64 rows) compute one chain per output."""
+    weight = _weight(fmt, 1000, 1536)  # 63 panels: 21 blocks of 3; 6 chunks of inputs
+    codes, scales = quantized.pack(weight)
+    op = compiled_ops.int4_matmul if fmt == "int4" else compiled_ops.int8_matmul
+    x = torch.randn(150, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
+        for count in (2, 3, 4, 8, 9, 13, 64, 65, 150):
             assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
         torch.set_num_threads(max(2, threads))
         for count in (1, 7, 70, 150):

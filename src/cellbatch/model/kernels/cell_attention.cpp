@@ -71,11 +71,22 @@ inline void round_all(float* x, int64_t n) {
   }
 }
 
-// A cache row as compute dtype T would hold it, widened to float.
+// A cache row as compute dtype T would hold it, widened to float. A bf16 or fp16 row is
+// widened a vector at a time (exact, as the scalar widening): in a decode step each K/V row
+// serves only the few query heads of its KV head, so widening it is most of attention's
+// work, and the scalar loop did not vectorise.
 template <typename T, typename C>
 inline void load_row(const C* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>) {
+    using Narrow = at::vec::Vectorized<C>;
+    for (; i + Narrow::size() <= n; i += Narrow::size()) {
+      const auto [low, high] = at::vec::convert_to_float<C>(Narrow::loadu(src + i));
+      low.store(dst + i);
+      high.store(dst + i + kLanes);
+    }
+  }
+  for (; i < n; ++i) dst[i] = widen(src[i]);
   if constexpr (!std::is_same_v<T, C> && !std::is_same_v<T, float>) round_all<T>(dst, n);
 }
 

@@ -27,6 +27,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "quantized_bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -287,6 +289,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
                   scales.size(3) == kPanel && scales.is_contiguous(),
               "int4_matmul: scales must be contiguous [panels, K / ", kGroup, ", 2, ", kPanel,
               "]");
+  if (x.scalar_type() == at::kBFloat16 && cellbatch::bf16_products_available() &&
+      x.size(-1) == in_features)
+    return cellbatch::int4_matmul_bf16(x, codes, scales, out_features);
   const int32_t* c = codes.data_ptr<int32_t>();
   const int64_t words = in_features / 8 * kPanel, pairs = in_features / kGroup * 2 * kPanel;
   return for_scale_type(scales, "int4_matmul", [&](auto tag) {
@@ -310,6 +315,9 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
                   scales.is_contiguous(),
               "int8_matmul: scales must be contiguous [panels, groups, ", kPanel,
               "] with K a multiple of groups");
+  if (x.scalar_type() == at::kBFloat16 && cellbatch::bf16_products_available() &&
+      x.size(-1) == in_features && scales.size(1) * kGroup == in_features)
+    return cellbatch::int8_matmul_bf16(x, codes, scales, out_features);
   const int8_t* c = codes.data_ptr<int8_t>();
   const int64_t groups = scales.size(1), group = in_features / groups;
   return for_scale_type(scales, "int8_matmul", [&](auto tag) {
