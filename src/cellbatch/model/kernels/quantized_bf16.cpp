@@ -65,6 +65,7 @@ constexpr int64_t kChunk = 256;    // inputs per buffer fill: 24 KiB of bf16 for
 constexpr int64_t kRows = 8;       // rows per call over a buffer: 8 x 3 accumulators
 constexpr int64_t kFusedRows = 3;  // calls of up to this many rows convert in registers
 constexpr int64_t kRowChunk = 64;  // rows per pass over a block: their inputs stay in L2
+constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 1 KiB ahead per panel
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
 // A block's codes as bf16 pairs, kChunk inputs of each of its panels.
@@ -157,7 +158,10 @@ struct Int4Panels {
     for (int64_t b = 4 * g; b < 4 * g + 4; ++b) {
       __m512i w[P];
 #pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) w[p] = _mm512_loadu_si512(words(p0 + p, b));
+      for (int p = 0; p < P; ++p) {
+        w[p] = _mm512_loadu_si512(words(p0 + p, b));
+        _mm_prefetch(reinterpret_cast<const char*>(words(p0 + p, b + kPrefetchWords)), _MM_HINT_T0);
+      }
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         __m512bh pairs[P];
