@@ -242,6 +242,8 @@ def test_full_options_default_to_the_issue_figures() -> None:
     )
     assert (explicit.prompts, explicit.sessions, explicit.plot) == (3, (2, 5), None)
     assert not explicit.fp32_baseline
+    assert options.quantize == "none"  # float weights, as the peers have them
+    assert workload.parse_options(["--quantize", "auto"]).quantize == "auto"
 
 
 @pytest.mark.parametrize(

@@ -313,10 +313,15 @@ def transformers_peer(
 
 
 def cellbatch_peer(
-    engine: Any, count: int, dtype: str, stop: frozenset[Token], share_prefix: bool = True
+    engine: Any,
+    count: int,
+    dtype: str,
+    stop: frozenset[Token],
+    share_prefix: bool = True,
+    quantize: str = "none",
 ) -> tuple[Peer, list[EngineWindow]]:
     """cellbatch over `count` prompts, and the list that holds the engine's counters over
-    its latest call."""
+    its latest call; its label names `quantize` unless the weights are float."""
     windows: list[EngineWindow] = []
 
     def generate(prompts: Sequence[Sequence[Token]], new: int) -> list[list[Token]]:
@@ -325,7 +330,8 @@ def cellbatch_peer(
         windows[:] = [window]
         return outputs
 
+    weights = "" if quantize == "none" else f", --quantize {quantize}"
     if share_prefix:
-        return Peer(CELLBATCH, "cellbatch", count, dtype, generate), windows
-    label = "cellbatch, prompt prefix not shared"
+        return Peer(CELLBATCH, f"cellbatch{weights}", count, dtype, generate), windows
+    label = f"cellbatch, prompt prefix not shared{weights}"
     return Peer(CELLBATCH_UNSHARED, label, count, dtype, generate), windows

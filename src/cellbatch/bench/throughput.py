@@ -108,14 +108,16 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
         with Engine.from_pretrained(
             path,
             dtype=options.dtype,
-            quantize="none",  # float weights, as the transformers peers have them
+            quantize=options.quantize,  # "none" (the default): float, as the peers have them
             threads=options.threads,
             max_sessions=max((count, *options.sessions)),
             max_batch_tokens=options.max_batch_tokens,
         ) as engine:
             for name, share in ((CELLBATCH, True), (CELLBATCH_UNSHARED, False)):
                 if name not in options.skip:
-                    peer, windows = cellbatch_peer(engine, count, options.dtype, stop, share)
+                    peer, windows = cellbatch_peer(
+                        engine, count, options.dtype, stop, share, options.quantize
+                    )
                     run = time_peer(peer, prompts, options.max_new_tokens)
                     run.idle_fraction = windows[0].idle_fraction if run.ok else None
                     report.runs.append(run)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from cellbatch.engine import DEFAULT_MAX_BATCH_TOKENS
+from cellbatch.types import QUANTIZE_CHOICES
 
 # Varied chat requests, 35 to 130 tokens each once SmolLM2's chat template (with its
 # system prompt) wraps them: short questions, long briefs, code, arithmetic, rewriting.
@@ -180,6 +181,7 @@ class BenchOptions:
     peers: frozenset[str] = frozenset()  # OPTIONAL_PEERS asked for
     vllm_python: Path = DEFAULT_VLLM_PYTHON
     peer_cache: Path = DEFAULT_PEER_CACHE
+    quantize: str = "none"  # cellbatch's weights: float as the peers', or as `run` takes it
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,6 +196,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "float32", "bfloat16"),
         help="weights and KV of every peer (auto: bfloat16 where this CPU runs it fast)",
+    )
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        choices=QUANTIZE_CHOICES,
+        help="cellbatch's weights: none (float, as every peer has them; the default), or as "
+        "`cellbatch run --quantize` takes it (auto, run's default, keeps a GGUF's int4/int8)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument(
@@ -317,4 +326,5 @@ def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
         peers=frozenset(args.peer),
         vllm_python=args.vllm_python,
         peer_cache=args.peer_cache,
+        quantize=args.quantize,
     )
