@@ -4,16 +4,18 @@ The text is benchmarks/data/perplexity.txt (self-written, ~2,900 tokens of the d
 model's tokenizer). It is cut into chunks of `--context` tokens; each chunk runs as one
 prefill and the second half of its tokens are scored (as llama.cpp's llama-perplexity
 does), so every token is predicted from at least context/2 tokens of its chunk.
-Perplexity = exp(mean negative log-likelihood). cellbatch runs float32 ("none"), int8 and
-int4 on the same file; with `--llama-python PY` (a Python where llama-cpp-python is built,
-see benchmarks/llama_cpp_peer.py) llama.cpp scores the same token ids on the same file.
+Perplexity = exp(mean negative log-likelihood). cellbatch runs each mode of `--formats`
+(QUANTIZE[:DTYPE] as benchmarks/quantized.py takes them: float32 "none", int8 and int4 by
+default; "int4:bfloat16" is the default mode on CPUs with native bf16) on the same file;
+with `--llama-python PY` (a Python where llama-cpp-python is built, see
+benchmarks/llama_cpp_peer.py) llama.cpp scores the same token ids on the same file.
 
     .venv/bin/python benchmarks/perplexity.py [--model M] [--context 512] [--threads N]
         [--formats none,int8,int4] [--llama-python /tmp/llamacpp-venv/bin/python]
         [--output-json benchmarks/results/perplexity.json]
 
 Owns: the scoring rule and the table. Never: judges the figures (it prints them, with
-each format's ratio to float32).
+each mode's ratio to none:float32).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from cellbatch.model.quantized import describe
 from cellbatch.model.tokenizer import load_tokenizer
 from cellbatch.threads import in_short_lived_thread
 from llama_cpp_peer import ask
+from quantized import mode_options
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
@@ -66,15 +69,18 @@ def chunk_nll(model: torch.nn.Module, tokens: Sequence[int]) -> list[float]:
     return (-log_probs[torch.arange(len(rows)), targets]).tolist()
 
 
-def cellbatch_nll(path: Path, quantize: str, tokens: list[int], context: int) -> dict:
+def cellbatch_nll(path: Path, mode: str, tokens: list[int], context: int) -> dict:
+    quantize, dtype = mode_options(mode)
+
     def run() -> dict:
-        _, model = load_model(path, "float32", "auto", quantize)
+        _, model = load_model(path, dtype, "auto", quantize)
         nll = [
             value
             for start in range(0, len(tokens) - context + 1, context)
             for value in chunk_nll(model, tokens[start : start + context])
         ]
-        return {"nll": nll, "weights": describe(model).format}
+        weights = f"{describe(model).format} x {str(model.dtype).removeprefix('torch.')}"
+        return {"nll": nll, "weights": weights}
 
     return in_short_lived_thread(run)  # one OpenMP team, as the engine has (cellbatch.threads)
 
@@ -110,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"llama.cpp skipped: {error}", file=sys.stderr)
     else:
         print("llama.cpp skipped: no --llama-python given", file=sys.stderr)
-    base = results.get("cellbatch none")
+    base = next(
+        (r for n, r in results.items() if mode_options(n.split()[-1]) == ("none", "float32")), None
+    )
     base_ppl = math.exp(float(np.mean(base["nll"]))) if base else None
     print(f"{'peer':<28} {'weights':<34} {'scored':>6} {'perplexity':>10} {'vs fp32':>8}")
     for name, result in results.items():

@@ -59,7 +59,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     program = args.child.endswith(".pt2")
     path = args.child if program else args.model or default_model_path()
-    quantize, dtype = ("auto", "auto") if program else _mode(args.child)
+    quantize, dtype = ("auto", "auto") if program else mode_options(args.child)
     before = _rss()
     started = perf_counter()
     engine = Engine.from_pretrained(
@@ -104,7 +104,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _mode(spec: str) -> tuple[str, str]:
+def mode_options(spec: str) -> tuple[str, str]:
     """A --formats entry, QUANTIZE[:DTYPE] (DTYPE float32 when left out): its quantize
     and dtype options, as `cellbatch run` takes them ("auto:auto" is the default)."""
     quantize, _, dtype = spec.partition(":")
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp skipped: no --llama-python given", file=sys.stderr)
 
     # The parity mode, where it ran: float32 without quantisation.
-    reference = next((runs[f] for f in runs if _mode(f) == ("none", "float32")), None)
+    reference = next((runs[f] for f in runs if mode_options(f) == ("none", "float32")), None)
     header = (
         f"{'mode':<14} {'weights':<44} {'RSS MiB':>8} {'single t/s':>10} {'32-conc t/s':>11} "
         + " ".join(f"{'dec@' + str(s):>8}" for s in args.sessions)

@@ -189,3 +189,29 @@ def test_a_tokenizer_the_library_cannot_read_refuses_constraints_and_nothing_els
         refused = words.chat(["hi"], BUDGET, constraint=Constraint.choice(["yes"]))[0]
         assert refused.finish_reason == FinishReason.FAILED
         assert "cannot drive constraints" in refused.error
+
+
+def test_token_rules_and_a_constraint_hold_together_and_the_constraint_wins_a_conflict(
+    engine: Engine,
+) -> None:
+    """Rules ban with -inf, which the constraint's mask must not turn into NaN; where the
+    rules leave nothing the constraint allows, the constraint wins."""
+    choices = Constraint.choice(["yes", "no"])
+    tokenizer = engine.tokenizer
+    no = frozenset(tokenizer.encode("no")) | tokenizer.stop_tokens
+    both = SamplingParams(constraint=choices, allowed_tokens=no)
+    for result in engine.chat(PROMPTS, GenConfig(max_new_tokens=8, sampling=both)):
+        assert (result.text, result.finish_reason) == ("no", FinishReason.STOP_TOKEN)
+    # min_tokens holds the stop token back, but a complete choice allows only that.
+    held = SamplingParams(constraint=choices, min_tokens=20)
+    for result in engine.chat(PROMPTS, GenConfig(max_new_tokens=30, sampling=held)):
+        assert result.text in ("yes", "no") and result.finish_reason == FinishReason.STOP_TOKEN
+    # Allowed tokens outside the grammar: the grammar's tokens are drawn instead.
+    letters = frozenset(tokenizer.encode("abc xyz"))
+    pattern = r"[0-9]{3}"
+    clash = SamplingParams(constraint=Constraint.regex(pattern), allowed_tokens=letters)
+    for result in engine.chat(PROMPTS, GenConfig(max_new_tokens=8, sampling=clash)):
+        assert re.fullmatch(pattern, result.text), result.text
+    banned = SamplingParams(constraint=Constraint.json_schema(PERSON), banned_sequences=((0,),))
+    for result in engine.chat(PROMPTS, GenConfig(max_new_tokens=96, sampling=banned)):
+        jsonschema.validate(json.loads(result.text), PERSON)

@@ -197,22 +197,40 @@ DISALLOWED = torch.finfo(torch.float32).min
 
 
 def mask_rows(
-    logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[ConstraintMatcher]
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    matchers: Sequence[ConstraintMatcher],
+    fallback: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`logits` [R, V] (float32) with row rows[i] limited to what matchers[i] allows
     (disallowed tokens at DISALLOWED); a new tensor, the input untouched (its raw rows
-    give logprobs). Tensor ops over all the rows at once: no per-token Python."""
+    give logprobs). Tensor ops over all the rows at once: no per-token Python.
+
+    Logits already at -inf (token rules' bans) count as DISALLOWED. A row where nothing
+    the matcher allows is left (the rules banned all of it: `min_tokens` holding back the
+    stop token of a complete constraint, `allowed_token_ids` outside the grammar) takes
+    `fallback`'s row instead, limited the same way: the constraint wins over the rules,
+    so the token drawn is always one the constraint allows."""
     vocab = logits.shape[1]
     bitmask = new_bitmask(len(rows), vocab)
     for index, matcher in enumerate(matchers):
         matcher.fill(bitmask, index)
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].float()
     every_row = len(rows) == logits.shape[0] and list(rows) == list(range(len(rows)))
-    picked = None if every_row else torch.tensor(rows, dtype=torch.long)
-    chosen = logits.float() if picked is None else logits[picked].float()
-    # allowed: logit * 1 + 0; disallowed: logit * 0 + DISALLOWED.
-    limited = torch.addcmul((allowed - 1).mul_(-DISALLOWED), chosen, allowed)
-    if picked is None:
+    picked = torch.arange(len(rows)) if every_row else torch.tensor(rows, dtype=torch.long)
+
+    def limit(source: torch.Tensor) -> torch.Tensor:
+        # allowed: logit * 1 + 0; disallowed: logit * 0 + DISALLOWED (-inf * 0 would be NaN).
+        chosen = source.float().clamp_min(DISALLOWED)
+        return torch.addcmul((allowed - 1).mul_(-DISALLOWED), chosen, allowed)
+
+    limited = limit(logits.index_select(0, picked) if not every_row else logits)
+    if fallback is not None:
+        stuck = limited.amax(dim=1) <= DISALLOWED
+        if bool(stuck.any()):
+            redone = limit(fallback.index_select(0, picked))
+            limited = torch.where(stuck[:, None], redone, limited)
+    if every_row:
         return limited
     masked = logits.float().clone()
     masked[picked] = limited

@@ -411,7 +411,13 @@ class SessionTable:
             if session.matcher is not None
         ]
         if constrained:
-            drawn = mask_rows(drawn, [row for row, _ in constrained], [m for _, m in constrained])
+            # Where the token rules leave nothing the constraint allows, the constraint wins.
+            drawn = mask_rows(
+                drawn,
+                [row for row, _ in constrained],
+                [m for _, m in constrained],
+                fallback=logits if restricted else None,
+            )
         tokens = sample_rows(drawn, torch.from_numpy(params)).tolist()
         for row, matcher in constrained:
             matcher.consume(tokens[row])
