@@ -3,21 +3,26 @@
 //
 // Owns: the arithmetic of that path. The codes are integers that bf16 holds exactly (int4:
 // 0..15, int8: -127..127), so a panel's codes are turned into bf16 as they are, without
-// their scales, into a buffer that stays in L1 (256 inputs of two panels at a time, input
-// pairs interleaved as VDPBF16PS reads them), and every row of the call runs over it with
-// the bf16 dot-product instruction: 32 products per instruction, twice the fp32 FMAs'. The
-// scales come in once per group of 32 inputs, per row and output:
+// their scales, and the rows run over them with the bf16 dot-product instruction: 32
+// products per instruction, twice the fp32 FMAs'. The scales come in once per group of 32
+// inputs, per row and output:
 //   int4 (w = q s + o): y += s * sum(x q) + o * sum(x)
 //   int8 (w = q s):     y += s * sum(x q)
 // where sum(x q) is the group's dot product of the row's bf16 inputs with the codes (fp32
 // accumulation) and sum(x) the group's sum of the row's inputs, computed once per call.
-// Layout of the buffer, per pair of inputs (k, k + 1) of the chunk, per panel of 16
-// outputs: 32 bf16 values [q(n0, k), q(n0, k+1), q(n1, k), q(n1, k+1), ...].
+// Calls of up to 3 rows convert the codes in registers as they go; larger ones convert
+// 256 inputs of a block of three panels at a time into a buffer that stays in L1 and run
+// every row over it, 8 rows at a time, while the next chunk's codes are prefetched.
+// Pairs: VDPBF16PS multiplies pairs of adjacent bf16 values, so each 32-bit lane of a
+// weight register holds one output's codes for two inputs. For int8 the pair is (k, k+1);
+// for int4 it is (8b + i, 8b + 4 + i), the nibbles that one shift of a code word's two
+// 16-bit halves brings down together, and the activations are put in that order once per
+// call. Threads split the blocks of panels.
 // Promises: each output y[m, n] is the same chain of operations over the same values
-// whatever the other rows of x, the row blocks they take and the thread count (batch
-// invariance): groups in input order, pairs in input order within a group. The weights'
-// bytes read are the int4/int8 codes and scales, as on the fp32 path. Results are bf16,
-// rounded to nearest even from the fp32 sums.
+// whatever the other rows of x, the path their count takes, the row blocks and the thread
+// count (batch invariance): groups in input order, pairs in a fixed order within a group.
+// The weights' bytes read are the int4/int8 codes and scales, as on the fp32 path. Results
+// are bf16, rounded to nearest even from the fp32 sums.
 // Never: runs on a CPU without AVX512-BF16 (`bf16_products_available` asks the CPU, and
 // the instructions live only in functions compiled for that target), or allocates per row.
 
@@ -72,6 +77,12 @@ constexpr int64_t kBlockWidth = kBlock * kPanel;
 struct alignas(64) Buffer {
   uint16_t codes[kChunk / 2][kBlock][2 * kPanel];
 };
+
+// Asks for the cache lines of [p, p + bytes).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* start = static_cast<const char*>(p);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T0);
+}
 
 inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 scales16(const c10::Half* p) {
@@ -141,6 +152,11 @@ struct Int4Panels {
   const int32_t* words(int64_t p, int64_t b) const { return codes + (p * in_features / 8 + b) * kPanel; }
   __m512 scale(int64_t p, int64_t g) const { return scales16(scales + ((p * in_features / kGroup + g) * 2) * kPanel); }
   __m512 offset(int64_t p, int64_t g) const { return scales16(scales + ((p * in_features / kGroup + g) * 2 + 1) * kPanel); }
+  // Asks for the codes and scales of the chunk [k0, k0 + len) of panel p.
+  void prefetch_chunk(int64_t p, int64_t k0, int64_t len) const {
+    prefetch(words(p, k0 / 8), len / 8 * kPanel * sizeof(int32_t));
+    prefetch(scales + ((p * in_features + k0) / kGroup * 2) * kPanel, len / kGroup * 2 * kPanel * sizeof(S));
+  }
   // The chunk [k0, k0 + len) of panel p into the buffer's slot.
   void fill(int64_t p, int64_t k0, int64_t len, int slot, Buffer& buffer) const {
     const __m512i values = _mm512_load_si512(kNibbleValues.bits);
@@ -182,6 +198,10 @@ struct Int8Panels {
   const int8_t* input(int64_t p, int64_t k) const { return codes + (p * in_features + k) * kPanel; }
   __m512 scale(int64_t p, int64_t g) const { return scales16(scales + (p * in_features / kGroup + g) * kPanel); }
   __m512 offset(int64_t, int64_t) const { return _mm512_setzero_ps(); }
+  void prefetch_chunk(int64_t p, int64_t k0, int64_t len) const {
+    prefetch(input(p, k0), len * kPanel);
+    prefetch(scales + (p * in_features + k0) / kGroup * kPanel, len / kGroup * kPanel * sizeof(S));
+  }
   void fill(int64_t p, int64_t k0, int64_t len, int slot, Buffer& buffer) const {
     const __m512i interleave = _mm512_load_si512(kInterleave.index);
     for (int64_t k = k0; k < k0 + len; k += 2)
@@ -260,8 +280,8 @@ void with_rows(int64_t n, Fn&& fn) {
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
 template <int P, typename Panels>
-void block(const Panels& panels, const Rows& rows, int64_t m, int64_t count, int64_t p0,
-           Buffer& buffer, float* sums) {
+void block(const Panels& panels, int64_t panel_count, const Rows& rows, int64_t m, int64_t count, int64_t p0,
+           Buffer* buffer, float* sums) {
   const int64_t groups = rows.in_features / kGroup;
   if (count <= kFusedRows) {  // few rows: convert the codes in registers, once
     with_rows<kFusedRows>(count, [&](auto r) {
@@ -272,13 +292,19 @@ void block(const Panels& panels, const Rows& rows, int64_t m, int64_t count, int
   }
   for (int64_t k0 = 0; k0 < rows.in_features; k0 += kChunk) {  // else through the buffer
     const int64_t len = std::min(kChunk, rows.in_features - k0);
-    for (int slot = 0; slot < P; ++slot) panels.fill(p0 + slot, k0, len, slot, buffer);
+    for (int slot = 0; slot < P; ++slot) panels.fill(p0 + slot, k0, len, slot, *buffer);
+    // While the rows run over this chunk, the next one (of this block, else of the block
+    // that follows it) comes from memory.
+    const bool last = k0 + kChunk >= rows.in_features;
+    const int64_t next_p0 = last ? p0 + P : p0, next_k0 = last ? 0 : k0 + kChunk;
+    for (int64_t p = next_p0; p < std::min(next_p0 + P, panel_count); ++p)
+      panels.prefetch_chunk(p, next_k0, std::min(kChunk, rows.in_features - next_k0));
     auto visit = [&](int64_t g, auto&& fn) {
       for (int64_t j = 0; j < kPairs; ++j) {
         __m512bh w[P];
         const int64_t pair = (g * kGroup - k0) / 2 + j;
 #pragma GCC unroll 4
-        for (int p = 0; p < P; ++p) w[p] = reinterpret_cast<__m512bh>(_mm512_load_si512(buffer.codes[pair][p]));
+        for (int p = 0; p < P; ++p) w[p] = reinterpret_cast<__m512bh>(_mm512_load_si512(buffer->codes[pair][p]));
         fn(j, w);
       }
     };
@@ -343,9 +369,9 @@ at::Tensor product(const at::Tensor& x, const Panels& panels, int64_t panel_coun
         for (int64_t b = begin; b < end; ++b) {
           const int64_t p0 = b * kBlock, width = std::min(kBlock, panel_count - p0);
           Buffer* buf = buffer.empty() ? nullptr : buffer.data();
-          if (width == 3) block<3>(panels, rows, m0, n, p0, *buf, sums.data());
-          else if (width == 2) block<2>(panels, rows, m0, n, p0, *buf, sums.data());
-          else block<1>(panels, rows, m0, n, p0, *buf, sums.data());
+          if (width == 3) block<3>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
+          else if (width == 2) block<2>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
+          else block<1>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
           store_block(sums.data(), n, p0 * kPanel, out_features, dst + m0 * out_features);
         }
       }
