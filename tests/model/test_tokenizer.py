@@ -87,3 +87,33 @@ def test_folder_without_tokenizer_files(tiny_checkpoint) -> None:
     _, folder = tiny_checkpoint("qwen3")
     with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
         load_tokenizer(folder)
+
+
+# A Hermes/Qwen-style template: the tools go into the system turn when given.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system {% for t in tools %}{{ t['function']['name'] }} "
+    "{% endfor %}<|im_end|>{% endif %}" + TEMPLATE
+)
+
+
+def test_a_template_with_a_place_for_tools_takes_them(tiny_checkpoint) -> None:
+    """`takes_tools` tells a template that renders tools from one that ignores them, and
+    the tools reach the prompt; the call format follows the template's markup."""
+    from cellbatch.tool_calls.formats import format_for_template
+
+    _, folder = tiny_checkpoint("llama")
+    save_tokenizer(folder, TOOLS_TEMPLATE)
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer.takes_tools
+    tool = {"type": "function", "function": {"name": "hello", "parameters": {"type": "object"}}}
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "you"}], tools=[tool])
+    # "system" is not in the word-level vocabulary: <unk>.
+    opening = ["<|im_start|>", "<unk>", "hello", "<|im_end|>"]
+    assert chat[:4] == [VOCAB[token] for token in opening]
+    assert format_for_template(tokenizer.chat_template_text).name == "hermes"
+    assert format_for_template("<|start_header_id|>{{ tools }}").name == "llama3_json"
+    assert format_for_template("[TOOL_CALLS] {{ tools }}").name == "mistral"
+
+
+def test_a_template_without_a_place_for_tools_does_not_take_them(model_folder: Path) -> None:
+    assert not load_tokenizer(model_folder).takes_tools

@@ -97,6 +97,20 @@ def test_json_object_regex_choice_and_grammars_on_completions(live) -> None:
     assert text.startswith("{")
 
 
+def test_regex_choice_and_grammar_streamed_on_chat(live) -> None:
+    def streamed(**extra: object) -> str:
+        stream = live.client().chat.completions.create(
+            model=MODEL_NAME, messages=ASK, max_tokens=48, stream=True, extra_body=extra
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    assert streamed(structured_outputs={"choice": ["red", "green"]}) in ("red", "green")
+    assert re.fullmatch(r"[0-9]{3}", streamed(structured_outputs={"regex": "[0-9]{3}"}))
+    assert streamed(grammar='root ::= "alpha" | "beta"') in ("alpha", "beta")
+    answer = streamed(response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer), dict), answer
+
+
 def test_a_schema_the_library_rejects_is_a_400_and_nothing_runs(live) -> None:
     started = live.engine.metrics().generations_started
     with pytest.raises(openai.BadRequestError) as refused:

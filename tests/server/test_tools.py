@@ -166,6 +166,8 @@ def test_auto_answers_text_without_markup_and_none_offers_no_tools(live) -> None
     plain = chat(live)
     assert none.choices[0].message.content == plain.choices[0].message.content
     assert none.choices[0].message.content != whole.choices[0].message.content
+    streamed, calls, _ = collect(chat(live, tools=TOOLS, tool_choice="none", stream=True))
+    assert calls == {} and streamed[0] == none.choices[0].message.content
 
 
 def test_the_history_of_calls_and_results_reaches_the_model(live) -> None:

@@ -34,7 +34,7 @@ HERMES_ANSWER = (
 
 def test_scan_reads_calls_alone_listed_and_separated() -> None:
     alone = scan_calls('{"name": "f", "arguments": {"a": [1, {"b": "}"}]}}')
-    assert alone.calls == [PartialCall("f", '{"a": [1, {"b": "}"}]}', True, True)]
+    assert alone.calls == [PartialCall("f", '{"a": [1, {"b": "}"}]}', done=True)]
     listed = scan_calls('[{"name": "f", "arguments": {}}, {"name": "g", "parameters": {"x": 1}}]')
     assert [(c.name, c.arguments) for c in listed.calls] == [("f", "{}"), ("g", '{"x": 1}')]
     assert not listed.malformed and listed.end is not None
@@ -53,7 +53,7 @@ def test_scan_of_a_growing_text_only_adds() -> None:
             assert now.arguments.startswith(before.arguments)
             assert now.done or not before.done
         seen = calls
-    assert seen == [PartialCall("get_weather", '{"city": "Pa\\"ris"}', True, True)]
+    assert seen == [PartialCall("get_weather", '{"city": "Pa\\"ris"}', done=True)]
 
 
 def test_scan_flags_what_cannot_be_a_call() -> None:

@@ -85,7 +85,6 @@ class PartialCall:
 
     name: str | None
     arguments: str = ""
-    arguments_done: bool = False
     done: bool = False
 
 
@@ -161,14 +160,14 @@ def _scan_call(text: str, at: int, calls: list[PartialCall]) -> tuple[PartialCal
             partial = PartialCall(name, text[at:])
             raise _Incomplete
         arguments = text[at:arguments_end]
-        partial = PartialCall(name, arguments, arguments_done=True)
+        partial = PartialCall(name, arguments)
         object_end = _value_end(text, arguments_end, depth=1)
         if object_end is None:
             raise _Incomplete
     except _Incomplete:
         calls.append(partial)
         raise
-    return PartialCall(name, arguments, arguments_done=True, done=True), object_end
+    return PartialCall(name, arguments, done=True), object_end
 
 
 def _skip(text: str, at: int) -> int:

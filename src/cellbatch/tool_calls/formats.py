@@ -173,7 +173,7 @@ def _loose_calls(body: str) -> tuple[PartialCall, ...] | None:
         if not isinstance(arguments, dict):
             return None
         calls.append(
-            PartialCall(item["name"], json.dumps(arguments, ensure_ascii=False), True, True)
+            PartialCall(item["name"], json.dumps(arguments, ensure_ascii=False), done=True)
         )
     return tuple(calls) or None
 
