@@ -175,20 +175,31 @@ def test_the_compiled_and_torch_products_agree(compiled_ops, torch_ops, fmt) -> 
     assert (got.float() - expected).abs().max() < 0.05
 
 
+needs_bf16_products = pytest.mark.skipif(
+    not cpu_has_fast_bf16(), reason="needs a CPU with native bf16 products (AVX512-BF16)"
+)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_products)]
+)
 def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_threads(
-    compiled_ops, fmt
+    compiled_ops, fmt, dtype
 ) -> None:
+    """fp32: calls of up to 3 rows over weights in registers, else row blocks of 6 over a
+    buffer; bf16 (the bf16 products): up to 3 rows converting the codes in registers, else
+    row blocks of 8 over a buffer; both in chunks of 64 rows."""
     weight = _weight(fmt, 1000, 1536)  # 63 panels, the last part-filled; 6 chunks of inputs
     codes, scales = quantized.pack(weight)
     op = compiled_ops.int4_matmul if fmt == "int4" else compiled_ops.int8_matmul
     generator = torch.Generator().manual_seed(3)
-    x = torch.randn(150, 1536, generator=generator)
+    x = torch.randn(150, 1536, generator=generator).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
-        for count in (2, 5, 6, 7, 13, 64, 65, 150):
+        for count in (2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 65, 150):
             assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
         torch.set_num_threads(max(2, threads))
         for count in (1, 7, 70, 150):
@@ -196,11 +207,6 @@ def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_thread
         assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
     finally:
         torch.set_num_threads(threads)
-
-
-needs_bf16_products = pytest.mark.skipif(
-    not cpu_has_fast_bf16(), reason="needs a CPU with native bf16 products (AVX512-BF16)"
-)
 
 
 @needs_bf16_products
@@ -228,31 +234,6 @@ def test_bf16_products_are_the_product_of_the_weight_in_bf16(
         got = op(x[:count], codes, scales, rows)
         assert got.shape == (count, rows) and got.dtype == torch.bfloat16
         assert ((got.double() - reference[:count]).abs() <= bound[:count]).all(), count
-
-
-@needs_bf16_products
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_bf16_product_row_depends_on_neither_the_other_rows_nor_the_threads(
-    compiled_ops, fmt
-) -> None:
-    """The few-row path (up to 3 rows, codes converted in registers) and the buffered one
-    (row blocks of 8, chunks of 64 rows) compute one chain per output."""
-    weight = _weight(fmt, 1000, 1536)  # 63 panels: 21 blocks of 3; 6 chunks of inputs
-    codes, scales = quantized.pack(weight)
-    op = compiled_ops.int4_matmul if fmt == "int4" else compiled_ops.int8_matmul
-    x = torch.randn(150, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
-        for count in (2, 3, 4, 8, 9, 13, 64, 65, 150):
-            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
-        torch.set_num_threads(max(2, threads))
-        for count in (1, 7, 70, 150):
-            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
-        assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_a_quantized_embedding_gathers_its_head_s_rows(table) -> None:

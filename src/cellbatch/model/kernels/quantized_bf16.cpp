@@ -34,6 +34,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -89,19 +90,38 @@ inline __m512 scales16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// bf16(i & 15) in each 16-bit entry i: VPERMW reads the low 5 bits of an index, so a
-// nibble with the next nibble's low bit above it still finds its value.
-alignas(64) const struct NibbleValues {
-  uint16_t bits[32];
-  NibbleValues() {
-    for (int i = 0; i < 32; ++i) {
-      const float value = static_cast<float>(i & 15);
-      uint32_t word;
-      std::memcpy(&word, &value, sizeof word);
-      bits[i] = static_cast<uint16_t>(word >> 16);  // exact: small integers
-    }
-  }
-} kNibbleValues;
+// The tables below are constant data, never computed at load time: code that runs when
+// the library loads must not hold AVX512 instructions, which this region may emit.
+
+// Index vectors and lookup tables of 32 16-bit entries, built at compile time.
+template <typename Entry>
+constexpr std::array<uint16_t, 32> table32(Entry entry) {
+  std::array<uint16_t, 32> out{};
+  for (int i = 0; i < 32; ++i) out[i] = entry(i);
+  return out;
+}
+
+// bf16(i & 15) in entry i: the top half of the float's bits, exact for small integers
+// (v = 2^e + r, r < 2^e, is exponent 127 + e and mantissa r << (7 - e)). VPERMW reads the low 5 bits of an index, so a nibble with the next nibble's low bit above
+// it still finds its value.
+constexpr uint16_t bf16_of_small_integer(int i) {
+  const int value = i & 15;
+  if (value == 0) return 0;
+  int exponent = 0;
+  while ((2 << exponent) <= value) ++exponent;
+  const int mantissa = (value - (1 << exponent)) << (7 - exponent);
+  return static_cast<uint16_t>(((127 + exponent) << 7) | mantissa);
+}
+alignas(64) constexpr std::array<uint16_t, 32> kNibbleValues = table32(bf16_of_small_integer);
+static_assert(kNibbleValues[1] == 0x3F80 && kNibbleValues[15] == 0x4170 && kNibbleValues[17] == 0x3F80);
+
+// pair_order's permutation: within each 8 inputs, (0, 4, 1, 5, 2, 6, 3, 7).
+alignas(64) constexpr std::array<uint16_t, 32> kPairOrder =
+    table32([](int i) { return static_cast<uint16_t>(8 * (i / 8) + (i % 8) / 2 + 4 * (i % 2)); });
+
+// int8_pair's interleaving of two inputs' 16 codes.
+alignas(64) constexpr std::array<uint16_t, 32> kInterleave =
+    table32([](int i) { return static_cast<uint16_t>(i % 2 == 0 ? i / 2 : 16 + i / 2); });
 
 // int4 codes: a word holds inputs 8b .. 8b + 7 of one output, input 8b + i in bits 4i ..
 // 4i + 3, so its low 16 bits hold inputs 8b .. 8b + 3 and its high ones 8b + 4 .. 8b + 7.
@@ -114,13 +134,7 @@ inline __m512i int4_pair(__m512i words, int i, __m512i values) {
 
 // x's inputs reordered as int4_pair pairs them: within each 8, (0, 4, 1, 5, 2, 6, 3, 7).
 void pair_order(const uint16_t* x, int64_t count, uint16_t* out) {
-  alignas(64) static const struct Order {
-    uint16_t index[32];
-    Order() {
-      for (int i = 0; i < 32; ++i) index[i] = static_cast<uint16_t>(8 * (i / 8) + (i % 8) / 2 + 4 * (i % 2));
-    }
-  } order;
-  const __m512i index = _mm512_load_si512(order.index);
+  const __m512i index = _mm512_load_si512(kPairOrder.data());
   for (int64_t i = 0; i < count; i += 32)
     _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(index, _mm512_loadu_si512(x + i)));
 }
@@ -135,12 +149,7 @@ inline __m512i int8_pair(const int8_t* codes, __m512i interleave) {
   return _mm512_permutexvar_epi16(interleave, both);
 }
 
-alignas(64) const struct Interleave {
-  uint16_t index[32];
-  Interleave() {
-    for (int i = 0; i < 32; ++i) index[i] = static_cast<uint16_t>(i % 2 == 0 ? i / 2 : 16 + i / 2);
-  }
-} kInterleave;
+
 
 // One format's panels: codes and scales, and how a pair of inputs becomes bf16.
 template <typename S>
@@ -159,7 +168,7 @@ struct Int4Panels {
   }
   // The chunk [k0, k0 + len) of panel p into the buffer's slot.
   void fill(int64_t p, int64_t k0, int64_t len, int slot, Buffer& buffer) const {
-    const __m512i values = _mm512_load_si512(kNibbleValues.bits);
+    const __m512i values = _mm512_load_si512(kNibbleValues.data());
     for (int64_t b = k0 / 8; b < (k0 + len) / 8; ++b) {
       const __m512i w = _mm512_loadu_si512(words(p, b));
 #pragma GCC unroll 4
@@ -170,7 +179,7 @@ struct Int4Panels {
   // Group g's 16 pairs of panels p0 .. p0 + P - 1, converted in registers: fn(j, w[P]).
   template <int P, typename Fn>
   void visit_group(int64_t p0, int64_t g, Fn&& fn) const {
-    const __m512i values = _mm512_load_si512(kNibbleValues.bits);
+    const __m512i values = _mm512_load_si512(kNibbleValues.data());
     for (int64_t b = 4 * g; b < 4 * g + 4; ++b) {
       __m512i w[P];
 #pragma GCC unroll 4
@@ -203,13 +212,13 @@ struct Int8Panels {
     prefetch(scales + (p * in_features + k0) / kGroup * kPanel, len / kGroup * kPanel * sizeof(S));
   }
   void fill(int64_t p, int64_t k0, int64_t len, int slot, Buffer& buffer) const {
-    const __m512i interleave = _mm512_load_si512(kInterleave.index);
+    const __m512i interleave = _mm512_load_si512(kInterleave.data());
     for (int64_t k = k0; k < k0 + len; k += 2)
       _mm512_store_si512(buffer.codes[(k - k0) / 2][slot], int8_pair(input(p, k), interleave));
   }
   template <int P, typename Fn>
   void visit_group(int64_t p0, int64_t g, Fn&& fn) const {
-    const __m512i interleave = _mm512_load_si512(kInterleave.index);
+    const __m512i interleave = _mm512_load_si512(kInterleave.data());
     for (int64_t j = 0; j < kPairs; ++j) {
       __m512bh pairs[P];
 #pragma GCC unroll 4
