@@ -46,17 +46,21 @@ def start_live_server(
     *,
     api_key: str | None = API_KEY,
     max_queued_requests: int = 256,
+    tool_call_parser: str | None = None,
     **engine: object,
 ) -> LiveServer:
     """A server over a new Engine of `model` (engine options as in from_pretrained)."""
     options = {"dtype": "float32", "kernels": "torch", "max_sessions": 16, **engine}
     made = Engine.from_pretrained(model, **options)  # type: ignore[arg-type]
-    base_url, server, thread = serve_in_thread(made, api_key, max_queued_requests)
+    base_url, server, thread = serve_in_thread(made, api_key, max_queued_requests, tool_call_parser)
     return LiveServer(made, base_url, server, thread)
 
 
 def serve_in_thread(
-    backend: Engine | Backend, api_key: str | None = API_KEY, max_queued_requests: int = 256
+    backend: Engine | Backend,
+    api_key: str | None = API_KEY,
+    max_queued_requests: int = 256,
+    tool_call_parser: str | None = None,
 ) -> tuple[str, uvicorn.Server, threading.Thread]:
     """The app over `backend` under uvicorn on a free port of 127.0.0.1, started."""
     settings = ServerSettings(
@@ -65,6 +69,7 @@ def serve_in_thread(
         max_queued_requests=max_queued_requests,
         max_request_bytes=64 * 1024,
         shutdown_timeout=2.0,
+        tool_call_parser=tool_call_parser,
     )
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -15,6 +16,7 @@ import openai
 import pydantic
 import pytest
 
+from cellbatch.tool_calls.formats import format_named
 from served import API_KEY, MODEL_NAME, LiveServer, start_live_server
 from tiny_models import make_tiny_chat_checkpoint
 
@@ -24,8 +26,12 @@ CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    model = make_tiny_chat_checkpoint(tmp_path_factory.mktemp("tools") / "llama", CONTEXT)
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_chat_checkpoint(tmp_path_factory.mktemp("tools") / "llama", CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def live(model: Path) -> Iterator[LiveServer]:
     server = start_live_server(model, max_sessions=4)
     yield server
     server.stop()
@@ -254,3 +260,43 @@ def test_tool_requests_that_cannot_be_served_are_400s(live, options, param, word
 def test_tools_on_completions_are_refused(live) -> None:
     with pytest.raises(openai.BadRequestError, match="tools"):
         live.client().completions.create(model=MODEL_NAME, prompt="x", extra_body={"tools": TOOLS})
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_the_tool_call_parser_setting_picks_the_format(model: Path, parser: str) -> None:
+    """`serve --tool-call-parser` (ServerSettings.tool_call_parser) overrides the format the
+    template implies: the required call is written, held and read in that format."""
+    server = start_live_server(model, max_sessions=2, tool_call_parser=parser)
+    try:
+        # The ChatML template has no place for tools: the format's own words offer them.
+        body = {"messages": ASK, "tools": TOOLS}
+        tokens = httpx.post(server.base_url + "/tokenize", json=body, headers=HEADERS)
+        prompt = httpx.post(
+            server.base_url + "/detokenize",
+            json={"tokens": tokens.json()["tokens"]},
+            headers=HEADERS,
+        ).json()["prompt"]
+        example = format_named(parser).write_calls(
+            [("the_function_name", {"an_argument": "its value"})]
+        )
+        assert example in prompt and "<tool_call>" not in prompt
+        for stream in (False, True):
+            answer = chat(
+                server,
+                tools=TOOLS,
+                tool_choice="required",
+                parallel_tool_calls=False,
+                stream=stream,
+            )
+            if stream:
+                _, calls, reasons = collect(answer)
+                found = [(c["name"], c["arguments"]) for c in calls[0]]
+                assert reasons[0] == "tool_calls"
+            else:
+                choice = answer.choices[0]
+                assert choice.finish_reason == "tool_calls"
+                found = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            assert len(found) == 1
+            check_call(*found[0])
+    finally:
+        server.stop()
