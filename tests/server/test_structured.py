@@ -98,17 +98,25 @@ def test_json_object_regex_choice_and_grammars_on_completions(live) -> None:
 
 
 def test_regex_choice_and_grammar_streamed_on_chat(live) -> None:
-    def streamed(**extra: object) -> str:
+    def streamed(**extra: object) -> tuple[str, str | None]:
         stream = live.client().chat.completions.create(
             model=MODEL_NAME, messages=ASK, max_tokens=48, stream=True, extra_body=extra
         )
-        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        text, reason = "", None
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                reason = choice.finish_reason or reason
+        return text, reason
 
-    assert streamed(structured_outputs={"choice": ["red", "green"]}) in ("red", "green")
-    assert re.fullmatch(r"[0-9]{3}", streamed(structured_outputs={"regex": "[0-9]{3}"}))
-    assert streamed(grammar='root ::= "alpha" | "beta"') in ("alpha", "beta")
-    answer = streamed(response_format={"type": "json_object"})
-    assert isinstance(json.loads(answer), dict), answer
+    assert streamed(structured_outputs={"choice": ["red", "green"]})[0] in ("red", "green")
+    assert re.fullmatch(r"[0-9]{3}", streamed(structured_outputs={"regex": "[0-9]{3}"})[0])
+    assert streamed(grammar='root ::= "alpha" | "beta"')[0] in ("alpha", "beta")
+    # Any object may go on for ever: one that ends is an object, one cut short begins one.
+    answer, reason = streamed(response_format={"type": "json_object"})
+    assert answer.startswith("{"), answer
+    if reason == "stop":
+        assert isinstance(json.loads(answer), dict), answer
 
 
 def test_a_schema_the_library_rejects_is_a_400_and_nothing_runs(live) -> None:
