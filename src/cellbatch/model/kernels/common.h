@@ -1,5 +1,5 @@
 // Shared by the kernels' sources: float widening and narrowing for each compute dtype,
-// and dispatch over those dtypes.
+// and dispatch over those dtypes and over the quantised products' scale dtypes.
 //
 // Promises: round_to<T>(x) is x as a tensor of dtype T would hold it (round to nearest
 // even); the bf16 cases are bit operations, so that loops of them vectorise (c10's
@@ -64,6 +64,16 @@ void for_each_scalar_type(const at::Tensor& t, const char* what, Fn&& fn) {
     case at::kHalf: return fn(c10::Half{});
     default: TORCH_CHECK(false, what, ": unsupported dtype ", t.scalar_type());
   }
+}
+
+// fn(S{}) for the quantised products' scales dtype S: float32 or float16 (op names the
+// op in the error for any other).
+template <typename Fn>
+auto for_scale_type(const at::Tensor& scales, const char* op, Fn&& fn) {
+  const at::ScalarType type = scales.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf, op,
+              ": scales must be float32 or float16, got ", type);
+  return type == at::kHalf ? fn(c10::Half{}) : fn(float{});
 }
 
 }  // namespace cellbatch

@@ -28,6 +28,8 @@
 
 #include "quantized_bf16.h"
 
+#include "common.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -71,7 +73,7 @@ constexpr int64_t kChunk = 256;    // inputs per buffer fill: 24 KiB of bf16 for
 constexpr int64_t kRows = 8;       // rows per call over a buffer: 8 x 3 accumulators
 constexpr int64_t kFusedRows = 3;  // calls of up to this many rows convert in registers
 constexpr int64_t kRowChunk = 64;  // rows per pass over a block: their inputs stay in L2
-constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 1 KiB ahead per panel
+constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 3 KiB ahead per panel
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
 // A block's codes as bf16 pairs, kChunk inputs of each of its panels.
@@ -229,8 +231,8 @@ struct Int8Panels {
   }
 };
 
-// The rows' inputs as the products read them: x (bf16, in pair order for int4), each
-// row's sum of inputs per group (int4's offsets multiply it), and where a row block starts.
+// The rows' inputs as the products read them: x (bf16, in pair order for int4) and each
+// row's sum of inputs per group (int4's offsets multiply it).
 struct Rows {
   const uint16_t* x;
   const float* sums_x;  // [M, K / 32]
@@ -372,12 +374,12 @@ at::Tensor product(const at::Tensor& x, const Panels& panels, int64_t panel_coun
   if (count > 0) {
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<Buffer> buffer(count > kFusedRows ? 1 : 0);  // 24 KiB: off the stack
+      Buffer* buf = buffer.empty() ? nullptr : buffer.data();   // the few-row path has none
       std::vector<float> sums(std::min(count, kRowChunk) * kBlockWidth);
       for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
         const int64_t n = std::min(kRowChunk, count - m0);
         for (int64_t b = begin; b < end; ++b) {
           const int64_t p0 = b * kBlock, width = std::min(kBlock, panel_count - p0);
-          Buffer* buf = buffer.empty() ? nullptr : buffer.data();
           if (width == 3) block<3>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
           else if (width == 2) block<2>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
           else block<1>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
@@ -391,16 +393,11 @@ at::Tensor product(const at::Tensor& x, const Panels& panels, int64_t panel_coun
   return out.view(shape);
 }
 
-template <typename Fn>
-at::Tensor for_scale_type(const at::Tensor& scales, Fn&& fn) {
-  return scales.scalar_type() == at::kHalf ? fn(c10::Half{}) : fn(float{});
-}
-
 }  // namespace
 
 at::Tensor int4_matmul_bf16(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, int64_t out_features) {
-  return for_scale_type(scales, [&](auto tag) {
+  return for_scale_type(scales, "int4_matmul", [&](auto tag) {
     using S = decltype(tag);
     const Int4Panels<S> panels{codes.data_ptr<int32_t>(), scales.data_ptr<S>(), codes.size(1) * 8};
     return product(x, panels, codes.size(0), out_features);
@@ -409,7 +406,7 @@ at::Tensor int4_matmul_bf16(const at::Tensor& x, const at::Tensor& codes,
 
 at::Tensor int8_matmul_bf16(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, int64_t out_features) {
-  return for_scale_type(scales, [&](auto tag) {
+  return for_scale_type(scales, "int8_matmul", [&](auto tag) {
     using S = decltype(tag);
     const Int8Panels<S> panels{codes.data_ptr<int8_t>(), scales.data_ptr<S>(), codes.size(1)};
     return product(x, panels, codes.size(0), out_features);

@@ -27,6 +27,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "common.h"
 #include "quantized_bf16.h"
 
 #include <algorithm>
@@ -268,15 +269,6 @@ at::Tensor product(const at::Tensor& x, int64_t in_features, int64_t out_feature
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// fn(S{}) for the scales' dtype S: float32 or float16.
-template <typename Fn>
-at::Tensor for_scale_type(const at::Tensor& scales, const char* op, Fn&& fn) {
-  const at::ScalarType type = scales.scalar_type();
-  TORCH_CHECK(type == at::kFloat || type == at::kHalf, op,
-              ": scales must be float32 or float16, got ", type);
-  return type == at::kHalf ? fn(c10::Half{}) : fn(float{});
-}
-
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        int64_t out_features) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
@@ -289,12 +281,13 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
                   scales.size(3) == kPanel && scales.is_contiguous(),
               "int4_matmul: scales must be contiguous [panels, K / ", kGroup, ", 2, ", kPanel,
               "]");
+  // A row of the wrong width goes on to the fp32 path, whose check names the problem.
   if (x.scalar_type() == at::kBFloat16 && cellbatch::bf16_products_available() &&
       x.size(-1) == in_features)
     return cellbatch::int4_matmul_bf16(x, codes, scales, out_features);
   const int32_t* c = codes.data_ptr<int32_t>();
   const int64_t words = in_features / 8 * kPanel, pairs = in_features / kGroup * 2 * kPanel;
-  return for_scale_type(scales, "int4_matmul", [&](auto tag) {
+  return cellbatch::for_scale_type(scales, "int4_matmul", [&](auto tag) {
     using S = decltype(tag);
     const S* s = scales.data_ptr<S>();
     return product(x, in_features, out_features, panels, "int4_matmul",
@@ -320,7 +313,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
     return cellbatch::int8_matmul_bf16(x, codes, scales, out_features);
   const int8_t* c = codes.data_ptr<int8_t>();
   const int64_t groups = scales.size(1), group = in_features / groups;
-  return for_scale_type(scales, "int8_matmul", [&](auto tag) {
+  return cellbatch::for_scale_type(scales, "int8_matmul", [&](auto tag) {
     using S = decltype(tag);
     const S* s = scales.data_ptr<S>();
     return product(x, in_features, out_features, panels, "int8_matmul",
