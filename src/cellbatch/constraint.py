@@ -217,20 +217,21 @@ def mask_rows(
         matcher.fill(bitmask, index)
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].float()
     every_row = len(rows) == logits.shape[0] and list(rows) == list(range(len(rows)))
-    picked = torch.arange(len(rows)) if every_row else torch.tensor(rows, dtype=torch.long)
+    picked = None if every_row else torch.tensor(rows, dtype=torch.long)
 
     def limit(source: torch.Tensor) -> torch.Tensor:
+        """`source`'s constrained rows, masked."""
+        chosen = source if picked is None else source.index_select(0, picked)
         # allowed: logit * 1 + 0; disallowed: logit * 0 + DISALLOWED (-inf * 0 would be NaN).
-        chosen = source.float().clamp_min(DISALLOWED)
+        chosen = chosen.float().clamp_min(DISALLOWED)
         return torch.addcmul((allowed - 1).mul_(-DISALLOWED), chosen, allowed)
 
-    limited = limit(logits.index_select(0, picked) if not every_row else logits)
+    limited = limit(logits)
     if fallback is not None:
         stuck = limited.amax(dim=1) <= DISALLOWED
         if bool(stuck.any()):
-            redone = limit(fallback.index_select(0, picked))
-            limited = torch.where(stuck[:, None], redone, limited)
-    if every_row:
+            limited = torch.where(stuck[:, None], limit(fallback), limited)
+    if picked is None:
         return limited
     masked = logits.float().clone()
     masked[picked] = limited
