@@ -37,7 +37,7 @@ from cellbatch.model.quantized import describe
 from cellbatch.model.tokenizer import load_tokenizer
 from cellbatch.threads import in_short_lived_thread
 from llama_cpp_peer import ask
-from quantized import mode_options
+from quantized import mode_options, weights_label
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
@@ -79,8 +79,7 @@ def cellbatch_nll(path: Path, mode: str, tokens: list[int], context: int) -> dic
             for start in range(0, len(tokens) - context + 1, context)
             for value in chunk_nll(model, tokens[start : start + context])
         ]
-        weights = f"{describe(model).format} x {str(model.dtype).removeprefix('torch.')}"
-        return {"nll": nll, "weights": weights}
+        return {"nll": nll, "weights": weights_label(describe(model).format, model.dtype)}
 
     return in_short_lived_thread(run)  # one OpenMP team, as the engine has (cellbatch.threads)
 

@@ -33,7 +33,10 @@ import subprocess
 import sys
 from pathlib import Path
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the parent process never imports torch: only the children run models
+    import torch
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,7 +76,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rss_before_load": before,
         "rss_after_load": _rss(),
         "load_seconds": perf_counter() - started,
-        "weights": f"{engine.weights.format} x {str(engine.dtype).removeprefix('torch.')}",
+        "weights": weights_label(engine.weights.format, engine.dtype),
         "weight_kernel": engine.weights.kernel,
         "weights_bytes": engine.weights_bytes,
     }
@@ -109,6 +112,11 @@ def mode_options(spec: str) -> tuple[str, str]:
     and dtype options, as `cellbatch run` takes them ("auto:auto" is the default)."""
     quantize, _, dtype = spec.partition(":")
     return quantize, dtype or "float32"
+
+
+def weights_label(weights: str, dtype: torch.dtype) -> str:
+    """What a mode runs, as the tables print it: "int4, ... x bfloat16"."""
+    return f"{weights} x {str(dtype).removeprefix('torch.')}"
 
 
 def _child(args: argparse.Namespace, fmt: str) -> dict[str, Any]:
