@@ -472,6 +472,38 @@ def test_snapshots_give_way_to_live_work_for_sessions_and_cells(runners) -> None
     assert fresh.metrics().cached_tokens == 0
 
 
+def test_with_every_session_busy_a_matching_snapshot_is_taken_over(runners) -> None:
+    # As many streaming clients as sessions: the only session not generating is the
+    # finished request's snapshot, and the next request sharing its prefix (a system
+    # prompt) starts from its cells instead of closing it and feeding everything again.
+    runner, fake = make(runners, FakeExecutor(max_sessions=1), prefix_cache_entries=4)
+    settle(runner.submit(make_tokens(20), GenConfig(max_new_tokens=3)))
+    prompt = [*make_tokens(12), 90, 91]
+    second = settle(runner.submit(prompt, GenConfig(max_new_tokens=3)))
+    assert second.finish_reason() == FinishReason.TOKEN_LIMIT, second.error()
+    assert second.metrics().cached_tokens == 12
+    assert second.metrics().prompt_tokens == 2
+    assert second.tokens() == expected_tokens(len(prompt), 3)
+    assert runner.metrics().prefix_cache_hits == 1
+    assert fake.open_count == 1
+
+
+def test_a_matching_snapshot_keeps_its_session_and_an_older_one_gives_way(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(max_sessions=2), prefix_cache_entries=4)
+    settle(runner.submit(make_tokens(20), GenConfig(max_new_tokens=3)))
+    settle(runner.submit(make_tokens(20, 40), GenConfig(max_new_tokens=3)))  # newer
+    assert fake.open_count == 2  # both sessions held by snapshots
+    for _ in range(2):
+        prompt = [*make_tokens(12), 90, 91]
+        handle = settle(runner.submit(prompt, GenConfig(max_new_tokens=3)))
+        assert handle.finish_reason() == FinishReason.TOKEN_LIMIT, handle.error()
+        # The first time from the first snapshot, the second from either it or the
+        # first answer's, which holds all of the prompt (its last token still runs).
+        assert handle.metrics().cached_tokens in (12, 13)
+        assert handle.tokens() == expected_tokens(len(prompt), 3)
+    assert runner.metrics().prefix_cache_hits == 2
+
+
 def test_failed_submissions_are_not_kept(runners) -> None:
     runner, fake = make(runners, FakeExecutor(fail_steps={2}), prefix_cache_entries=4)
     failed = settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=3)))

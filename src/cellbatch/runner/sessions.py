@@ -5,7 +5,9 @@ the snapshot cache, and the executor calls that open, copy, truncate and close s
 Promises: a state is in the book iff its executor session is open; a copy shares
 the source's cells for the tokens the source holds and feeds the rest later; a
 session whose face closed it stays open while waiting submissions still start from
-it, and the last of them takes it over instead of copying it; every session opened
+it, and the last of them takes it over instead of copying it; a submission whose
+prompt matches a snapshot starts from its cells whenever the snapshot holds a session
+(copied, or taken over when no session is free); every session opened
 is counted once, and every refused request from a caller (a submission that waits
 for a session is not refused), as events recorded in the ledger it is given.
 Never: ends generations or touches the scheduler (the runner loop does); holds the
@@ -108,6 +110,18 @@ class SessionBook:
             return None
         snapshot, matched = found
         state = self.copy(snapshot, matched)
+        # No session free for the copy: the other snapshots give their slots, oldest
+        # first (the match is the most recently used: it stays); when it is the last,
+        # the submission takes it over. With every slot busy (as many streaming
+        # clients as sessions) a finished request's session is what the next one finds.
+        while state is None and len(self._snapshots) > 1:
+            oldest = self._snapshots.pop_oldest()
+            assert oldest is not None and oldest is not snapshot
+            self.close(oldest)
+            state = self.copy(snapshot, matched)
+        if state is None:
+            self._snapshots.remove(snapshot)
+            state = self._take_over(snapshot, matched)
         if state is not None:
             generation.delta = generation.delta[matched:]
             generation.metrics.cached_tokens = matched
