@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype",
         default="auto",
-        help="activations' dtype, for the server and the offline baseline alike (as `cellbatch serve`)",
+        help="activations' dtype, server and offline baseline alike (as `cellbatch serve`)",
     )
     parser.add_argument(
         "--quantize",

@@ -269,6 +269,7 @@ class RequireApiKey:
                 return
         await self.app(scope, receive, send)
 
+
 # Unknown field names remembered so as to warn once each; past this many, no more
 # warnings (a client sending random names cannot grow the set without bound).
 MAX_WARNED_FIELDS = 1024
