@@ -5,6 +5,7 @@ the same prompts and, optionally, any other OpenAI-compatible server (llama.cpp'
     python benchmarks/serve_load.py                       # default model, 1/8/32/64 clients
     python benchmarks/serve_load.py --clients 1,8 --requests 16 --max-tokens 32
     python benchmarks/serve_load.py --peer http://127.0.0.1:8080/v1 --peer-name llama.cpp
+    python benchmarks/serve_load.py --clients 1,32 --peer vllm   # vLLM's CPU build (make peers)
     python benchmarks/serve_load.py --servers 1x2,2x1 --clients 32,64   # replicas on Ray
 
 Each client sends its requests one after another (streaming chat completions, greedy,
@@ -13,7 +14,9 @@ client. The offline baseline runs before the server starts, in this process, on 
 prompts and token budget, so that the two never share the CPU. `--servers` measures
 several servers in turn, one after another: `plain` is `cellbatch serve` (with
 `--threads`), `RxT` is `cellbatch serve --replicas R --threads-per-replica T` on a local
-Ray instance.
+Ray instance. `--peer vllm` starts `vllm serve` from the virtualenv `make peers` builds,
+on the same model, threads and session count, after cellbatch's servers are done. The
+load generator shares the machine with the server, so it is plain httpx and json.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cellbatch.bench.workload import CHAT_PROMPTS
+from cellbatch.bench.workload import CHAT_PROMPTS, DEFAULT_PEER_CACHE, DEFAULT_VLLM_PYTHON
 from cellbatch.types import QUANTIZE_CHOICES
 
 STARTUP_TIMEOUT_S = 300.0
@@ -187,9 +190,7 @@ def _server_name(config: str) -> str:
 
 
 def _start_server(args, config: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     command = [
         str(Path(sys.executable).with_name("cellbatch")), "serve", "--port", str(port),
         "--dtype", args.dtype, "--quantize", args.quantize,
@@ -203,20 +204,49 @@ def _start_server(args, config: str) -> tuple[subprocess.Popen, str]:
     elif args.threads:
         command += ["--threads", str(args.threads)]
     server = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
+    return server, _wait_until_serving(server, f"http://127.0.0.1:{port}", "cellbatch serve")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_until_serving(server: subprocess.Popen, base: str, name: str) -> str:
+    """The server's /v1 URL once its /health answers 200."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if server.poll() is not None:
-            raise SystemExit(f"cellbatch serve exited with {server.returncode}")
+            raise SystemExit(f"{name} exited with {server.returncode}")
         try:
             if httpx.get(base + "/health").status_code == 200:
-                return server, base + "/v1"
+                return base + "/v1"
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
             server.kill()
-            raise SystemExit("cellbatch serve did not come up")
-        time.sleep(0.25)
+            raise SystemExit(f"{name} did not come up in {STARTUP_TIMEOUT_S:.0f} s")
+        time.sleep(0.5)
+
+
+def _start_vllm(args) -> tuple[subprocess.Popen, str]:
+    """vLLM's CPU build serving the same model (the folder the throughput benchmark's
+    peer reads) from `make peers`' virtualenv, on the same threads."""
+    from cellbatch.bench.vllm_peer import DRIVER, vllm_folder
+    from cellbatch.model.default import default_model_path
+
+    if not args.vllm_python.exists():
+        raise SystemExit(f"no vLLM environment at {args.vllm_python}: run `make peers`")
+    folder = vllm_folder(Path(args.model) if args.model else default_model_path(), args.peer_cache)
+    port = _free_port()
+    threads = args.threads or os.cpu_count() or 1
+    command = [
+        str(args.vllm_python), str(DRIVER), "serve", str(folder), args.peer_dtype,
+        str(threads), str(port), str(max(args.levels)),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return server, _wait_until_serving(server, f"http://127.0.0.1:{port}", "vllm serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,8,32,64", help="concurrency levels")
     parser.add_argument("--requests", type=int, default=64, help="requests per level (total)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--peer", help="another OpenAI-compatible server's /v1 URL")
+    parser.add_argument(
+        "--peer",
+        help="another OpenAI-compatible server's /v1 URL, or `vllm`: vLLM's CPU build "
+        "(`make peers`) started here on the same model and threads",
+    )
+    parser.add_argument("--peer-dtype", default="bfloat16", help="--peer vllm: its dtype")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--peer-cache", type=Path, default=DEFAULT_PEER_CACHE)
     parser.add_argument("--peer-name", default="peer")
     parser.add_argument("--peer-model", default="default")
     parser.add_argument(
@@ -253,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     args.levels = [int(part) for part in args.clients.split(",")]
+    if args.peer == "vllm" and args.peer_name == "peer":
+        args.peer_name = f"vllm serve {args.peer_dtype}"
     if any(level < 1 for level in args.levels) or args.max_tokens < 1:
         parser.error("--clients levels and --max-tokens must be >= 1")
     args.configs = [config for config in args.servers.split(",") if config]
@@ -287,20 +326,31 @@ def main(argv: list[str] | None = None) -> int:
             server.terminate()
             server.wait(60)
     if args.peer:
-        for clients in args.levels:
-            level = _run_level(args.peer, args.peer_name, args.peer_model, clients, args)
-            levels.append(asyncio.run(level))
-            print(json.dumps(levels[-1].summary()), flush=True)
+        peer: subprocess.Popen | None = None
+        url, name, model = args.peer, args.peer_name, args.peer_model
+        if args.peer == "vllm":
+            peer, url = _start_vllm(args)
+            model = "vllm-peer"
+        try:
+            warm_up = argparse.Namespace(**{**vars(args), "requests": 2})
+            asyncio.run(_run_level(url, name, model, 2, warm_up))
+            for clients in args.levels:
+                levels.append(asyncio.run(_run_level(url, name, model, clients, args)))
+                print(json.dumps(levels[-1].summary()), flush=True)
+        finally:
+            if peer is not None:
+                peer.terminate()
+                peer.wait(60)
     figures["levels"] = [level.summary() for level in levels]
     figures["raw"] = [asdict(level) for level in levels]
     print(
-        f"{'server':<18} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'tok/req':>7} "
+        f"{'server':<20} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'tok/req':>7} "
         f"{'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16} {'server CPU ms/token':>19}"
     )
     for level in levels:
         row = level.summary()
         print(
-            f"{row['server']:<18} {row['clients']:>7} {row['requests_per_s']:>7.2f} "
+            f"{row['server']:<20} {row['clients']:>7} {row['requests_per_s']:>7.2f} "
             f"{row['tokens_per_s']:>8.1f} {row['tokens_per_request']:>7.1f} "
             f"{row['ttft_p50_ms']:>8.0f}/{row['ttft_p99_ms']:<9.0f} "
             f"{row['itl_p50_ms']:>7.1f}/{row['itl_p99_ms']:<8.1f} "

@@ -15,6 +15,10 @@ cellbatch's), so it imports only vLLM and the standard library, never cellbatch.
                  of each prompt (through the first stop token), all prompts submitted
                  at once, and the wall time of that one `generate` call (after a warm-up
                  call on two prompts; loading the model is not counted).
+    python vllm_driver.py serve FOLDER DTYPE THREADS PORT MAX_SEQS
+        runs `vllm serve FOLDER` on 127.0.0.1:PORT (served name "vllm-peer") with that
+        dtype, OpenMP threads bound to cores 0 .. THREADS - 1 and at most MAX_SEQS
+        sequences at once, until it is stopped (serve_load.py's `--peer vllm`).
 
 Owns: driving vLLM the same way for every figure. Never: tokenizes (it is given token
 ids, so every peer reads the same tokens) or samples anything but greedily.
@@ -49,13 +53,28 @@ def dist_info() -> None:
     print(f"wrote {folder}")
 
 
-def generate(request: dict[str, Any]) -> dict[str, Any]:
-    threads = int(request["threads"])
-    # vLLM's CPU backend pins one OpenMP thread per listed core, and takes its KV cache
-    # space (GiB) from the environment.
+def cpu_environment(threads: int) -> None:
+    """vLLM's CPU backend pins one OpenMP thread per listed core, and takes its KV cache
+    space (GiB) from the environment."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def serve(folder: str, dtype: str, threads: int, port: int, max_seqs: int) -> None:
+    cpu_environment(threads)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = [
+        "vllm", "serve", folder, "--dtype", dtype, "--host", "127.0.0.1",
+        "--port", str(port), "--max-num-seqs", str(max_seqs),
+        "--max-model-len", "2048", "--served-model-name", "vllm-peer", "--seed", "0",
+    ]  # fmt: skip
+    vllm_main()
+
+
+def generate(request: dict[str, Any]) -> dict[str, Any]:
+    cpu_environment(int(request["threads"]))
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -92,6 +111,10 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["generate"]:
         answer = generate(json.load(sys.stdin))
         print(ANSWER_MARK + json.dumps(answer), flush=True)
+        return 0
+    if argv[:1] == ["serve"] and len(argv) == 6:
+        folder, dtype, threads, port, max_seqs = argv[1:]
+        serve(folder, dtype, int(threads), int(port), int(max_seqs))
         return 0
     print(__doc__, file=sys.stderr)
     return 2
