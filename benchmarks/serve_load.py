@@ -99,9 +99,6 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, args, level: Level):
-    started = time.perf_counter()
-    last = None
-    tokens = 0
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -110,32 +107,56 @@ async def _one_request(client: httpx.AsyncClient, model: str, prompt: str, args,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    deltas = 0
-    async with client.stream("POST", "/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise SystemExit(f"{response.status_code} from the server: {response.text}")
-        # Server-sent events, one `data: {json}` line each (the OpenAI stream's framing).
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            choices = chunk.get("choices")
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                deltas += 1
-                if last is None:
-                    level.ttft_s.append(now - started)
-                else:
-                    level.itl_s.append(now - last)
-                last = now
+    for attempt in (1, 2):
+        started = time.perf_counter()
+        answered = False
+        try:
+            async with client.stream("POST", "/chat/completions", json=body) as response:
+                answered = True
+                tokens, deltas, ttft, itl = await _read_events(response, started)
+            break
+        except httpx.RemoteProtocolError:
+            # A kept-alive connection the server had closed before answering (llama-server
+            # closes one after a few requests): the request goes once more.
+            if answered or attempt == 2:
+                raise
+    level.ttft_s.extend(ttft)
+    level.itl_s.extend(itl)
     level.requests += 1
     # A server that sends no usage chunk (llama-cpp-python's ignores include_usage) is
     # counted by its content deltas: one per token where it streams token by token.
     level.generated_tokens += tokens if tokens else deltas
     level.counted_from_deltas += 0 if tokens else 1
+
+
+async def _read_events(
+    response: httpx.Response, started: float
+) -> tuple[int, int, list[float], list[float]]:
+    """A streamed answer's (usage tokens or 0, content deltas, TTFT, inter-token gaps)."""
+    if response.status_code != 200:
+        await response.aread()
+        raise SystemExit(f"{response.status_code} from the server: {response.text}")
+    tokens = deltas = 0
+    last = None
+    ttft: list[float] = []
+    itl: list[float] = []
+    # Server-sent events, one `data: {json}` line each (the OpenAI stream's framing).
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        now = time.perf_counter()
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        choices = chunk.get("choices")
+        if choices and (choices[0].get("delta") or {}).get("content"):
+            deltas += 1
+            if last is None:
+                ttft.append(now - started)
+            else:
+                itl.append(now - last)
+            last = now
+    return tokens, deltas, ttft, itl
 
 
 def _served_model(base_url: str) -> str:
