@@ -485,6 +485,7 @@ def test_with_every_session_busy_a_matching_snapshot_is_taken_over(runners) -> N
     assert second.metrics().prompt_tokens == 2
     assert second.tokens() == expected_tokens(len(prompt), 3)
     assert runner.metrics().prefix_cache_hits == 1
+    assert runner.metrics().sessions_opened == 1  # the take-over opened none
     assert fake.open_count == 1
 
 

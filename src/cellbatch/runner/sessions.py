@@ -75,18 +75,25 @@ class SessionBook:
         assert start is not None
         source = start.source
         if source is None:
-            state = self._from_snapshot(generation) or self.open()
-            while state is None and (oldest := self._snapshots.pop_oldest()) is not None:
-                self.close(oldest)  # a snapshot gives its session slot to live work
+            state = self._from_snapshot(generation)
+            if state is None:
                 state = self.open()
+                while state is None and (oldest := self._snapshots.pop_oldest()) is not None:
+                    self.close(oldest)  # a snapshot gives its session slot to live work
+                    state = self.open()
+                self._count_granted(state)
         elif source.close_requested and source.clone_waiters == 1 and source.active is None:
             state = self._take_over(source, start.upto)
         else:
-            state = self.copy(source, start.upto)
+            state = self._count_granted(self.copy(source, start.upto))
         if state is not None:
-            if state is not source:
-                self.count(state)
             self.release_source(generation)
+        return state
+
+    def _count_granted(self, state: SessionRecord | None) -> SessionRecord | None:
+        """Count a session opened for a submission (one still waiting is not refused)."""
+        if state is not None:
+            self.count(state)
         return state
 
     def finished(self, state: SessionRecord, reusable: bool) -> None:
@@ -101,8 +108,9 @@ class SessionBook:
             self.close(evicted)
 
     def _from_snapshot(self, generation: Generation) -> SessionRecord | None:
-        """A copy of the snapshot sharing the longest prefix with the prompt; the
-        generation then feeds only the rest."""
+        """The snapshot sharing the longest prefix with the prompt, copied or taken
+        over (a take-over opens no session and counts none); the generation then feeds
+        only the rest."""
         if generation.config.sampling.prompt_logprobs is not None:
             return None  # every prompt token must run through the model to be scored
         found = self._snapshots.longest_prefix(generation.delta)
@@ -122,10 +130,11 @@ class SessionBook:
         if state is None:
             self._snapshots.remove(snapshot)
             state = self._take_over(snapshot, matched)
-        if state is not None:
-            generation.delta = generation.delta[matched:]
-            generation.metrics.cached_tokens = matched
-            self._ledger.record(PrefixCacheHit(matched))
+        else:
+            self.count(state)
+        generation.delta = generation.delta[matched:]
+        generation.metrics.cached_tokens = matched
+        self._ledger.record(PrefixCacheHit(matched))
         return state
 
     def hold_source(self, generation: Generation) -> None:
