@@ -104,8 +104,9 @@ constexpr std::array<uint16_t, 32> table32(Entry entry) {
 }
 
 // bf16(i & 15) in entry i: the top half of the float's bits, exact for small integers
-// (v = 2^e + r, r < 2^e, is exponent 127 + e and mantissa r << (7 - e)). VPERMW reads the low 5 bits of an index, so a nibble with the next nibble's low bit above
-// it still finds its value.
+// (v = 2^e + r, r < 2^e, is exponent 127 + e and mantissa r << (7 - e)). VPERMW reads
+// the low 5 bits of an index, so a nibble with the next nibble's low bit above it still
+// finds its value.
 constexpr uint16_t bf16_of_small_integer(int i) {
   const int value = i & 15;
   if (value == 0) return 0;
@@ -150,8 +151,6 @@ inline __m512i int8_pair(const int8_t* codes, __m512i interleave) {
   const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load(codes + kPanel), load(codes)));
   return _mm512_permutexvar_epi16(interleave, both);
 }
-
-
 
 // One format's panels: codes and scales, and how a pair of inputs becomes bf16.
 template <typename S>
