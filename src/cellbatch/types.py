@@ -35,6 +35,9 @@ MAX_LOGPROBS = 20
 # file's precision class (cellbatch.model.quantized.target_format).
 WEIGHT_FORMATS = ("none", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *WEIGHT_FORMATS)
+# What the int4 products do with their inputs (cellbatch.model.quantized.resolve_activations):
+# "float" keeps the model's dtype, "int8" quantises them per group of 32, "auto" picks.
+ACTIVATION_CHOICES = ("auto", "float", "int8")
 
 
 @dataclass(frozen=True)

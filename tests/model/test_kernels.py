@@ -162,6 +162,7 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "silu_mul": (torch.randn(5, 48, generator=generator).to(dtype),),
         "cell_attention": attention_inputs(dtype),
         "int4_matmul": quantized_inputs("int4", dtype, generator),
+        "int4_matmul_a8": quantized_inputs("int4", dtype, generator),
         "int8_matmul": quantized_inputs("int8", dtype, generator),
     }
 

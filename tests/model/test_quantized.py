@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.model import ops, quantized
+from cellbatch.model import ops, quantized, quantized_torch
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import Int4Weight, Int8Weight, QuantizedEmbedding, QuantizedLinear
 from cellbatch.model.transformer import PackedLinear, cpu_has_fast_bf16
@@ -121,7 +121,9 @@ def test_the_panel_layout_holds_the_weight(fmt) -> None:
     weight = _weight(fmt, 37, 96)
     codes, scales = quantized.pack(weight)
     assert codes.shape[0] == scales.shape[0] == 3
-    fallback = quantized.int4_matmul_torch if fmt == "int4" else quantized.int8_matmul_torch
+    fallback = (
+        quantized_torch.int4_matmul_torch if fmt == "int4" else quantized_torch.int8_matmul_torch
+    )
     assert torch.equal(fallback(torch.eye(96), codes, scales, 37).t(), weight.dequantize())
 
 

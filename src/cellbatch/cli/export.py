@@ -31,6 +31,7 @@ def export_command(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         quantize=args.quantize,
+        activations=args.activations,
         max_step_tokens=args.max_step_tokens,
         decode_widths=widths,
         min_prefill_tokens=args.min_prefill_tokens,

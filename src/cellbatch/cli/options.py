@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from cellbatch.types import QUANTIZE_CHOICES
+from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine
@@ -119,6 +119,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "other models stay float), none (float), int8 or int4",
     )
     parser.add_argument(
+        "--activations",
+        default="auto",
+        choices=ACTIVATION_CHOICES,
+        help="inputs of the int4 products: auto (int8 where the CPU has AVX512-VNNI and the "
+        "model runs in bf16), float (the model's dtype) or int8 (quantised per group of 32)",
+    )
+    parser.add_argument(
         "--admission",
         default="optimistic",
         choices=("optimistic", "reserve"),
@@ -151,6 +158,7 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_dtype": args.kv_dtype,
         "kernels": args.kernels,
         "quantize": args.quantize,
+        "activations": args.activations,
         "admission": args.admission,
     }
 

@@ -121,11 +121,12 @@ class ModuleBackend(ModelBackend):
         kernels: str,
         quantize: str,
         progress: LoadProgress | None,
+        activations: str = "auto",
     ) -> ModuleBackend:
         """A Hugging Face folder or a GGUF file, loaded in a thread of its own (its
         native pools die with it: `in_short_lived_thread`)."""
         config, module = in_short_lived_thread(
-            lambda: load_model(path, dtype, kernels, quantize, progress)
+            lambda: load_model(path, dtype, kernels, quantize, progress, activations)
         )
         return cls(module, config)
 
@@ -191,6 +192,7 @@ class ProgramBackend(ModelBackend):
         kernels: str,
         quantize: str,
         progress: LoadProgress | None,
+        activations: str = "auto",
     ) -> tuple[ProgramBackend, Tokenizer | None]:
         """The program and the tokenizer it carries (None when it carries none). Options
         its export fixed must be "auto" or what it holds."""
@@ -202,6 +204,12 @@ class ProgramBackend(ModelBackend):
             raise InvalidArgumentError(
                 f"program {path} runs its own compiled kernels; kernels apply to models, "
                 "not programs"
+            )
+        if activations != "auto":
+            raise InvalidArgumentError(
+                f"program {path} runs the products it was exported with (activations are "
+                "fixed at export); drop activations or export the model again with "
+                "`cellbatch export --activations`"
             )
         clock = PhaseClock(progress)
         # The tokenizer (transformers' import, mostly) is built while the methods load.

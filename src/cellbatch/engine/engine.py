@@ -39,7 +39,7 @@ from cellbatch.metrics import EngineMetrics
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import LoadProgress, PhaseClock
 from cellbatch.model.ops import resolve as resolve_ops
-from cellbatch.model.quantized import WeightsSummary, resolve_quantize
+from cellbatch.model.quantized import WeightsSummary, resolve_activations, resolve_quantize
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.runner import AdmissionPolicy, Runner, Session
@@ -124,6 +124,7 @@ class Engine:
         threads: int | None = None,
         kernels: str = "auto",
         quantize: str = "auto",
+        activations: str = "auto",
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
@@ -135,10 +136,14 @@ class Engine:
         defaults to the weight dtype. `kernels`: "auto" (the compiled CPU kernels where
         they build, else pure torch), "compiled" or "torch". `quantize`: "auto" (a GGUF
         file keeps its precision class, e.g. Q4_1 -> int4; other models stay float),
-        "none", "int8" or "int4" (see cellbatch.model.quantized). `progress` hears of each
-        phase of the load as it ends (what it did, and its seconds). The options are
-        checked before anything loads."""
+        "none", "int8" or "int4" (see cellbatch.model.quantized). `activations`: what the
+        int4 products do with their inputs: "auto" (int8 where the CPU has AVX512-VNNI and
+        the model runs in bf16, else float), "float" (the model's dtype) or "int8"
+        (quantised per group of 32: see quantized.resolve_activations). `progress` hears
+        of each phase of the load as it ends (what it did, and its seconds). The options
+        are checked before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
+        resolve_activations(activations, "torch", torch.float32)
         if model is not None and is_program(model):
             return cls.from_program(
                 model,
@@ -147,6 +152,7 @@ class Engine:
                 threads=threads,
                 kernels=kernels,
                 quantize=quantize,
+                activations=activations,
                 admission=admission,
                 prefix_cache_entries=prefix_cache_entries,
                 progress=progress,
@@ -157,7 +163,7 @@ class Engine:
         weight_dtype = resolve_dtype(dtype)
         resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
         resolve_ops(kernels, "cpu")  # refuses "compiled" where the kernels are missing
-        backend = ModuleBackend.load(path, weight_dtype, kernels, quantize, progress)
+        backend = ModuleBackend.load(path, weight_dtype, kernels, quantize, progress, activations)
         clock = PhaseClock(progress)
         try:
             tokenizer = load_tokenizer(path)
@@ -186,6 +192,7 @@ class Engine:
         threads: int | None = None,
         kernels: str = "auto",
         quantize: str = "auto",
+        activations: str = "auto",
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
@@ -203,6 +210,7 @@ class Engine:
             kernels=kernels,
             quantize=quantize,
             progress=progress,
+            activations=activations,
         )
         widest = backend.max_step_tokens or DEFAULT_MAX_BATCH_TOKENS
         shape.setdefault("max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, widest))

@@ -74,6 +74,7 @@ class ExportOptions:
     dtype: str = "auto"
     kv_dtype: str | None = None  # None: the weight dtype
     quantize: str = "auto"  # as the eager model's (cellbatch.model.quantized.target_format)
+    activations: str = "auto"  # as the eager model's (quantized.resolve_activations)
     max_step_tokens: int = 544
     decode_widths: tuple[int, ...] = (1,)
     min_prefill_tokens: int = 2
@@ -137,7 +138,9 @@ def export_program(
     dtype = resolve_dtype(options.dtype)
     kv_dtype = dtype if options.kv_dtype is None else resolve_dtype(options.kv_dtype)
     progress(f"loading {path} in {str(dtype).removeprefix('torch.')}")
-    config, module = load_model(path, dtype, "compiled", quantize=options.quantize)
+    config, module = load_model(
+        path, dtype, "compiled", quantize=options.quantize, activations=options.activations
+    )
     methods = _method_specs(options, module.min_rows)
     weights = describe_weights(module)
     progress(f"loaded in {time.perf_counter() - started:.1f} s (weights {weights.format})")

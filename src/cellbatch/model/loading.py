@@ -103,16 +103,20 @@ def load_model(
     kernels: str = "auto",
     quantize: str = "auto",
     progress: LoadProgress | None = None,
+    activations: str = "auto",
 ) -> tuple[ModelConfig, PackedTransformer]:
     """Loads the model at `path` with weights in `dtype` ("auto", "float32", ...),
-    `kernels` ("auto", "compiled", "torch": see PackedTransformer) and `quantize` ("auto":
+    `kernels` ("auto", "compiled", "torch": see PackedTransformer), `quantize` ("auto":
     a GGUF file's precision class, else float; "none"; "int8"; "int4": see
-    quantized.target_format). `progress` hears of each phase as it ends."""
+    quantized.target_format) and `activations` for the int4 products ("auto", "float",
+    "int8": see quantized.resolve_activations). `progress` hears of each phase as it
+    ends."""
     quantize = quantized.resolve_quantize(quantize)
+    quantized.resolve_activations(activations, "torch", torch.float32)  # checks the choice
     files = locate_model(path)
     torch_dtype = resolve_dtype(dtype)
     clock = PhaseClock(progress)
-    config, model = _load(files, torch_dtype, kernels, quantize, clock)
+    config, model = _load(files, torch_dtype, kernels, quantize, activations, clock)
     # Only now is the checkpoint (the GGUF reader's parsed metadata) and every scratch
     # tensor of the conversion gone.
     _return_freed_memory()
@@ -121,7 +125,12 @@ def load_model(
 
 
 def _load(
-    files: ModelFiles, dtype: torch.dtype, kernels: str, quantize: str, clock: PhaseClock
+    files: ModelFiles,
+    dtype: torch.dtype,
+    kernels: str,
+    quantize: str,
+    activations: str,
+    clock: PhaseClock,
 ) -> tuple[ModelConfig, PackedTransformer]:
     checkpoint = _HFCheckpoint(files.path) if files.kind == "hf" else _GGUFCheckpoint(files.path)
     config = checkpoint.config
@@ -132,7 +141,9 @@ def _load(
     loaded = model.load_state_dict(state, strict=False, assign=True)
     if loaded.unexpected_keys or set(loaded.missing_keys) != set(weights):
         raise CheckpointMismatchError(f"internal: model and assembled weights differ: {loaded}")
-    quantized.install(model, weights)
+    quantized.install(
+        model, weights, quantized.resolve_activations(activations, model.ops.kind, dtype)
+    )
     model.reset_rope("cpu")
     model.requires_grad_(False)
     model.pack_linears()

@@ -1,12 +1,13 @@
 """The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store`,
-`silu_mul`, `int4_matmul` and `int8_matmul`, and the table of them a model calls.
+`silu_mul`, `int4_matmul`, `int4_matmul_a8` and `int8_matmul`, and the table of them a
+model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
 `cellbatch.model.attention.cell_attention_torch`, the quantised products' are in
-`cellbatch.model.quantized`, which owns their weight layouts); their fake implementations
-(shapes only, so that torch.export and torch.compile can trace a model through them);
-`Ops`, one table of them; and `resolve`, which turns a user's choice ("auto", "compiled",
-"torch") into a table.
+`cellbatch.model.quantized_torch`, over the weight layouts of `cellbatch.model.quantized`);
+their fake implementations (shapes only, so that torch.export and torch.compile can trace a
+model through them); `Ops`, one table of them; and `resolve`, which turns a user's choice
+("auto", "compiled", "torch") into a table.
 Promises: two namespaces with the same schemas, defined on import. `cellbatch::` runs the
 compiled CPU kernels once `cellbatch.model.kernels` has loaded the library built at
 install, and the torch implementations elsewhere (other devices, or no library);
@@ -30,7 +31,11 @@ import torch.nn.functional as F
 
 from cellbatch.model import kernels
 from cellbatch.model.attention import cell_attention_torch
-from cellbatch.model.quantized import int4_matmul_torch, int8_matmul_torch
+from cellbatch.model.quantized_torch import (
+    int4_matmul_a8_torch,
+    int4_matmul_torch,
+    int8_matmul_torch,
+)
 from cellbatch.types import InvalidArgumentError
 
 NAMESPACE = "cellbatch"
@@ -52,6 +57,9 @@ SCHEMAS: dict[str, str] = {
     "silu_mul": "silu_mul(Tensor gate_up) -> Tensor",
     "int4_matmul": (
         "int4_matmul(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
+    ),
+    "int4_matmul_a8": (
+        "int4_matmul_a8(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
     ),
     "int8_matmul": (
         "int8_matmul(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
@@ -110,6 +118,7 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "rope_store": rope_store_torch,
     "silu_mul": silu_mul_torch,
     "int4_matmul": int4_matmul_torch,
+    "int4_matmul_a8": int4_matmul_a8_torch,
     "int8_matmul": int8_matmul_torch,
 }
 
@@ -141,6 +150,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "rope_store": _returns_nothing,
     "silu_mul": _silu_mul_fake,
     "int4_matmul": _matmul_fake,
+    "int4_matmul_a8": _matmul_fake,
     "int8_matmul": _matmul_fake,
 }
 
@@ -177,6 +187,7 @@ class Ops:
     rope_store: Callable[..., None]
     silu_mul: Callable[..., torch.Tensor]
     int4_matmul: Callable[..., torch.Tensor]
+    int4_matmul_a8: Callable[..., torch.Tensor]
     int8_matmul: Callable[..., torch.Tensor]
 
 

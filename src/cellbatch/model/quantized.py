@@ -5,10 +5,10 @@ Owns: the `quantize` choice ("auto", "none", "int8", "int4") and which format ea
 takes (`target_format`); `Int8Weight` (groups of 32 inputs, or whole rows where K is not a
 multiple of 32: w = q * s, q int8) and `Int4Weight` (groups of 32 inputs: w = q * s + o, q in
 [0, 15]); their conversion from GGUF blocks and from float tensors (`from_gguf`,
-`from_float`); the kernels' panel layouts (`pack`) and the torch implementations of the ops
-`int4_matmul`/`int8_matmul` (`int4_matmul_torch`, `int8_matmul_torch`); `QuantizedLinear`,
-`QuantizedEmbedding` and `install`, which puts them into a PackedTransformer; `describe`,
-what a model's weights are.
+`from_float`); the kernels' panel layouts (`pack`; the ops' torch implementations, which
+read them, are in `cellbatch.model.quantized_torch`); the `activations` choice
+(`resolve_activations`); `QuantizedLinear`, `QuantizedEmbedding` and `install`, which puts
+them into a PackedTransformer; `describe`, what a model's weights are.
 Promises:
 - Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K: d * sc), offset
   m (Q4_0: -8d; Q4_K: -dmin * mn), all exact in float32, so the dequantised weights equal
@@ -18,11 +18,13 @@ Promises:
 - Conversion runs one tensor at a time in row chunks: the model never exists in float32.
 - A row's product never depends on the other rows of the call or on the thread count: the
   compiled kernel sums each output in input order whatever the rows and threads, and the
-  dequantising fallback pads its calls to `FALLBACK_MIN_ROWS` rows like the float path.
-Never: quantises activations (they stay in the model's dtype: the compiled kernel computes
-float32 activations in float32, and bf16 ones, on CPUs with AVX512-BF16, with the bf16
-dot-product instructions), norms, biases or RoPE tables; reads files (the loader hands it
-arrays).
+  dequantising fallback pads its calls like the float path (quantized_torch).
+- Activations stay in the model's dtype (the compiled kernel computes float32 activations
+  in float32, and bf16 ones, on CPUs with AVX512-BF16, with the bf16 dot-product
+  instructions), except where `resolve_activations` gives "int8": then the int4 products
+  of A8_PROJECTIONS quantise their inputs per group of 32 (`int4_matmul_a8`), as
+  llama.cpp's Q8_1 blocks do, and multiply with integer dot products (VPDPBUSD).
+Never: quantises norms, biases or RoPE tables; reads files (the loader hands it arrays).
 
 Kernels: with the compiled ops (kernels/quantized_matmul.cpp) a panel of 16 outputs is
 dequantised input by input, in registers for calls of up to 3 rows, else once per 256
@@ -41,6 +43,13 @@ the model's products): int4 6.6 / 17.0 / 42.4 / 240 at 1 / 8 / 32 / 256 rows, ag
 float32 path's 7.1 / 23.8 / 62.3 / 439 and oneDNN's bf16 products of the dequantised
 weights 17.4 / 23.0 / 41.1 / 183. The torch ops (other devices, no compiled library)
 rebuild the float weight for each call: exact, available everywhere, slow.
+With int8 activations on a CPU with AVX512-VNNI (kernels/quantized_a8.cpp, same benchmark,
+`--rows 1,32,256`): 3.5 / 20.5 / 121 ms against the bf16 path's 4.2 / 27.5 / 191 and
+oneDNN's bf16 11.9 / 24.2 / 141, for the 30 layers' products. Their perplexity cost decided
+which products take them (`A8_PROJECTIONS`, `benchmarks/perplexity.py`): the inputs of qkv,
+o_proj and gate_up follow a norm or attention, and quantising them cost +0.13% together;
+down's inputs (silu(gate) * up) are heavy-tailed and cost +0.9% alone, so down keeps the
+model's dtype, as does the int8 LM head.
 """
 
 from __future__ import annotations
@@ -52,10 +61,9 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cellbatch.types import QUANTIZE_CHOICES, InvalidArgumentError
+from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES, InvalidArgumentError
 
 
 class DecoderModel(Protocol):
@@ -88,6 +96,9 @@ class ProductOps(Protocol):
     def int4_matmul(self) -> Callable[..., torch.Tensor]: ...
 
     @property
+    def int4_matmul_a8(self) -> Callable[..., torch.Tensor]: ...
+
+    @property
     def int8_matmul(self) -> Callable[..., torch.Tensor]: ...
 
 
@@ -98,11 +109,11 @@ GROUP_SIZE = 32
 GGUF_INT4_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 GGUF_INT8_KINDS = frozenset({"Q8_0"})
 GGUF_FLOAT_KINDS = frozenset({"F32", "F16", "BF16", "F64"})
-# The dequantising fallback multiplies with F.linear, whose fp32 GEMMs round calls of fewer
-# rows differently (see transformer.MIN_GEMM_ROWS).
-FALLBACK_MIN_ROWS = 16
 _CHUNK_ROWS = 4096  # rows converted at a time: bounds the float32 scratch of a conversion
 PANEL = 16  # output features per panel of the kernels' layouts
+# The projections whose int4 products take int8 activations when those are chosen (see
+# the module's docstring for the measurement that chose them).
+A8_PROJECTIONS = ("qkv", "o_proj", "gate_up")
 
 
 def resolve_quantize(quantize: str) -> str:
@@ -113,6 +124,27 @@ def resolve_quantize(quantize: str) -> str:
             "(auto keeps a GGUF file's precision class and loads other models as float)"
         )
     return quantize
+
+
+def cpu_has_int8_products() -> bool:
+    """True when the CPU has AVX512-VNNI, which the compiled int8-activation products use."""
+    return bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
+
+
+def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:
+    """What the int4 products of A8_PROJECTIONS do with their inputs: "int8" (quantised
+    per group of 32) or "float" (the model's dtype). "auto" takes int8 with the compiled
+    kernels on a CPU with AVX512-VNNI when the model computes in bf16 (the speed mode; a
+    float32 model is asked for precision), else float."""
+    if choice not in ACTIVATION_CHOICES:
+        raise InvalidArgumentError(
+            f"unknown activations {choice!r}; use one of {', '.join(ACTIVATION_CHOICES)} "
+            "(int8 quantises the int4 products' inputs, float keeps the model's dtype)"
+        )
+    if choice != "auto":
+        return choice
+    fast = ops_kind == "compiled" and dtype == torch.bfloat16 and cpu_has_int8_products()
+    return "int8" if fast else "float"
 
 
 def target_format(quantize: str, role: str, gguf_kinds: list[str] | None) -> str:
@@ -388,51 +420,6 @@ def _compact(scales: torch.Tensor) -> torch.Tensor:
     return half if torch.equal(half.float(), scales) else scales
 
 
-def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """The float32 [rows, K] weight of int4 panels (Int4Weight.dequantize's values)."""
-    panels = codes.shape[0]
-    shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
-    nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
-    grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).float()
-    scales = scales.float()
-    weight = grouped * scales[:, :, 0, None, :] + scales[:, :, 1, None, :]
-    return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, -1)[:rows]
-
-
-def _int8_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """The float32 [rows, K] weight of int8 panels (Int8Weight.dequantize's values)."""
-    panels, cols, _ = codes.shape
-    groups = scales.shape[1]
-    grouped = codes.view(panels, groups, cols // groups, PANEL).float()
-    weight = grouped * scales.float()[:, :, None, :]
-    return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, cols)[:rows]
-
-
-def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight^T with at least FALLBACK_MIN_ROWS rows in the product."""
-    rows = x.reshape(-1, x.shape[-1])
-    count = rows.shape[0]
-    pad = FALLBACK_MIN_ROWS - count
-    padded = F.pad(rows, (0, 0, 0, pad)) if pad > 0 else rows
-    return F.linear(padded, weight.to(x.dtype))[:count].reshape(*x.shape[:-1], weight.shape[0])
-
-
-def int4_matmul_torch(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
-) -> torch.Tensor:
-    """The op `int4_matmul` in torch: x [..., K] times the int4 panels' weight, transposed,
-    rebuilt for the call."""
-    return _padded_linear(x, _int4_dense(codes, scales, out_features))
-
-
-def int8_matmul_torch(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
-) -> torch.Tensor:
-    """The op `int8_matmul` in torch: x [..., K] times the int8 panels' weight, transposed,
-    rebuilt for the call."""
-    return _padded_linear(x, _int8_dense(codes, scales, out_features))
-
-
 # -- modules ---------------------------------------------------------------------------
 
 
@@ -442,13 +429,21 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
 
 class QuantizedLinear(nn.Module):
     """y = x w^T (+ bias) for an Int8Weight or Int4Weight, in the input's dtype, by the op
-    `int4_matmul` or `int8_matmul` of the model's ops table: the compiled kernel
-    ("compiled"), or the torch implementation that rebuilds the float weight for each call
-    ("dequantize"). The weight is held once, packed in the kernels' panel layout."""
+    `int4_matmul` or `int8_matmul` of the model's ops table (`int4_matmul_a8` for an int4
+    weight with `activations` "int8"): the compiled kernel ("compiled"), or the torch
+    implementation that rebuilds the float weight for each call ("dequantize"). The weight
+    is held once, packed in the kernels' panel layout."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: ProductOps) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        ops: ProductOps,
+        activations: str = "float",
+    ) -> None:
         super().__init__()
         self.format = weight.format
+        self.activations = activations if weight.format == "int4" else "float"
         self.out_features, self.in_features = weight.shape
         self.kernel = "compiled" if ops.kind == "compiled" else "dequantize"
         # The compiled kernel's rows do not depend on the call's other rows, so the model
@@ -457,7 +452,10 @@ class QuantizedLinear(nn.Module):
         codes, scales = pack(weight)
         self.codes, self.scales = _param(codes), _param(scales)
         self.bias = None if bias is None else _param(bias.detach())
-        self.matmul = ops.int4_matmul if self.format == "int4" else ops.int8_matmul
+        if self.format == "int8":
+            self.matmul = ops.int8_matmul
+        else:
+            self.matmul = ops.int4_matmul_a8 if self.activations == "int8" else ops.int4_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, self.codes, self.scales, self.out_features)
@@ -488,11 +486,14 @@ class QuantizedEmbedding(nn.Module):
         return grouped.flatten(-2).to(self.dtype)
 
 
-def install(model: DecoderModel, weights: dict[str, QuantizedWeight]) -> None:
+def install(
+    model: DecoderModel, weights: dict[str, QuantizedWeight], activations: str = "float"
+) -> None:
     """Puts quantised weights into a PackedTransformer whose other weights are loaded:
     "layers.{i}.{name}.weight" replaces that projection (its bias kept), "lm_head.weight"
     the head, "embed.weight" the embedding (and the head too, when tied). Their products
-    use the model's ops table."""
+    use the model's ops table; with `activations` "int8" (resolve_activations' answer)
+    those of A8_PROJECTIONS quantise their inputs."""
     for target, weight in weights.items():
         path = target.removesuffix(".weight")
         if path == "embed":
@@ -505,7 +506,9 @@ def install(model: DecoderModel, weights: dict[str, QuantizedWeight]) -> None:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, name)
-        setattr(parent, name, QuantizedLinear(weight, getattr(old, "bias", None), model.ops))
+        takes = activations if name in A8_PROJECTIONS else "float"
+        linear = QuantizedLinear(weight, getattr(old, "bias", None), model.ops, takes)
+        setattr(parent, name, linear)
 
 
 @dataclass(frozen=True)
@@ -535,6 +538,8 @@ def describe(model: DecoderModel) -> WeightsSummary:
     }
     main = formats["projections"]
     words = main + "".join(f", {role} {fmt}" for role, fmt in formats.items() if fmt != main)
+    if first is not None and getattr(getattr(first, "qkv", None), "activations", "") == "int8":
+        words += f" ({', '.join(A8_PROJECTIONS)} with int8 activations)"
     kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
     counted: set[int] = set()
     by_format: dict[str, int] = {}

@@ -38,12 +38,13 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// int4_matmul and int8_matmul take the same arguments; each instantiation (one per op
-// name) keeps its own op in its static.
+// int4_matmul, int4_matmul_a8 and int8_matmul take the same arguments; each instantiation
+// (one per op name) keeps its own op in its static.
 using QuantizedMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    int64_t);
 constexpr char kInt4Matmul[] = "cellbatch::int4_matmul";
 constexpr char kInt8Matmul[] = "cellbatch::int8_matmul";
+constexpr char kInt4MatmulA8[] = "cellbatch::int4_matmul_a8";
 
 template <const char* kName>
 AOTITorchError quantized_matmul(AtenTensorHandle x, AtenTensorHandle codes,
@@ -80,6 +81,12 @@ AOTITorchError aoti_torch_cpu_int4_matmul(AtenTensorHandle x, AtenTensorHandle c
                                           AtenTensorHandle scales, int64_t out_features,
                                           AtenTensorHandle* ret0) {
   return quantized_matmul<kInt4Matmul>(x, codes, scales, out_features, ret0);
+}
+
+AOTITorchError aoti_torch_cpu_int4_matmul_a8(AtenTensorHandle x, AtenTensorHandle codes,
+                                             AtenTensorHandle scales, int64_t out_features,
+                                             AtenTensorHandle* ret0) {
+  return quantized_matmul<kInt4MatmulA8>(x, codes, scales, out_features, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_int8_matmul(AtenTensorHandle x, AtenTensorHandle codes,

@@ -1,0 +1,417 @@
+// The int4 products with activations quantised to int8: `cellbatch::int4_matmul_a8`, for
+// the int4 panels of quantized_matmul.cpp and float32 or bfloat16 activations x [M, K].
+//
+// Owns: the quantisation of each row's inputs and the products over it. Per row and group
+// g of 32 inputs (the weights' groups), as llama.cpp's Q8_1 blocks hold them:
+//   amax = max |x|,  d = amax / 127,  xq = round_half_even(x * (127 / amax))  (0 if amax 0)
+//   sx = the group's sum of x (float32, a fixed order)
+// and then, for each output n with the group's scale s and offset o (w = q s + o):
+//   y = chain over g in input order of: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
+// where dot = sum(q xq) over the group, exact in int32. So a row costs 8 VPDPBUSD per
+// group of 32 inputs and 16 outputs (64 products each, four times the fp32 FMA's and
+// twice VDPBF16PS's) and 4 instructions to bring the scales in.
+// Calls of up to 3 rows split the code words into bytes in registers; larger ones split
+// 256 inputs of a block of three panels once into a buffer that stays in L1 and run the
+// rows over it, 4 at a time, while the next chunk's codes are prefetched. Byte j of
+// (word & 0x0F0F0F0F) is input 8b + 2j and of (word >> 4 & 0x0F0F0F0F) input 8b + 2j + 1,
+// so the quantised inputs are stored in that order (within each 8: 0, 2, 4, 6, 1, 3, 5, 7).
+// Promises: y[m, n] is the same chain over the same values whatever the other rows of x,
+// the path their count takes and the thread count (batch invariance); a row's
+// quantisation reads only that row. CPUs without AVX512-VNNI run a portable loop over the
+// same quantised values (same results to float rounding). Results are in x's dtype, bf16
+// rounded to nearest even.
+// Never: changes the weights' numbers (only the activations are rounded), or allocates
+// per row.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CELLBATCH_A8_PRODUCTS 1
+#include <immintrin.h>
+#endif
+
+namespace cellbatch {
+namespace {
+
+constexpr int64_t kPanel = 16;     // outputs per panel
+constexpr int64_t kGroup = 32;     // inputs per group: one weight scale, one input scale
+constexpr int64_t kBlock = 3;      // panels per block
+constexpr int64_t kChunk = 256;    // inputs per buffer fill: 12 KiB for a block
+constexpr int64_t kRows = 4;       // rows per run over a buffer: 12 int32 + 12 float sums
+constexpr int64_t kFusedRows = 3;  // calls of up to this many rows split codes in registers
+constexpr int64_t kRowChunk = 64;  // rows per pass over a block: their inputs stay in L2
+constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 3 KiB ahead per panel
+constexpr int64_t kBlockWidth = kBlock * kPanel;
+
+// Each row's quantised inputs: q [M, K] (in the byte order above), d and sx [M, K / 32].
+struct Quantised {
+  std::vector<int8_t> q;
+  std::vector<float> d, sx;
+  int64_t in_features = 0;
+};
+
+// The position of input i of a group of 8 in the quantised order (0, 2, 4, 6, 1, 3, 5, 7).
+constexpr int64_t quantised_slot(int64_t i) { return (i % 2) * 4 + i / 2; }
+
+float to_float(float v) { return v; }
+float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// One group of 32 inputs quantised in portable code: the reference for the vector path,
+// summed in the order _mm512_reduce_add_ps takes ((i, i + 16), then halves: 8, 4, 2, 1).
+template <typename T>
+void quantise_group_portable(const T* x, int8_t* q, float* d, float* sx) {
+  float values[kGroup], amax = 0.0f;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    values[i] = to_float(x[i]);
+    amax = std::max(amax, std::fabs(values[i]));
+  }
+  float partial[16];
+  for (int64_t i = 0; i < 16; ++i) partial[i] = values[i] + values[i + 16];
+  for (int64_t width = 8; width >= 1; width /= 2)
+    for (int64_t i = 0; i < width; ++i) partial[i] = partial[i] + partial[i + width];
+  *sx = partial[0];
+  *d = amax / 127.0f;
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const float scaled = std::nearbyint(values[i] * inverse);
+    q[8 * (i / 8) + quantised_slot(i % 8)] = static_cast<int8_t>(std::clamp(scaled, -127.0f, 127.0f));
+  }
+}
+
+// The portable product for rows [m0, m1) and panels [p0, p1): the same chain per output.
+template <typename S, typename T>
+void product_portable(const Quantised& xs, const int32_t* codes, const S* scales, int64_t m0,
+                      int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
+  const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < out_features; ++c) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t dot = 0;
+          for (int64_t b = 4 * g; b < 4 * g + 4; ++b) {
+            const uint32_t word = static_cast<uint32_t>(codes[(p * in_features / 8 + b) * kPanel + c]);
+            for (int64_t i = 0; i < 8; ++i)
+              dot += static_cast<int32_t>((word >> (4 * i)) & 15u) *
+                     xs.q[m * in_features + 8 * b + quantised_slot(i)];
+          }
+          const S* group = scales + ((p * groups + g) * 2) * kPanel;
+          const float scale = static_cast<float>(group[c]) * xs.d[m * groups + g];
+          total = std::fma(static_cast<float>(dot), scale, total);
+          total = std::fma(static_cast<float>(group[kPanel + c]), xs.sx[m * groups + g], total);
+        }
+        y[m * out_features + p * kPanel + c] = static_cast<T>(total);
+      }
+}
+
+#ifdef CELLBATCH_A8_PRODUCTS
+
+bool a8_products_available() {
+  static const bool available = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512dq") &&
+                                __builtin_cpu_supports("avx512vnni");
+  return available;
+}
+
+// Everything in this region runs only after a8_products_available() said yes.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 scales16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One group of 32 inputs quantised (the vector form of quantise_group_portable).
+template <typename T>
+void quantise_group(const T* x, int8_t* q, float* d, float* sx) {
+  const __m512 low = load16(x), high = load16(x + 16);
+  *sx = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+  *d = amax / 127.0f;
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m128i q_low = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(low, inverse)));
+  const __m128i q_high = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(high, inverse)));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q_low), q_high, 1);
+  // Within each 8 bytes: 0, 2, 4, 6, 1, 3, 5, 7 (both 128-bit lanes alike).
+  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(both, order));
+}
+
+template <typename S>
+struct Panels {
+  const int32_t* codes;  // [P, K / 8, 16]
+  const S* scales;       // [P, K / 32, 2, 16]
+  int64_t in_features;
+  const int32_t* words(int64_t p, int64_t b) const { return codes + (p * in_features / 8 + b) * kPanel; }
+  const S* group(int64_t p, int64_t g) const { return scales + ((p * in_features / kGroup + g) * 2) * kPanel; }
+  void prefetch_chunk(int64_t p, int64_t k0, int64_t len) const {
+    const char* w = reinterpret_cast<const char*>(words(p, k0 / 8));
+    for (int64_t at = 0; at < len / 8 * kPanel * 4; at += 64) _mm_prefetch(w + at, _MM_HINT_T0);
+    const char* s = reinterpret_cast<const char*>(group(p, k0 / kGroup));
+    for (int64_t at = 0; at < len / kGroup * 2 * kPanel * int64_t(sizeof(S)); at += 64)
+      _mm_prefetch(s + at, _MM_HINT_T0);
+  }
+};
+
+// A block's codes split into bytes: for each word b of the chunk and panel, (low, high).
+struct alignas(64) Buffer {
+  int32_t bytes[kChunk / 8][kBlock][2][kPanel];
+};
+
+// R rows from m times panels p0 .. p0 + P - 1 over groups [g0, g1), the split codes of
+// word b, half h of panel p from split(b, p, h); sums[r][16 P] continue from group g0
+// (start at 0).
+template <int R, int P, typename S, typename Split>
+inline void rows_over_groups(const Panels<S>& panels, const Quantised& xs, int64_t m, int64_t p0,
+                             int64_t g0, int64_t g1, Split&& split, float* sums) {
+  const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+  __m512 total[R][P];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p)
+      total[r][p] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kBlockWidth + p * kPanel);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512i dot[R][P];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+      for (int p = 0; p < P; ++p) dot[r][p] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t b = 4 * g; b < 4 * g + 4; ++b)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m512i codes[P];
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) codes[p] = split(b, p, h);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xs.q.data() + (m + r) * in_features + 8 * b + 4 * h, sizeof four);
+          const __m512i inputs = _mm512_set1_epi32(four);
+#pragma GCC unroll 3
+          for (int p = 0; p < P; ++p) dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], codes[p], inputs);
+        }
+      }
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p) {
+      const S* group = panels.group(p0 + p, g);
+      const __m512 scale = scales16(group), offset = scales16(group + kPanel);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * groups + g;
+        const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xs.d[i]));
+        total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), row_scale, total[r][p]);
+        total[r][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs.sx[i]), total[r][p]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kBlockWidth + p * kPanel, total[r][p]);
+}
+
+// fn(std::integral_constant<int, R>) for R = n in [1, kMax].
+template <int kMax, typename Fn>
+void with_rows(int64_t n, Fn&& fn) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) return with_rows<kMax - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, kMax>{});
+}
+
+// One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
+template <int P, typename S>
+void block(const Panels<S>& panels, int64_t panel_count, const Quantised& xs, int64_t m,
+           int64_t count, int64_t p0, Buffer* buffer, float* sums) {
+  const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  if (count <= kFusedRows) {  // few rows: split the codes in registers, once
+    with_rows<kFusedRows>(count, [&](auto rows) {
+      auto split = [&](int64_t b, int p, int h) {
+        const __m512i word = _mm512_loadu_si512(panels.words(p0 + p, b));
+        if (h == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(panels.words(p0 + p, b + kPrefetchWords)), _MM_HINT_T0);
+          return _mm512_and_si512(word, nibble);
+        }
+        return _mm512_and_si512(_mm512_srli_epi32(word, 4), nibble);
+      };
+      rows_over_groups<decltype(rows)::value, P>(panels, xs, m, p0, 0, groups, split, sums);
+    });
+    return;
+  }
+  for (int64_t k0 = 0; k0 < in_features; k0 += kChunk) {  // else through the buffer
+    const int64_t len = std::min(kChunk, in_features - k0);
+    for (int p = 0; p < P; ++p)
+      for (int64_t b = k0 / 8; b < (k0 + len) / 8; ++b) {
+        const __m512i word = _mm512_loadu_si512(panels.words(p0 + p, b));
+        _mm512_store_si512(buffer->bytes[b - k0 / 8][p][0], _mm512_and_si512(word, nibble));
+        _mm512_store_si512(buffer->bytes[b - k0 / 8][p][1],
+                           _mm512_and_si512(_mm512_srli_epi32(word, 4), nibble));
+      }
+    // While the rows run over this chunk, the next one (of this block, else of the block
+    // that follows it) comes from memory.
+    const bool last = k0 + kChunk >= in_features;
+    const int64_t next_p0 = last ? p0 + P : p0, next_k0 = last ? 0 : k0 + kChunk;
+    for (int64_t p = next_p0; p < std::min(next_p0 + P, panel_count); ++p)
+      panels.prefetch_chunk(p, next_k0, std::min(kChunk, in_features - next_k0));
+    auto split = [&](int64_t b, int p, int h) {
+      return _mm512_load_si512(buffer->bytes[b - k0 / 8][p][h]);
+    };
+    for (int64_t r = 0; r < count; r += kRows)
+      with_rows<kRows>(std::min(kRows, count - r), [&](auto rows) {
+        rows_over_groups<decltype(rows)::value, P>(panels, xs, m + r, p0, k0 / kGroup,
+                                                   (k0 + len) / kGroup, split, sums + r * kBlockWidth);
+      });
+  }
+}
+
+inline void store16(const float* sums, int64_t width, float* y) {
+  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << width) - 1), _mm512_loadu_ps(sums));
+}
+// bf16 rounded to nearest even (c10::BFloat16's rounding), NaN kept quiet, without
+// needing AVX512-BF16.
+inline void store16(const float* sums, int64_t width, c10::BFloat16* y) {
+  const __m512 v = _mm512_loadu_ps(sums);
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << width) - 1),
+                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+template <typename S, typename T>
+void product_vnni(const Quantised& xs, const Panels<S>& panels, int64_t count, int64_t panel_count,
+                  int64_t out_features, T* y) {
+  const int64_t blocks = (panel_count + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Buffer> buffer(count > kFusedRows ? 1 : 0);  // 12 KiB: off the stack
+    Buffer* buf = buffer.empty() ? nullptr : buffer.data();   // the few-row path has none
+    std::vector<float> sums(std::min(count, kRowChunk) * kBlockWidth);
+    for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
+      const int64_t n = std::min(kRowChunk, count - m0);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t p0 = b * kBlock, width = std::min(kBlock, panel_count - p0);
+        if (width == 3) block<3>(panels, panel_count, xs, m0, n, p0, buf, sums.data());
+        else if (width == 2) block<2>(panels, panel_count, xs, m0, n, p0, buf, sums.data());
+        else block<1>(panels, panel_count, xs, m0, n, p0, buf, sums.data());
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t p = 0; p < width; ++p) {
+            const int64_t start = (p0 + p) * kPanel;
+            if (start < out_features)
+              store16(sums.data() + r * kBlockWidth + p * kPanel, std::min(kPanel, out_features - start),
+                      y + (m0 + r) * out_features + start);
+          }
+      }
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+#else  // not x86-64 with GCC or Clang: the portable loop only
+
+bool a8_products_available() { return false; }
+
+#endif
+
+template <typename T>
+Quantised quantise(const T* x, int64_t count, int64_t in_features, bool vector) {
+  const int64_t groups = in_features / kGroup;
+  Quantised xs{std::vector<int8_t>(count * in_features), std::vector<float>(count * groups),
+               std::vector<float>(count * groups), in_features};
+  at::parallel_for(0, count * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+#ifdef CELLBATCH_A8_PRODUCTS
+      if (vector) {
+        quantise_group(x + i * kGroup, xs.q.data() + i * kGroup, &xs.d[i], &xs.sx[i]);
+        continue;
+      }
+#endif
+      quantise_group_portable(x + i * kGroup, xs.q.data() + i * kGroup, &xs.d[i], &xs.sx[i]);
+    }
+  });
+  return xs;
+}
+
+at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          int64_t out_features) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
+                  codes.scalar_type() == at::kInt,
+              "int4_matmul_a8: codes must be contiguous int32 [panels, K / 8, ", kPanel, "]");
+  const int64_t panel_count = codes.size(0), in_features = codes.size(1) * 8;
+  TORCH_CHECK(in_features % kGroup == 0, "int4_matmul_a8: K must be a multiple of ", kGroup);
+  TORCH_CHECK(out_features > 0 && panel_count == (out_features + kPanel - 1) / kPanel,
+              "int4_matmul_a8: ", panel_count, " panels of ", kPanel, " cannot hold ", out_features,
+              " outputs");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == panel_count &&
+                  scales.size(1) == in_features / kGroup && scales.size(2) == 2 &&
+                  scales.size(3) == kPanel && scales.is_contiguous(),
+              "int4_matmul_a8: scales must be contiguous [panels, K / ", kGroup, ", 2, ", kPanel, "]");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_features, "int4_matmul_a8: x must be [..., ",
+              in_features, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int4_matmul_a8: x must be float32 or bfloat16, got ", x.scalar_type());
+  const at::Tensor rows = x.reshape({-1, in_features}).contiguous();
+  const int64_t count = rows.size(0);
+  at::Tensor out = at::empty({count, out_features}, rows.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(out_features);
+  if (count == 0) return out.view(shape);
+  const bool vector = a8_products_available();
+  const int32_t* c = codes.data_ptr<int32_t>();
+  auto run = [&](auto input_tag, auto scale_tag) {
+    using T = decltype(input_tag);
+    using S = decltype(scale_tag);
+    const Quantised xs = quantise(rows.data_ptr<T>(), count, in_features, vector);
+    T* y = out.data_ptr<T>();
+    const S* s = scales.data_ptr<S>();
+#ifdef CELLBATCH_A8_PRODUCTS
+    if (vector) return product_vnni(xs, Panels<S>{c, s, in_features}, count, panel_count, out_features, y);
+#endif
+    at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
+      product_portable(xs, c, s, 0, count, begin, end, out_features, y);
+    });
+  };
+  for_scale_type(scales, "int4_matmul_a8", [&](auto scale_tag) {
+    if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{}, scale_tag);
+    else run(float{}, scale_tag);
+    return 0;
+  });
+  return out.view(shape);
+}
+
+}  // namespace
+}  // namespace cellbatch
+
+// The schema is defined in Python (cellbatch/model/ops.py), with the torch implementation.
+TORCH_LIBRARY_IMPL(cellbatch, CPU, m) {
+  m.impl("int4_matmul_a8", &cellbatch::int4_matmul_a8);
+}

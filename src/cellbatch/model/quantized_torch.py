@@ -1,0 +1,106 @@
+"""The torch implementations of the quantised products, `int4_matmul`, `int4_matmul_a8`
+and `int8_matmul` (cellbatch.model.ops registers them; the compiled kernels compute the same
+products, kernels/quantized_*.cpp), and the activation quantisation of `int4_matmul_a8`.
+
+Owns: rebuilding a float weight from the kernels' panel layouts (cellbatch.model.quantized
+`pack`) for each call, and `quantize_activations`.
+Promises: int4_matmul and int8_matmul multiply with F.linear over the rebuilt weight, their
+calls padded to FALLBACK_MIN_ROWS rows so that a row's result does not depend on the other
+rows; int4_matmul_a8 quantises each row's inputs per group of 32 exactly as the compiled
+kernel does (the same float32 operations) and sums the groups' exact integer dot products,
+scaled, in float32: the kernel's results to float rounding.
+Never: runs fast (these are the fallback on devices without the compiled kernels, and the
+reference the kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cellbatch.model.quantized import GROUP_SIZE, PANEL
+
+# The dequantising fallback multiplies with F.linear, whose fp32 GEMMs round calls of fewer
+# rows differently (see transformer.MIN_GEMM_ROWS).
+FALLBACK_MIN_ROWS = 16
+
+
+def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The float32 [rows, K] weight of int4 panels (Int4Weight.dequantize's values)."""
+    panels = codes.shape[0]
+    shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
+    nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
+    grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).float()
+    scales = scales.float()
+    weight = grouped * scales[:, :, 0, None, :] + scales[:, :, 1, None, :]
+    return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, -1)[:rows]
+
+
+def _int8_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The float32 [rows, K] weight of int8 panels (Int8Weight.dequantize's values)."""
+    panels, cols, _ = codes.shape
+    groups = scales.shape[1]
+    grouped = codes.view(panels, groups, cols // groups, PANEL).float()
+    weight = grouped * scales.float()[:, :, None, :]
+    return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, cols)[:rows]
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight^T with at least FALLBACK_MIN_ROWS rows in the product."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    pad = FALLBACK_MIN_ROWS - count
+    padded = F.pad(rows, (0, 0, 0, pad)) if pad > 0 else rows
+    return F.linear(padded, weight.to(x.dtype))[:count].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int4_matmul_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The op `int4_matmul` in torch: x [..., K] times the int4 panels' weight, transposed,
+    rebuilt for the call."""
+    return _padded_linear(x, _int4_dense(codes, scales, out_features))
+
+
+def quantize_activations(
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows [M, K] -> (codes [M, K / 32, 32] as float32 integers in [-127, 127], scales d
+    [M, K / 32], sums [M, K / 32]): per group of 32, d = max|x| / 127 and codes =
+    round_half_even(x * (127 / max|x|)), as the compiled `int4_matmul_a8` computes them."""
+    groups = rows.float().unflatten(-1, (-1, GROUP_SIZE))  # type: ignore[no-untyped-call]
+    amax = groups.abs().amax(dim=-1)
+    # A division of two tensors: `127.0 / amax` would be amax.reciprocal() * 127 (rounded
+    # twice), not the kernel's one division.
+    limit = torch.full_like(amax, 127.0)
+    inverse = torch.where(amax > 0, limit / amax.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    codes = torch.round(groups * inverse[..., None]).clamp(-127, 127)
+    return codes, amax / 127.0, groups.sum(dim=-1)
+
+
+def int4_matmul_a8_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The op `int4_matmul_a8` in torch: x [..., K] quantised per group of 32
+    (`quantize_activations`) times the int4 panels, y = sum over groups of dot * s * d +
+    o * sum(x), the dots exact (integers below 2^24 in float32)."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_codes, x_scales, x_sums = quantize_activations(rows)
+    panels = codes.shape[0]
+    shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
+    nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
+    weight_codes = nibbles.view(panels, -1, GROUP_SIZE, PANEL).permute(0, 3, 1, 2)
+    weight_codes = weight_codes.reshape(panels * PANEL, -1, GROUP_SIZE)[:out_features].float()
+    dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
+    grouped = scales.float().permute(0, 3, 1, 2).reshape(panels * PANEL, -1, 2)[:out_features]
+    scale, offset = grouped[..., 0], grouped[..., 1]  # [N, G]
+    out = (dots * (scale[None] * x_scales[:, None, :]) + offset[None] * x_sums[:, None, :]).sum(-1)
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def int8_matmul_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The op `int8_matmul` in torch: x [..., K] times the int8 panels' weight, transposed,
+    rebuilt for the call."""
+    return _padded_linear(x, _int8_dense(codes, scales, out_features))

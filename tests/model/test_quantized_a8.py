@@ -1,0 +1,183 @@
+"""int4 products with int8 activations (`cellbatch::int4_matmul_a8`, kernels/quantized_a8.cpp,
+and quantized.resolve_activations): the activations are quantised as documented, the
+compiled op and its torch implementation compute the product of the quantised activations,
+a row's result never depends on the other rows or the thread count, the choice reaches
+only the projections it names, and a bad choice fails before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cellbatch.model import ops, quantized, quantized_torch
+from cellbatch.model.loading import load_model
+from cellbatch.model.quantized import A8_PROJECTIONS, QuantizedLinear
+from cellbatch.types import InvalidArgumentError
+
+
+def _int4(rows: int, cols: int, size: float = 0.05) -> quantized.Int4Weight:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(rows, cols, generator=generator) + torch.randn(
+        rows, 1, generator=generator
+    )
+    weight = quantized.from_float(weight * size, "int4")
+    assert isinstance(weight, quantized.Int4Weight)
+    return weight
+
+
+def _inputs(count: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(count, cols, generator=torch.Generator().manual_seed(1))
+    x[1, :32] = 0.0  # an all-zero group: scale 0, codes 0
+    x[2, 5] = 40.0  # an outlier: its group's other inputs get few levels
+    return x.to(dtype)
+
+
+def test_activations_are_quantised_per_group_of_32() -> None:
+    x = _inputs(3, 96)
+    codes, scales, sums = quantized_torch.quantize_activations(x)
+    assert codes.shape == (3, 3, 32) and scales.shape == sums.shape == (3, 3)
+    assert torch.equal(codes, codes.round()) and codes.abs().max() == 127
+    groups = x.unflatten(-1, (3, 32))
+    assert torch.equal(scales, groups.abs().amax(-1) / 127)
+    assert scales[1, 0] == 0 and not codes[1, 0].any()
+    # Each input is its code times the group's scale, to half a step.
+    assert ((codes * scales[..., None] - groups).abs() <= scales[..., None] / 2 + 1e-7).all()
+    assert torch.allclose(sums, groups.sum(-1))
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(37, 64), (200, 96), (1000, 576)])
+@pytest.mark.parametrize(("size", "scale_dtype"), [(0.05, torch.float16), (1e-7, torch.float32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_is_that_of_the_quantised_activations(
+    compiled_ops, torch_ops, rows, cols, size, scale_dtype, dtype
+) -> None:
+    """Both implementations, for 1..70 rows (the few-row path, the buffered one and their
+    remainders) and outputs in a part-filled block of panels: within float32 sums (and
+    the result's bf16 rounding) of the float64 product w = q s + o, the scaled codes times
+    the dequantised activations and the offsets times the activations."""
+    weight = _int4(rows, cols, size)
+    codes, scales = quantized.pack(weight)
+    assert scales.dtype == scale_dtype
+    x = _inputs(70, cols, dtype)
+    x_codes, x_scales, _ = quantized_torch.quantize_activations(x)
+    dequantised = (x_codes.double() * x_scales.double()[..., None]).flatten(-2)
+    dense = weight.dequantize().double()
+    # The offsets multiply the group's sum of the inputs as they are, the scaled codes the
+    # quantised inputs.
+    offsets = weight.offset.double().repeat_interleave(32, dim=1)
+    reference = dequantised @ (dense - offsets).t() + x.double() @ offsets.t()
+    magnitude = x.double().abs() @ dense.abs().t()
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    bound = reference.abs() * rounding + 4 * cols * torch.finfo(torch.float32).eps * magnitude
+    for table in (compiled_ops, torch_ops):
+        for count in (1, 2, 3, 4, 5, 8, 31, 64, 65, 70):
+            got = table.int4_matmul_a8(x[:count], codes, scales, rows)
+            assert got.shape == (count, rows) and got.dtype == dtype
+            assert ((got.double() - reference[:count]).abs() <= bound[:count]).all(), count
+
+
+def test_int8_activations_stay_near_the_float_product(compiled_ops) -> None:
+    weight = _int4(576, 1536)
+    codes, scales = quantized.pack(weight)
+    x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(4))
+    got = compiled_ops.int4_matmul_a8(x, codes, scales, 576)
+    expected = x @ weight.dequantize().t()
+    assert ((got - expected).norm() / expected.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_depends_on_neither_the_other_rows_nor_the_threads(compiled_ops, dtype) -> None:
+    """Up to 3 rows split the codes in registers, else rows run 4 at a time over a buffer,
+    in chunks of 64 rows; threads split the blocks of panels."""
+    weight = _int4(1000, 1536)  # 63 panels, the last part-filled; 6 chunks of inputs
+    codes, scales = quantized.pack(weight)
+    x = _inputs(150, 1536, dtype)
+    op = compiled_ops.int4_matmul_a8
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
+        for count in (2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 65, 150):
+            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+        torch.set_num_threads(max(2, threads))
+        for count in (1, 7, 70, 150):
+            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+        assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_compiled_op_refuses_what_it_cannot_multiply(compiled_ops) -> None:
+    codes, scales = quantized.pack(_int4(40, 64))
+    with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 64\]"):
+        compiled_ops.int4_matmul_a8(torch.randn(2, 63), codes, scales, 40)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        compiled_ops.int4_matmul_a8(torch.randn(2, 64).double(), codes, scales, 40)
+    with pytest.raises(RuntimeError, match="cannot hold 100 outputs"):
+        compiled_ops.int4_matmul_a8(torch.randn(2, 64), codes, scales, 100)
+
+
+def test_torch_export_traces_the_product(compiled_ops) -> None:
+    linear = QuantizedLinear(_int4(40, 64), torch.randn(40), compiled_ops, "int8")
+    x = torch.randn(5, 64)
+    exported = torch.export.export(linear, (x,))
+    assert f"{ops.NAMESPACE}.int4_matmul_a8" in str(exported.graph)
+    assert torch.equal(exported.module()(x), linear(x))
+
+
+def test_auto_takes_int8_only_for_compiled_bf16_products_on_vnni(monkeypatch) -> None:
+    resolve = quantized.resolve_activations
+    monkeypatch.setattr(quantized, "cpu_has_int8_products", lambda: True)
+    assert resolve("auto", "compiled", torch.bfloat16) == "int8"
+    assert resolve("auto", "compiled", torch.float32) == "float"  # fp32 asks for precision
+    assert resolve("auto", "torch", torch.bfloat16) == "float"
+    monkeypatch.setattr(quantized, "cpu_has_int8_products", lambda: False)
+    assert resolve("auto", "compiled", torch.bfloat16) == "float"
+    # Asked for, either holds on any CPU and with either ops table.
+    assert resolve("int8", "torch", torch.float32) == "int8"
+    assert resolve("float", "compiled", torch.bfloat16) == "float"
+
+
+def test_a_bad_activations_choice_fails_before_loading(tmp_path) -> None:
+    from cellbatch.cli import main
+    from cellbatch.engine import Engine
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(InvalidArgumentError, match=r"int4.*auto, float, int8"):
+        load_model(missing, activations="int4")
+    with pytest.raises(InvalidArgumentError, match="fp8"):
+        Engine.from_pretrained(missing, activations="fp8")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--model", str(missing), "--activations", "int4", "hello"])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "torch"])
+def test_int8_activations_reach_only_their_projections(
+    tiny_checkpoint, packed_steps, first_sequence_logits, request, kernel
+) -> None:
+    if kernel == "compiled":
+        request.getfixturevalue("compiled_ops")
+    _, folder = tiny_checkpoint("llama")
+    _, model = load_model(folder, "float32", kernel, "int4", activations="int8")
+    table = model.ops
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            linear = getattr(layer, name)
+            assert linear.activations == ("int8" if name in A8_PROJECTIONS else "float"), name
+            expected = table.int4_matmul_a8 if name in A8_PROJECTIONS else table.int4_matmul
+            assert linear.matmul == expected, name
+    assert "(qkv, o_proj, gate_up with int8 activations)" in quantized.describe(model).format
+    _, floats = load_model(folder, "float32", kernel, "int4", activations="float")
+    assert "int8 activations" not in quantized.describe(floats).format
+    steps = [[(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12, 77, 3])], [(1, [70]), (0, [4])]]
+    got = torch.cat(packed_steps(model, steps, 2))
+    expected = torch.cat(packed_steps(floats, steps, 2))
+    assert not torch.equal(got, expected)
+    assert ((got - expected).norm() / expected.norm()).item() < 0.05
+    # Batch invariant: sequence 0's logits alone, chunked and beside others.
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (70, 3, 40)]
+    alone = first_sequence_logits(model, prompts, [7, 31], [0], 256)
+    for order, chunk in (([0, 1, 2], 256), ([2, 1, 0], 16)):
+        assert torch.equal(first_sequence_logits(model, prompts, [7, 31], order, chunk), alone)
