@@ -70,10 +70,10 @@ def chunk_nll(model: torch.nn.Module, tokens: Sequence[int]) -> list[float]:
 
 
 def cellbatch_nll(path: Path, mode: str, tokens: list[int], context: int) -> dict:
-    quantize, dtype = mode_options(mode)
+    quantize, dtype, activations = mode_options(mode)
 
     def run() -> dict:
-        _, model = load_model(path, dtype, "auto", quantize)
+        _, model = load_model(path, dtype, "auto", quantize, activations=activations)
         nll = [
             value
             for start in range(0, len(tokens) - context + 1, context)
@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print("llama.cpp skipped: no --llama-python given", file=sys.stderr)
     base = next(
-        (r for n, r in results.items() if mode_options(n.split()[-1]) == ("none", "float32")), None
+        (r for n, r in results.items() if mode_options(n.split()[-1])[:2] == ("none", "float32")),
+        None,
     )
     base_ppl = math.exp(float(np.mean(base["nll"]))) if base else None
     print(f"{'peer':<28} {'weights':<34} {'scored':>6} {'perplexity':>10} {'vs fp32':>8}")

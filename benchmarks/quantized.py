@@ -1,7 +1,8 @@
 """Speed, memory and greedy agreement of each weight format and mode, beside llama.cpp.
 
-For each mode (`--formats`: QUANTIZE[:DTYPE], the `--quantize` and `--dtype` options of
-`cellbatch run`, DTYPE float32 when left out; "auto:auto" is what a user gets by default)
+For each mode (`--formats`: QUANTIZE[:DTYPE[:ACTIVATIONS]], the `--quantize`, `--dtype`
+and `--activations` options of `cellbatch run`, DTYPE float32 and ACTIVATIONS auto when
+left out; "auto:auto" is what a user gets by default)
 a fresh process loads the model so and measures: RSS after load; the chat figures of issue
 17's table (the first `--single-prompts` chat prompts one at a time, "1 request alone";
 all `--prompts` at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
@@ -62,13 +63,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     program = args.child.endswith(".pt2")
     path = args.child if program else args.model or default_model_path()
-    quantize, dtype = ("auto", "auto") if program else mode_options(args.child)
+    quantize, dtype, activations = ("auto", "auto", "auto") if program else mode_options(args.child)
     before = _rss()
     started = perf_counter()
     engine = Engine.from_pretrained(
         path,
         dtype=dtype,
         quantize=quantize,
+        activations=activations,
         threads=args.threads,
         max_sessions=max(args.prompts, *args.sessions),
     )
@@ -107,11 +109,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def mode_options(spec: str) -> tuple[str, str]:
-    """A --formats entry, QUANTIZE[:DTYPE] (DTYPE float32 when left out): its quantize
-    and dtype options, as `cellbatch run` takes them ("auto:auto" is the default)."""
-    quantize, _, dtype = spec.partition(":")
-    return quantize, dtype or "float32"
+def mode_options(spec: str) -> tuple[str, str, str]:
+    """A --formats entry, QUANTIZE[:DTYPE[:ACTIVATIONS]] (DTYPE float32 and ACTIVATIONS
+    auto when left out): its quantize, dtype and activations options, as `cellbatch run`
+    takes them ("auto:auto" is the default)."""
+    quantize, _, rest = spec.partition(":")
+    dtype, _, activations = rest.partition(":")
+    return quantize, dtype or "float32", activations or "auto"
 
 
 def weights_label(weights: str, dtype: torch.dtype) -> str:
@@ -161,6 +165,7 @@ PRODUCT_KERNELS = (
     "int8",
     "int4 bf16",
     "int8 bf16",
+    "int4 a8",
     "aten int4",
     "aten int8",
 )
@@ -187,6 +192,8 @@ def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
         table = ops.table(ops.NAMESPACE)
         op = table.int4_matmul if fmt == "int4" else table.int8_matmul
         codes, scales = quantized.pack(quantized.from_float(weight, fmt))
+        if activations == ["a8"]:  # bf16 activations quantised to int8 per group
+            return lambda x: table.int4_matmul_a8(x.bfloat16(), codes, scales, n)
         if activations:  # bf16 activations: the bf16 products where the CPU has them
             return lambda x: op(x.bfloat16(), codes, scales, n)
         return lambda x: op(x, codes, scales, n)
@@ -199,6 +206,17 @@ def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
     codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
     scale = (torch.rand(n, generator=generator) * 0.01).bfloat16()
     return lambda x: aten._weight_int8pack_mm(x.bfloat16(), codes8, scale)
+
+
+def _as_run(kernel: str, name: str) -> str:
+    """The kernel a model whose products are `kernel` runs product `name` with: the int4
+    format keeps its LM head in int8, and int8 activations take only the products of
+    quantized.A8_PROJECTIONS."""
+    from cellbatch.model.quantized import A8_PROJECTIONS
+
+    if kernel == "int4 a8" and name not in A8_PROJECTIONS:
+        kernel = "int4 bf16"
+    return kernel.replace("int4", "int8") if name == "lm_head" else kernel
 
 
 def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
@@ -241,10 +259,8 @@ def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
         for name in names:
             cells = " ".join(f"{best[k, name] * 1e3:10.2f}" for k in PRODUCT_KERNELS)
             print(f"  {name:<8} {cells}")
-        # The int4 format keeps its LM head in int8.
         total = {
-            kernel: sum(best[kernel, name] for name in LAYER_SHAPES)
-            + best[kernel.replace("int4", "int8"), "lm_head"]
+            kernel: sum(best[_as_run(kernel, name), name] for name in names)
             for kernel in PRODUCT_KERNELS
         }
         cells = " ".join(f"{total[k] * 1e3:10.2f}" for k in PRODUCT_KERNELS)
@@ -324,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp skipped: no --llama-python given", file=sys.stderr)
 
     # The parity mode, where it ran: float32 without quantisation.
-    reference = next((runs[f] for f in runs if mode_options(f) == ("none", "float32")), None)
+    reference = next((runs[f] for f in runs if mode_options(f)[:2] == ("none", "float32")), None)
     header = (
         f"{'mode':<14} {'weights':<44} {'RSS MiB':>8} {'single t/s':>10} {'32-conc t/s':>11} "
         + " ".join(f"{'dec@' + str(s):>8}" for s in args.sessions)
