@@ -319,9 +319,11 @@ def cellbatch_peer(
     stop: frozenset[Token],
     share_prefix: bool = True,
     quantize: str = "none",
+    activations: str = "auto",
 ) -> tuple[Peer, list[EngineWindow]]:
     """cellbatch over `count` prompts, and the list that holds the engine's counters over
-    its latest call; its label names `quantize` unless the weights are float."""
+    its latest call; its label names `quantize` unless the weights are float, and
+    `activations` unless "auto"."""
     windows: list[EngineWindow] = []
 
     def generate(prompts: Sequence[Sequence[Token]], new: int) -> list[list[Token]]:
@@ -331,6 +333,7 @@ def cellbatch_peer(
         return outputs
 
     weights = "" if quantize == "none" else f", --quantize {quantize}"
+    weights += "" if activations == "auto" else f", --activations {activations}"
     if share_prefix:
         return Peer(CELLBATCH, f"cellbatch{weights}", count, dtype, generate), windows
     label = f"cellbatch, prompt prefix not shared{weights}"

@@ -109,6 +109,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
             path,
             dtype=options.dtype,
             quantize=options.quantize,  # "none" (the default): float, as the peers have them
+            activations=options.activations,
             threads=options.threads,
             max_sessions=max((count, *options.sessions)),
             max_batch_tokens=options.max_batch_tokens,
@@ -116,7 +117,13 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
             for name, share in ((CELLBATCH, True), (CELLBATCH_UNSHARED, False)):
                 if name not in options.skip:
                     peer, windows = cellbatch_peer(
-                        engine, count, options.dtype, stop, share, options.quantize
+                        engine,
+                        count,
+                        options.dtype,
+                        stop,
+                        share,
+                        options.quantize,
+                        options.activations,
                     )
                     run = time_peer(peer, prompts, options.max_new_tokens)
                     run.idle_fraction = windows[0].idle_fraction if run.ok else None

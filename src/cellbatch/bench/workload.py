@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from cellbatch.engine import DEFAULT_MAX_BATCH_TOKENS
-from cellbatch.types import QUANTIZE_CHOICES
+from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES
 
 # Varied chat requests, 35 to 130 tokens each once SmolLM2's chat template (with its
 # system prompt) wraps them: short questions, long briefs, code, arithmetic, rewriting.
@@ -182,6 +182,7 @@ class BenchOptions:
     vllm_python: Path = DEFAULT_VLLM_PYTHON
     peer_cache: Path = DEFAULT_PEER_CACHE
     quantize: str = "none"  # cellbatch's weights: float as the peers', or as `run` takes it
+    activations: str = "auto"  # what cellbatch's int4 products do with their inputs, as `run`
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -203,6 +204,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=QUANTIZE_CHOICES,
         help="cellbatch's weights: none (float, as every peer has them; the default), or as "
         "`cellbatch run --quantize` takes it (auto, run's default, keeps a GGUF's int4/int8)",
+    )
+    parser.add_argument(
+        "--activations",
+        default="auto",
+        choices=ACTIVATION_CHOICES,
+        help="inputs of cellbatch's int4 products, as `cellbatch run --activations` takes it",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument(
@@ -327,4 +334,5 @@ def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
         vllm_python=args.vllm_python,
         peer_cache=args.peer_cache,
         quantize=args.quantize,
+        activations=args.activations,
     )
