@@ -244,6 +244,7 @@ def test_full_options_default_to_the_issue_figures() -> None:
     assert not explicit.fp32_baseline
     assert options.quantize == "none"  # float weights, as the peers have them
     assert workload.parse_options(["--quantize", "auto"]).quantize == "auto"
+    assert (options.activations, options.ignore_eos) == ("auto", False)
 
 
 @pytest.mark.parametrize(
@@ -320,6 +321,43 @@ def test_quick_run_on_a_tiny_model_writes_every_figure(
     assert _png_size(output.with_suffix(".png").read_bytes()) == (900, 500)
     printed = capsys.readouterr().out
     assert "transformers generate_batch" in printed and "decode-only" in printed
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_gives_every_peer_no_stop_tokens(
+    tiny_bench_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    ignore_eos: bool,
+) -> None:
+    stops: list[frozenset[int]] = []
+
+    def recording(engine: object, count: int, dtype: str, stop: frozenset[int], *args: object):
+        stops.append(stop)
+        return peers.cellbatch_peer(engine, count, dtype, stop, *args)
+
+    monkeypatch.setattr(throughput, "cellbatch_peer", recording)
+    output = tmp_path / "figures.json"
+    argv = [
+        "--model", str(tiny_bench_model), "--dtype", "float32",
+        "--threads", str(torch.get_num_threads()),
+        "--prompts", "3", "--max-new-tokens", "6", "--activations", "float",
+        "--skip", "transformers-single", "--skip", "transformers-padded",
+        "--skip", "transformers-continuous", "--skip", "sweep", "--no-fp32-baseline",
+        "--no-plot", "--output-json", str(output),
+        *(["--ignore-eos"] if ignore_eos else []),
+    ]  # fmt: skip
+    assert throughput.main(argv) == 0
+    assert len(stops) == 2  # shared prefix and not
+    assert all(stop == (frozenset() if ignore_eos else frozenset({2})) for stop in stops)
+    data = json.loads(output.read_text())
+    if ignore_eos:
+        for name in (CELLBATCH, CELLBATCH_UNSHARED):
+            assert [len(tokens) for tokens in data["peers"][name]["outputs"]] == [6, 6, 6]
+    printed = capsys.readouterr().out
+    assert ("exactly 6 new tokens (stop tokens ignored)" in printed) == ignore_eos
+    assert "--activations float" in printed  # named in cellbatch's label, not being auto
 
 
 def test_report_text_warns_when_the_machine_was_busy() -> None:

@@ -287,8 +287,12 @@ def format_report(report: BenchReport) -> str:
     lines = [
         f"model {report.environment['model']}",
         f"{options.dtype}, {options.threads} threads, {len(lengths)} chat prompts "
-        f"({min(lengths)}-{max(lengths)} tokens), greedy, at most {options.max_new_tokens} "
-        "new tokens, stop at the model's stop tokens",
+        f"({min(lengths)}-{max(lengths)} tokens), greedy, "
+        + (
+            f"exactly {options.max_new_tokens} new tokens (stop tokens ignored)"
+            if options.ignore_eos
+            else f"at most {options.max_new_tokens} new tokens, stop at the model's stop tokens"
+        ),
         "",
         f"{'peer':<44} {'dtype':>8} {'seconds':>8} {'tokens':>7} {'tokens/s':>9} "
         f"{'cellbatch x':>11}  same tokens as {reference.name if reference else 'n/a'}",

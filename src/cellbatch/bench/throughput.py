@@ -75,8 +75,9 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
         tokenizer.apply_chat_template([{"role": "user", "content": text}])
         for text in CHAT_PROMPTS[: options.prompts]
     ]
-    stop = tokenizer.stop_tokens
-    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(stop)
+    own_stop = tokenizer.stop_tokens
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(own_stop)
+    stop: frozenset[Token] = frozenset() if options.ignore_eos else own_stop
     count = len(prompts)
     report = BenchReport(options, _environment(path, options), [len(p) for p in prompts], [])
 

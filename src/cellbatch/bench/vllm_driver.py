@@ -91,7 +91,10 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
     stop = [int(t) for t in request["stop"]]
 
     def greedy(new: int) -> Any:
-        return SamplingParams(temperature=0.0, max_tokens=new, stop_token_ids=stop)
+        # No stop tokens asked for: the model's own EOS must not end a prompt either.
+        return SamplingParams(
+            temperature=0.0, max_tokens=new, stop_token_ids=stop, ignore_eos=not stop
+        )
 
     llm.generate(prompts[:2], greedy(int(request.get("warmup_tokens", 4))), use_tqdm=False)
     start = time.perf_counter()

@@ -183,6 +183,7 @@ class BenchOptions:
     peer_cache: Path = DEFAULT_PEER_CACHE
     quantize: str = "none"  # cellbatch's weights: float as the peers', or as `run` takes it
     activations: str = "auto"  # what cellbatch's int4 products do with their inputs, as `run`
+    ignore_eos: bool = False  # every prompt generates exactly max_new_tokens (no stop tokens)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -261,6 +262,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"also time {PADDED} in float32 (default: when --dtype is not float32)",
     )
     parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="no stop tokens: every prompt generates exactly --max-new-tokens, every peer "
+        "alike (the decode-bound run: 32 prompts x 128 tokens with --max-new-tokens 128)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"smoke run: {QUICK_PROMPTS} prompts, {QUICK_MAX_NEW_TOKENS} new tokens, "
@@ -335,4 +342,5 @@ def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
         peer_cache=args.peer_cache,
         quantize=args.quantize,
         activations=args.activations,
+        ignore_eos=args.ignore_eos,
     )
