@@ -39,7 +39,7 @@ from cellbatch.metrics import EngineMetrics
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import LoadProgress, PhaseClock
 from cellbatch.model.ops import resolve as resolve_ops
-from cellbatch.model.quantized import WeightsSummary, resolve_activations, resolve_quantize
+from cellbatch.model.quantized import WeightsSummary, check_activations, resolve_quantize
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.runner import AdmissionPolicy, Runner, Session
@@ -143,7 +143,7 @@ class Engine:
         of each phase of the load as it ends (what it did, and its seconds). The options
         are checked before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
-        resolve_activations(activations, "torch", torch.float32)
+        check_activations(activations)
         if model is not None and is_program(model):
             return cls.from_program(
                 model,

@@ -112,7 +112,7 @@ def load_model(
     "int8": see quantized.resolve_activations). `progress` hears of each phase as it
     ends."""
     quantize = quantized.resolve_quantize(quantize)
-    quantized.resolve_activations(activations, "torch", torch.float32)  # checks the choice
+    quantized.check_activations(activations)
     files = locate_model(path)
     torch_dtype = resolve_dtype(dtype)
     clock = PhaseClock(progress)

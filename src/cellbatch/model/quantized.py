@@ -131,17 +131,22 @@ def cpu_has_int8_products() -> bool:
     return bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
 
 
-def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:
-    """What the int4 products of A8_PROJECTIONS do with their inputs: "int8" (quantised
-    per group of 32) or "float" (the model's dtype). "auto" takes int8 with the compiled
-    kernels on a CPU with AVX512-VNNI when the model computes in bf16 (the speed mode; a
-    float32 model is asked for precision), else float."""
+def check_activations(choice: str) -> str:
+    """The checked `activations` choice; anything else is refused before a model loads."""
     if choice not in ACTIVATION_CHOICES:
         raise InvalidArgumentError(
             f"unknown activations {choice!r}; use one of {', '.join(ACTIVATION_CHOICES)} "
             "(int8 quantises the int4 products' inputs, float keeps the model's dtype)"
         )
-    if choice != "auto":
+    return choice
+
+
+def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:
+    """What the int4 products of A8_PROJECTIONS do with their inputs: "int8" (quantised
+    per group of 32) or "float" (the model's dtype). "auto" takes int8 with the compiled
+    kernels on a CPU with AVX512-VNNI when the model computes in bf16 (the speed mode; a
+    float32 model is asked for precision), else float."""
+    if check_activations(choice) != "auto":
         return choice
     fast = ops_kind == "compiled" and dtype == torch.bfloat16 and cpu_has_int8_products()
     return "int8" if fast else "float"
