@@ -1,8 +1,9 @@
 """int4 products with int8 activations (`cellbatch::int4_matmul_a8`, kernels/quantized_a8.cpp,
 and quantized.resolve_activations): the activations are quantised as documented, the
 compiled op and its torch implementation compute the product of the quantised activations,
-a row's result never depends on the other rows or the thread count, the choice reaches
-only the projections it names, and a bad choice fails before anything loads."""
+the choice reaches only the projections it names, and a bad choice fails before anything
+loads. (That a row's result depends on neither the other rows nor the thread count is
+test_quantized.py's test, for every compiled product.)"""
 
 from __future__ import annotations
 
@@ -83,28 +84,6 @@ def test_int8_activations_stay_near_the_float_product(compiled_ops) -> None:
     got = compiled_ops.int4_matmul_a8(x, codes, scales, 576)
     expected = x @ weight.dequantize().t()
     assert ((got - expected).norm() / expected.norm()).item() < 0.02
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_depends_on_neither_the_other_rows_nor_the_threads(compiled_ops, dtype) -> None:
-    """Up to 3 rows split the codes in registers, else rows run 4 at a time over a buffer,
-    in chunks of 64 rows; threads split the blocks of panels."""
-    weight = _int4(1000, 1536)  # 63 panels, the last part-filled; 6 chunks of inputs
-    codes, scales = quantized.pack(weight)
-    x = _inputs(150, 1536, dtype)
-    op = compiled_ops.int4_matmul_a8
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
-        for count in (2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 65, 150):
-            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
-        torch.set_num_threads(max(2, threads))
-        for count in (1, 7, 70, 150):
-            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
-        assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_the_compiled_op_refuses_what_it_cannot_multiply(compiled_ops) -> None:

@@ -116,29 +116,31 @@ PANEL = 16  # output features per panel of the kernels' layouts
 A8_PROJECTIONS = ("qkv", "o_proj", "gate_up")
 
 
-def resolve_quantize(quantize: str) -> str:
-    """The checked `quantize` choice; anything else is refused before a model loads."""
-    if quantize not in QUANTIZE_CHOICES:
+def _checked(value: str, choices: tuple[str, ...], option: str, meaning: str) -> str:
+    """`value` if it is one of `choices`; else an error that lists them and what they mean,
+    raised before a model loads."""
+    if value not in choices:
         raise InvalidArgumentError(
-            f"unknown quantize {quantize!r}; use one of {', '.join(QUANTIZE_CHOICES)} "
-            "(auto keeps a GGUF file's precision class and loads other models as float)"
+            f"unknown {option} {value!r}; use one of {', '.join(choices)} ({meaning})"
         )
-    return quantize
+    return value
+
+
+def resolve_quantize(quantize: str) -> str:
+    """The checked `quantize` choice."""
+    meaning = "auto keeps a GGUF file's precision class and loads other models as float"
+    return _checked(quantize, QUANTIZE_CHOICES, "quantize", meaning)
+
+
+def check_activations(choice: str) -> str:
+    """The checked `activations` choice."""
+    meaning = "int8 quantises the int4 products' inputs, float keeps the model's dtype"
+    return _checked(choice, ACTIVATION_CHOICES, "activations", meaning)
 
 
 def cpu_has_int8_products() -> bool:
     """True when the CPU has AVX512-VNNI, which the compiled int8-activation products use."""
     return bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
-
-
-def check_activations(choice: str) -> str:
-    """The checked `activations` choice; anything else is refused before a model loads."""
-    if choice not in ACTIVATION_CHOICES:
-        raise InvalidArgumentError(
-            f"unknown activations {choice!r}; use one of {', '.join(ACTIVATION_CHOICES)} "
-            "(int8 quantises the int4 products' inputs, float keeps the model's dtype)"
-        )
-    return choice
 
 
 def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:

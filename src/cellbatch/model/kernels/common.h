@@ -7,14 +7,17 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace cellbatch {
 
@@ -74,6 +77,55 @@ auto for_scale_type(const at::Tensor& scales, const char* op, Fn&& fn) {
   TORCH_CHECK(type == at::kFloat || type == at::kHalf, op,
               ": scales must be float32 or float16, got ", type);
   return type == at::kHalf ? fn(c10::Half{}) : fn(float{});
+}
+
+// fn(std::integral_constant<int, N>{}) for N = n in [1, kMax]: a count of rows or panels
+// known at run time as a constant that the products' register blocks are compiled for.
+template <int kMax, typename Fn>
+void with_count(int64_t n, Fn&& fn) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) return with_count<kMax - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, kMax>{});
+}
+
+// How the bf16 and int8-activation products split their work: blocks of kBlock panels (16
+// outputs each) between threads, and per block the rows in chunks of kRowChunk. Each
+// thread holds one Buffer (only when count > kFusedRows: the few-row paths use none) and
+// one chunk's sums [kRowChunk][16 kBlock]; run(width, m0, n, p0, buffer, sums) computes
+// the sums of panels p0 .. p0 + width - 1 for rows m0 .. m0 + n - 1, and
+// store(m0, n, p0, sums) writes them out.
+template <typename Buffer, int64_t kBlock, int64_t kRowChunk, int64_t kFusedRows, typename Run,
+          typename Store>
+void for_each_block(int64_t count, int64_t panel_count, Run&& run, Store&& store) {
+  const int64_t blocks = (panel_count + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Buffer> buffer(count > kFusedRows ? 1 : 0);  // tens of KiB: off the stack
+    Buffer* held = buffer.empty() ? nullptr : buffer.data();
+    std::vector<float> sums(std::min(count, kRowChunk) * kBlock * 16);
+    for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
+      const int64_t n = std::min(kRowChunk, count - m0);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t p0 = b * kBlock;
+        run(std::min(kBlock, panel_count - p0), m0, n, p0, held, sums.data());
+        store(m0, n, p0, sums.data());
+      }
+    }
+  });
+}
+
+// The int4 panels' layout (quantized_matmul.cpp), checked for `op`: codes contiguous int32
+// [P, K / 8, 16], scales contiguous [P, K / 32, 2, 16], K a multiple of 32. Returns K.
+inline int64_t int4_in_features(const at::Tensor& codes, const at::Tensor& scales, const char* op) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 16 && codes.is_contiguous() &&
+                  codes.scalar_type() == at::kInt,
+              op, ": codes must be contiguous int32 [panels, K / 8, 16]");
+  const int64_t panels = codes.size(0), in_features = codes.size(1) * 8;
+  TORCH_CHECK(in_features % 32 == 0, op, ": K must be a multiple of 32");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == panels && scales.size(1) == in_features / 32 &&
+                  scales.size(2) == 2 && scales.size(3) == 16 && scales.is_contiguous(),
+              op, ": scales must be contiguous [panels, K / 32, 2, 16]");
+  return in_features;
 }
 
 }  // namespace cellbatch

@@ -236,15 +236,6 @@ inline void rows_over_groups(const Panels<S>& panels, const Quantised& xs, int64
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kBlockWidth + p * kPanel, total[r][p]);
 }
 
-// fn(std::integral_constant<int, R>) for R = n in [1, kMax].
-template <int kMax, typename Fn>
-void with_rows(int64_t n, Fn&& fn) {
-  if constexpr (kMax > 1) {
-    if (n < kMax) return with_rows<kMax - 1>(n, fn);
-  }
-  fn(std::integral_constant<int, kMax>{});
-}
-
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
 template <int P, typename S>
 void block(const Panels<S>& panels, int64_t panel_count, const Quantised& xs, int64_t m,
@@ -252,7 +243,7 @@ void block(const Panels<S>& panels, int64_t panel_count, const Quantised& xs, in
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   if (count <= kFusedRows) {  // few rows: split the codes in registers, once
-    with_rows<kFusedRows>(count, [&](auto rows) {
+    with_count<kFusedRows>(count, [&](auto rows) {
       auto split = [&](int64_t b, int p, int h) {
         const __m512i word = _mm512_loadu_si512(panels.words(p0 + p, b));
         if (h == 0) {
@@ -284,7 +275,7 @@ void block(const Panels<S>& panels, int64_t panel_count, const Quantised& xs, in
       return _mm512_load_si512(buffer->bytes[b - k0 / 8][p][h]);
     };
     for (int64_t r = 0; r < count; r += kRows)
-      with_rows<kRows>(std::min(kRows, count - r), [&](auto rows) {
+      with_count<kRows>(std::min(kRows, count - r), [&](auto rows) {
         rows_over_groups<decltype(rows)::value, P>(panels, xs, m + r, p0, k0 / kGroup,
                                                    (k0 + len) / kGroup, split, sums + r * kBlockWidth);
       });
@@ -310,28 +301,21 @@ inline void store16(const float* sums, int64_t width, c10::BFloat16* y) {
 template <typename S, typename T>
 void product_vnni(const Quantised& xs, const Panels<S>& panels, int64_t count, int64_t panel_count,
                   int64_t out_features, T* y) {
-  const int64_t blocks = (panel_count + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Buffer> buffer(count > kFusedRows ? 1 : 0);  // 12 KiB: off the stack
-    Buffer* buf = buffer.empty() ? nullptr : buffer.data();   // the few-row path has none
-    std::vector<float> sums(std::min(count, kRowChunk) * kBlockWidth);
-    for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
-      const int64_t n = std::min(kRowChunk, count - m0);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t p0 = b * kBlock, width = std::min(kBlock, panel_count - p0);
-        if (width == 3) block<3>(panels, panel_count, xs, m0, n, p0, buf, sums.data());
-        else if (width == 2) block<2>(panels, panel_count, xs, m0, n, p0, buf, sums.data());
-        else block<1>(panels, panel_count, xs, m0, n, p0, buf, sums.data());
+  for_each_block<Buffer, kBlock, kRowChunk, kFusedRows>(
+      count, panel_count,
+      [&](int64_t width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
+        with_count<kBlock>(width, [&](auto p) {
+          block<decltype(p)::value>(panels, panel_count, xs, m0, n, p0, buffer, sums);
+        });
+      },
+      [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
         for (int64_t r = 0; r < n; ++r)
-          for (int64_t p = 0; p < width; ++p) {
+          for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < out_features; ++p) {
             const int64_t start = (p0 + p) * kPanel;
-            if (start < out_features)
-              store16(sums.data() + r * kBlockWidth + p * kPanel, std::min(kPanel, out_features - start),
-                      y + (m0 + r) * out_features + start);
+            store16(sums + r * kBlockWidth + p * kPanel, std::min(kPanel, out_features - start),
+                    y + (m0 + r) * out_features + start);
           }
-      }
-    }
-  });
+      });
 }
 
 #pragma GCC pop_options
@@ -363,18 +347,11 @@ Quantised quantise(const T* x, int64_t count, int64_t in_features, bool vector) 
 
 at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           int64_t out_features) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
-                  codes.scalar_type() == at::kInt,
-              "int4_matmul_a8: codes must be contiguous int32 [panels, K / 8, ", kPanel, "]");
-  const int64_t panel_count = codes.size(0), in_features = codes.size(1) * 8;
-  TORCH_CHECK(in_features % kGroup == 0, "int4_matmul_a8: K must be a multiple of ", kGroup);
+  const int64_t in_features = int4_in_features(codes, scales, "int4_matmul_a8");
+  const int64_t panel_count = codes.size(0);
   TORCH_CHECK(out_features > 0 && panel_count == (out_features + kPanel - 1) / kPanel,
               "int4_matmul_a8: ", panel_count, " panels of ", kPanel, " cannot hold ", out_features,
               " outputs");
-  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == panel_count &&
-                  scales.size(1) == in_features / kGroup && scales.size(2) == 2 &&
-                  scales.size(3) == kPanel && scales.is_contiguous(),
-              "int4_matmul_a8: scales must be contiguous [panels, K / ", kGroup, ", 2, ", kPanel, "]");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_features, "int4_matmul_a8: x must be [..., ",
               in_features, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,

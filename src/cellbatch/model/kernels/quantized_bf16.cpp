@@ -279,22 +279,13 @@ void rows_over_groups(const Panels& panels, const Rows& rows, int64_t m, int64_t
   }
 }
 
-// fn(std::integral_constant<int, R>) for R = n in [1, kMax].
-template <int kMax, typename Fn>
-void with_rows(int64_t n, Fn&& fn) {
-  if constexpr (kMax > 1) {
-    if (n < kMax) return with_rows<kMax - 1>(n, fn);
-  }
-  fn(std::integral_constant<int, kMax>{});
-}
-
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
 template <int P, typename Panels>
 void block(const Panels& panels, int64_t panel_count, const Rows& rows, int64_t m, int64_t count, int64_t p0,
            Buffer* buffer, float* sums) {
   const int64_t groups = rows.in_features / kGroup;
   if (count <= kFusedRows) {  // few rows: convert the codes in registers, once
-    with_rows<kFusedRows>(count, [&](auto r) {
+    with_count<kFusedRows>(count, [&](auto r) {
       auto visit = [&](int64_t g, auto&& fn) { panels.template visit_group<P>(p0, g, fn); };
       rows_over_groups<decltype(r)::value, P>(panels, rows, m, p0, 0, groups, visit, sums);
     });
@@ -319,7 +310,7 @@ void block(const Panels& panels, int64_t panel_count, const Rows& rows, int64_t 
       }
     };
     for (int64_t r = 0; r < count; r += kRows)
-      with_rows<kRows>(std::min(kRows, count - r), [&](auto n) {
+      with_count<kRows>(std::min(kRows, count - r), [&](auto n) {
         rows_over_groups<decltype(n)::value, P>(panels, rows, m + r, p0, k0 / kGroup,
                                                 (k0 + len) / kGroup, visit, sums + r * kBlockWidth);
       });
@@ -369,24 +360,16 @@ at::Tensor product(const at::Tensor& x, const Panels& panels, int64_t panel_coun
   }
   const Rows rows{Panels::kOffset ? ordered.data() : src, sums_x.data(), in_features};
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  const int64_t blocks = (panel_count + kBlock - 1) / kBlock;
-  if (count > 0) {
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<Buffer> buffer(count > kFusedRows ? 1 : 0);  // 24 KiB: off the stack
-      Buffer* buf = buffer.empty() ? nullptr : buffer.data();   // the few-row path has none
-      std::vector<float> sums(std::min(count, kRowChunk) * kBlockWidth);
-      for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
-        const int64_t n = std::min(kRowChunk, count - m0);
-        for (int64_t b = begin; b < end; ++b) {
-          const int64_t p0 = b * kBlock, width = std::min(kBlock, panel_count - p0);
-          if (width == 3) block<3>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
-          else if (width == 2) block<2>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
-          else block<1>(panels, panel_count, rows, m0, n, p0, buf, sums.data());
-          store_block(sums.data(), n, p0 * kPanel, out_features, dst + m0 * out_features);
-        }
-      }
-    });
-  }
+  for_each_block<Buffer, kBlock, kRowChunk, kFusedRows>(
+      count, panel_count,
+      [&](int64_t width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
+        with_count<kBlock>(width, [&](auto p) {
+          block<decltype(p)::value>(panels, panel_count, rows, m0, n, p0, buffer, sums);
+        });
+      },
+      [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
+        store_block(sums, n, p0 * kPanel, out_features, dst + m0 * out_features);
+      });
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(out_features);
   return out.view(shape);

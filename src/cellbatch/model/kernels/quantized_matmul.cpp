@@ -271,16 +271,8 @@ at::Tensor product(const at::Tensor& x, int64_t in_features, int64_t out_feature
 
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        int64_t out_features) {
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kPanel && codes.is_contiguous() &&
-                  codes.scalar_type() == at::kInt,
-              "int4_matmul: codes must be contiguous int32 [panels, K / 8, ", kPanel, "]");
-  const int64_t panels = codes.size(0), in_features = codes.size(1) * 8;
-  TORCH_CHECK(in_features % kGroup == 0, "int4_matmul: K must be a multiple of ", kGroup);
-  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == panels &&
-                  scales.size(1) == in_features / kGroup && scales.size(2) == 2 &&
-                  scales.size(3) == kPanel && scales.is_contiguous(),
-              "int4_matmul: scales must be contiguous [panels, K / ", kGroup, ", 2, ", kPanel,
-              "]");
+  const int64_t in_features = cellbatch::int4_in_features(codes, scales, "int4_matmul");
+  const int64_t panels = codes.size(0);
   // A row of the wrong width goes on to the fp32 path, whose check names the problem.
   if (x.scalar_type() == at::kBFloat16 && cellbatch::bf16_products_available() &&
       x.size(-1) == in_features)
