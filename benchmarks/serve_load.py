@@ -36,7 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cellbatch.bench.workload import CHAT_PROMPTS, DEFAULT_PEER_CACHE, DEFAULT_VLLM_PYTHON
-from cellbatch.types import QUANTIZE_CHOICES
+from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES
 
 STARTUP_TIMEOUT_S = 300.0
 # The offline baseline is one batch of a few seconds: the best of this many runs, so that
@@ -215,6 +215,7 @@ def _offline(args, prompts: list[str]) -> dict[str, float]:
         args.model,
         dtype=args.dtype,
         quantize=args.quantize,
+        activations=args.activations,
         threads=args.threads,
         max_sessions=len(prompts),
     ) as engine:
@@ -237,7 +238,7 @@ def _start_server(args, config: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     command = [
         str(Path(sys.executable).with_name("cellbatch")), "serve", "--port", str(port),
-        "--dtype", args.dtype, "--quantize", args.quantize,
+        "--dtype", args.dtype, "--quantize", args.quantize, "--activations", args.activations,
         "--max-sessions", str(max(args.levels)), "--quiet",
     ]  # fmt: skip
     if args.model:
@@ -306,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         choices=QUANTIZE_CHOICES,
         help="weight format, for the server and the offline baseline alike (as `cellbatch serve`)",
+    )
+    parser.add_argument(
+        "--activations",
+        default="auto",
+        choices=ACTIVATION_CHOICES,
+        help="inputs of the int4 products, for the server and the offline baseline alike (as "
+        "`cellbatch serve`)",
     )
     parser.add_argument("--threads", type=int)
     parser.add_argument("--clients", default="1,8,32,64", help="concurrency levels")
