@@ -21,11 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cellbatch.cli.export import export_command
-from cellbatch.cli.options import UsageError, add_engine_options
+from cellbatch.cli.options import UsageError, add_engine_options, add_weight_options
 from cellbatch.cli.run import run_command
 from cellbatch.cli.serve import serve_command
 from cellbatch.tool_calls.formats import FORMATS
-from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES
 
 __all__ = ["main"]
 
@@ -131,20 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", type=Path, required=True, help="the program (.pt2)")
     export.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     export.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
-    export.add_argument(
-        "--quantize",
-        default="auto",
-        choices=QUANTIZE_CHOICES,
-        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
-        "other models stay float), none (float), int8 or int4",
-    )
-    export.add_argument(
-        "--activations",
-        default="auto",
-        choices=ACTIVATION_CHOICES,
-        help="inputs of the int4 products: auto (int8 where this CPU has AVX512-VNNI and the "
-        "model runs in bf16), float (the model's dtype) or int8 (quantised per group of 32)",
-    )
+    add_weight_options(export)
     export.add_argument(
         "--max-step-tokens", type=int, default=544, help="tokens per forward, at most"
     )

@@ -92,6 +92,25 @@ def say_loaded(what: str, seconds: float) -> None:
     print(f"cellbatch: {what} in {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
+def add_weight_options(parser: argparse.ArgumentParser) -> None:
+    """How the weights are held and multiplied: the options of the engine (`run`, `serve`)
+    that `export` fixes in a program."""
+    parser.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_CHOICES,
+        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
+        "other models stay float), none (float), int8 or int4",
+    )
+    parser.add_argument(
+        "--activations",
+        default="auto",
+        choices=ACTIVATION_CHOICES,
+        help="inputs of the int4 products: auto (int8 where the CPU has AVX512-VNNI and the "
+        "model runs in bf16), float (the model's dtype) or int8 (quantised per group of 32)",
+    )
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The model and engine-shape options `run` and `serve` share."""
     parser.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
@@ -111,20 +130,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "installed), pure torch, or auto (compiled where they were built)",
     )
     parser.add_argument("--threads", type=int, help="torch threads")
-    parser.add_argument(
-        "--quantize",
-        default="auto",
-        choices=QUANTIZE_CHOICES,
-        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
-        "other models stay float), none (float), int8 or int4",
-    )
-    parser.add_argument(
-        "--activations",
-        default="auto",
-        choices=ACTIVATION_CHOICES,
-        help="inputs of the int4 products: auto (int8 where the CPU has AVX512-VNNI and the "
-        "model runs in bf16), float (the model's dtype) or int8 (quantised per group of 32)",
-    )
+    add_weight_options(parser)
     parser.add_argument(
         "--admission",
         default="optimistic",
