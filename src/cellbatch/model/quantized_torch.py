@@ -25,15 +25,24 @@ from cellbatch.model.quantized import GROUP_SIZE, PANEL
 FALLBACK_MIN_ROWS = 16
 
 
-def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """The float32 [rows, K] weight of int4 panels (Int4Weight.dequantize's values)."""
+def _int4_groups(
+    codes: torch.Tensor, scales: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 panels unpacked by output: (codes [rows, K / 32, 32] as float32, scale and
+    offset [rows, K / 32, 1] float32)."""
     panels = codes.shape[0]
     shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
     nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
-    grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).float()
-    scales = scales.float()
-    weight = grouped * scales[:, :, 0, None, :] + scales[:, :, 1, None, :]
-    return weight.permute(0, 3, 1, 2).reshape(panels * PANEL, -1)[:rows]
+    grouped = nibbles.view(panels, -1, GROUP_SIZE, PANEL).permute(0, 3, 1, 2)
+    by_output = grouped.reshape(panels * PANEL, -1, GROUP_SIZE)[:rows].float()
+    halves = scales.float().permute(0, 3, 1, 2).reshape(panels * PANEL, -1, 2)[:rows]
+    return by_output, halves[..., :1], halves[..., 1:]
+
+
+def _int4_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The float32 [rows, K] weight of int4 panels (Int4Weight.dequantize's values)."""
+    grouped, scale, offset = _int4_groups(codes, scales, rows)
+    return (grouped * scale + offset).flatten(1)
 
 
 def _int8_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
@@ -86,14 +95,9 @@ def int4_matmul_a8_torch(
     o * sum(x), the dots exact (integers below 2^24 in float32)."""
     rows = x.reshape(-1, x.shape[-1])
     x_codes, x_scales, x_sums = quantize_activations(rows)
-    panels = codes.shape[0]
-    shifts = 4 * torch.arange(8, dtype=torch.int32)[:, None]
-    nibbles = (codes[:, :, None, :] >> shifts) & 0xF  # [P, K / 8, 8, PANEL]
-    weight_codes = nibbles.view(panels, -1, GROUP_SIZE, PANEL).permute(0, 3, 1, 2)
-    weight_codes = weight_codes.reshape(panels * PANEL, -1, GROUP_SIZE)[:out_features].float()
+    weight_codes, scale, offset = _int4_groups(codes, scales, out_features)
     dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
-    grouped = scales.float().permute(0, 3, 1, 2).reshape(panels * PANEL, -1, 2)[:out_features]
-    scale, offset = grouped[..., 0], grouped[..., 1]  # [N, G]
+    scale, offset = scale[..., 0], offset[..., 0]  # [N, G]
     out = (dots * (scale[None] * x_scales[:, None, :]) + offset[None] * x_sums[:, None, :]).sum(-1)
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
