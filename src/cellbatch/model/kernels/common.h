@@ -19,6 +19,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace cellbatch {
 
 using Vec = at::vec::Vectorized<float>;
@@ -127,5 +131,22 @@ inline int64_t int4_in_features(const at::Tensor& codes, const at::Tensor& scale
               op, ": scales must be contiguous [panels, K / 32, 2, 16]");
   return in_features;
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// 16 values as floats (float16 and bf16 widened exactly): the quantised products' scales
+// and inputs. For the AVX512 paths only: their callers are compiled for AVX512-F, and the
+// CPU was asked before any of them runs.
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
 
 }  // namespace cellbatch

@@ -67,16 +67,13 @@ struct Quantised {
 // The position of input i of a group of 8 in the quantised order (0, 2, 4, 6, 1, 3, 5, 7).
 constexpr int64_t quantised_slot(int64_t i) { return (i % 2) * 4 + i / 2; }
 
-float to_float(float v) { return v; }
-float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
 // One group of 32 inputs quantised in portable code: the reference for the vector path,
 // summed in the order _mm512_reduce_add_ps takes ((i, i + 16), then halves: 8, 4, 2, 1).
 template <typename T>
 void quantise_group_portable(const T* x, int8_t* q, float* d, float* sx) {
   float values[kGroup], amax = 0.0f;
   for (int64_t i = 0; i < kGroup; ++i) {
-    values[i] = to_float(x[i]);
+    values[i] = widen(x[i]);
     amax = std::max(amax, std::fabs(values[i]));
   }
   float partial[16];
@@ -132,17 +129,6 @@ bool a8_products_available() {
 // Everything in this region runs only after a8_products_available() said yes.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 scales16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // One group of 32 inputs quantised (the vector form of quantise_group_portable).
 template <typename T>
@@ -220,7 +206,7 @@ inline void rows_over_groups(const Panels<S>& panels, const Quantised& xs, int64
 #pragma GCC unroll 3
     for (int p = 0; p < P; ++p) {
       const S* group = panels.group(p0 + p, g);
-      const __m512 scale = scales16(group), offset = scales16(group + kPanel);
+      const __m512 scale = load16(group), offset = load16(group + kPanel);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m + r) * groups + g;

@@ -87,11 +87,6 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T0);
 }
 
-inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 scales16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // The tables below are constant data, never computed at load time: code that runs when
 // the library loads must not hold AVX512 instructions, which this region may emit.
 
@@ -160,8 +155,8 @@ struct Int4Panels {
   const S* scales;       // [P, K / 32, 2, 16]
   int64_t in_features;
   const int32_t* words(int64_t p, int64_t b) const { return codes + (p * in_features / 8 + b) * kPanel; }
-  __m512 scale(int64_t p, int64_t g) const { return scales16(scales + ((p * in_features / kGroup + g) * 2) * kPanel); }
-  __m512 offset(int64_t p, int64_t g) const { return scales16(scales + ((p * in_features / kGroup + g) * 2 + 1) * kPanel); }
+  __m512 scale(int64_t p, int64_t g) const { return load16(scales + ((p * in_features / kGroup + g) * 2) * kPanel); }
+  __m512 offset(int64_t p, int64_t g) const { return load16(scales + ((p * in_features / kGroup + g) * 2 + 1) * kPanel); }
   // Asks for the codes and scales of the chunk [k0, k0 + len) of panel p.
   void prefetch_chunk(int64_t p, int64_t k0, int64_t len) const {
     prefetch(words(p, k0 / 8), len / 8 * kPanel * sizeof(int32_t));
@@ -206,7 +201,7 @@ struct Int8Panels {
   const S* scales;      // [P, K / 32, 16]
   int64_t in_features;
   const int8_t* input(int64_t p, int64_t k) const { return codes + (p * in_features + k) * kPanel; }
-  __m512 scale(int64_t p, int64_t g) const { return scales16(scales + (p * in_features / kGroup + g) * kPanel); }
+  __m512 scale(int64_t p, int64_t g) const { return load16(scales + (p * in_features / kGroup + g) * kPanel); }
   __m512 offset(int64_t, int64_t) const { return _mm512_setzero_ps(); }
   void prefetch_chunk(int64_t p, int64_t k0, int64_t len) const {
     prefetch(input(p, k0), len * kPanel);
@@ -321,13 +316,10 @@ void block(const Panels& panels, int64_t panel_count, const Rows& rows, int64_t 
 // the lanes reduced), so that a row's sums never depend on the other rows.
 void group_sums(const uint16_t* x, int64_t count, int64_t in_features, float* out) {
   const int64_t groups = in_features / kGroup;
-  const auto widen = [](const uint16_t* half) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  };
+  const auto* values = reinterpret_cast<const c10::BFloat16*>(x);
   for (int64_t i = 0; i < count * groups; ++i) {
-    const uint16_t* p = x + i * kGroup;
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(widen(p), widen(p + 16)));
+    const c10::BFloat16* p = values + i * kGroup;
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(load16(p), load16(p + 16)));
   }
 }
 
