@@ -1,5 +1,6 @@
-"""Fixtures shared by the test folders: a tiny random chat model the benchmarks (the
-packaged throughput benchmark, cellbatch.bench, and the scripts of benchmarks/) run on."""
+"""Fixtures shared by the test folders: torch's thread count put back after every test,
+and a tiny random chat model the benchmarks (the packaged throughput benchmark,
+cellbatch.bench, and the scripts of benchmarks/) run on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import pytest
 import torch
 
 from cellbatch.bench.workload import CHAT_PROMPTS
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """An engine sets torch's thread count for the whole process (`threads=`): put it back
+    after each test, so that no test runs on a count an earlier one happened to leave."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -106,10 +106,24 @@ def rope_store_torch(
     v_cache.index_copy_(0, cells, v[:stored].to(v_cache.dtype))
 
 
+# ATen runs an elementwise op over more elements than this (at::internal::GRAIN_SIZE) on
+# several threads, cutting the flat range wherever the count falls; the piece of a cut row
+# that ends a thread's share goes through the vectorised loop's scalar tail, whose exp
+# rounds differently from the vector one. A block of at most this many elements runs on
+# one thread, where every row takes the same path whatever its place in the step.
+ELEMENTWISE_GRAIN = 32768
+
+
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """[rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up."""
+    """[rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up, a row's result independent
+    of the other rows and of the thread count (blocks of ELEMENTWISE_GRAIN)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = torch.empty_like(up, memory_format=torch.contiguous_format)
+    block = max(1, ELEMENTWISE_GRAIN // gate.shape[-1])
+    for start in range(0, gate.shape[0], block):
+        rows = slice(start, start + block)
+        torch.mul(F.silu(gate[rows]), up[rows], out=out[rows])
+    return out
 
 
 _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
