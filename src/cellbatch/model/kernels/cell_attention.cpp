@@ -8,7 +8,10 @@
 // float32 is widened a tile at a time, each cell's K and V rows whole (every KV head: one
 // contiguous read per cell), before the KV heads run over them: read a head at a time, the
 // rows were strided reads that left a 32-row decode step's attention waiting on memory
-// (768 -> 394-414 us a layer, 32 sequences of 150 tokens, bf16).
+// (768 -> 394-414 us a layer, 32 sequences of 150 tokens, bf16). While a cell is widened,
+// the cell kAhead positions on is asked for, unless it follows its predecessor in the pool
+// (a decode step's cells do not: each sequence's next cell is a step later): 465 -> 380
+// us a layer on 30 layers' caches that do not fit the L3.
 // Promises: a query's output depends only on its own query vector and the K/V of its own
 // visible cells, computed in a fixed order: tiles are aligned on absolute key positions,
 // each score is one chain of fused multiply-adds over the head dimension, and every sum
@@ -57,6 +60,9 @@ using cellbatch::widen;
 // part of the numerics: changing it changes results by rounding, never their invariance).
 // 64 rather than 32 halves the per-tile bookkeeping of each score row.
 constexpr int64_t kKeyTile = 64;
+// How many cells ahead of the one being widened a bf16 or fp16 cache row is prefetched
+// (4, 8 and 16 measured alike; 8 a little ahead).
+constexpr int64_t kAhead = 8;
 constexpr int64_t kTileVectors = kKeyTile / kLanes;
 // Keys transposed at a time (at::vec's 8 x 8 float transpose).
 constexpr int64_t kTransposeRows = 8;
@@ -134,14 +140,17 @@ inline void tile_scores_part(const float* q, int64_t dim, const float* keys_t, i
     for (int c = 0; c < NC; ++c) acc[r][c].store(scores + r * kKeyTile + (c0 + c) * kLanes);
 }
 
-// The scores of keys [a, b) of the tile (and of neighbours that share their parts).
+// The scores of keys [a, b) of the tile (and of the other keys of their vectors), up to
+// four vectors at a time: a sequence's last tile is seldom full.
 template <int R>
 inline void tile_scores(const float* q, int64_t dim, const float* keys_t, int64_t a, int64_t b,
                         float* scores) {
   constexpr int kPart = kTileVectors < 4 ? kTileVectors : 4;
-  static_assert(kTileVectors % kPart == 0);
-  for (int64_t c0 = a / (kPart * kLanes) * kPart; c0 * kLanes < b; c0 += kPart)
-    tile_scores_part<R, kPart>(q, dim, keys_t, c0, scores);
+  const int64_t end = (b + kLanes - 1) / kLanes;
+  for (int64_t c0 = a / kLanes; c0 < end; c0 += kPart)
+    cellbatch::with_count<kPart>(std::min<int64_t>(kPart, end - c0), [&](auto n) {
+      tile_scores_part<R, decltype(n)::value>(q, dim, keys_t, c0, scores);
+    });
 }
 
 // acc[r][d0, d0 + NV * kLanes) += sum over keys j in [j0, j1), ascending, of
@@ -211,11 +220,17 @@ struct CellAttention {
 
   // Widens the tile's K and V rows j in [a, b) (tile-relative), every KV head of a cell at
   // once: a cell's K (or V) is one contiguous row of kv_heads x dim, read once and in
-  // order, where reading it a head at a time strode through it three times.
-  void stage_tile(const int64_t* seq_cells, int64_t t0, int64_t a, int64_t b, Scratch& s) const {
+  // order, where reading it a head at a time strode through it three times. The rows of
+  // the block's keys up to `end` (absolute) are prefetched kAhead cells ahead.
+  void stage_tile(const int64_t* seq_cells, int64_t t0, int64_t a, int64_t b, int64_t end,
+                  Scratch& s) const {
     const int64_t width = kv_width();
     for (int64_t j = a; j < b; ++j) {
-      const int64_t cell = seq_cells[t0 + j];
+      const int64_t cell = seq_cells[t0 + j], ahead = t0 + j + kAhead;
+      if (ahead < end && seq_cells[ahead] != seq_cells[ahead - 1] + 1) {
+        prefetch_row(k_cache + seq_cells[ahead] * width, width);
+        prefetch_row(v_cache + seq_cells[ahead] * width, width);
+      }
       load_row<T>(k_cache + cell * width, s.tile_keys.data() + j * width, width);
       load_row<T>(v_cache + cell * width, s.tile_values.data() + j * width, width);
     }
@@ -357,14 +372,14 @@ struct CellAttention {
     const int64_t last_tile = (block_hi - 1) / kKeyTile * kKeyTile;
     for (int64_t t0 = block_lo / kKeyTile * kKeyTile; t0 <= last_tile; t0 += kKeyTile) {
       const int64_t a = std::max(t0, block_lo) - t0, b = std::min(t0 + kKeyTile, block_hi) - t0;
-      if (t0 < last_tile) {
+      if (kDirect && t0 < last_tile) {  // (stage_tile prefetches for the other caches)
         for (int64_t j = t0 + kKeyTile; j < std::min(t0 + 2 * kKeyTile, block_hi); ++j) {
           if (seq_cells[j] == seq_cells[j - 1] + 1) continue;
           prefetch_row(k_cache + seq_cells[j] * kv_width(), kv_width());
           prefetch_row(v_cache + seq_cells[j] * kv_width(), kv_width());
         }
       }
-      if constexpr (!kDirect) stage_tile(seq_cells, t0, a, b, s);
+      if constexpr (!kDirect) stage_tile(seq_cells, t0, a, b, block_hi, s);
       for (int64_t g = 0; g < kv_heads; ++g) {
         const int64_t base = g * group_rows;
         load_keys(seq_cells, t0, a, b, g, s);
