@@ -166,6 +166,7 @@ PRODUCT_KERNELS = (
     "int4 bf16",
     "int8 bf16",
     "int4 a8",
+    "int8 a8",
     "aten int4",
     "aten int8",
 )
@@ -191,9 +192,14 @@ def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
         fmt, *activations = kernel.split()
         table = ops.table(ops.NAMESPACE)
         op = table.int4_matmul if fmt == "int4" else table.int8_matmul
-        codes, scales = quantized.pack(quantized.from_float(weight, fmt))
+        held = quantized.from_float(weight, fmt)
         if activations == ["a8"]:  # bf16 activations quantised to int8 per group
+            if isinstance(held, quantized.Int8Weight):
+                codes, scales = quantized.pack_a8(held)
+                return lambda x: table.int8_matmul_a8(x.bfloat16(), codes, scales, n)
+            codes, scales = quantized.pack(held)
             return lambda x: table.int4_matmul_a8(x.bfloat16(), codes, scales, n)
+        codes, scales = quantized.pack(held)
         if activations:  # bf16 activations: the bf16 products where the CPU has them
             return lambda x: op(x.bfloat16(), codes, scales, n)
         return lambda x: op(x, codes, scales, n)
@@ -211,10 +217,10 @@ def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
 def _as_run(kernel: str, name: str) -> str:
     """The kernel a model whose products are `kernel` runs product `name` with: the int4
     format keeps its LM head in int8, and int8 activations take only the products of
-    quantized.A8_PROJECTIONS."""
-    from cellbatch.model.quantized import A8_PROJECTIONS
+    quantized.A8_PRODUCTS."""
+    from cellbatch.model.quantized import A8_PRODUCTS
 
-    if kernel == "int4 a8" and name not in A8_PROJECTIONS:
+    if kernel == "int4 a8" and name not in A8_PRODUCTS:
         kernel = "int4 bf16"
     return kernel.replace("int4", "int8") if name == "lm_head" else kernel
 

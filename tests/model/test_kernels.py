@@ -164,13 +164,17 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "int4_matmul": quantized_inputs("int4", dtype, generator),
         "int4_matmul_a8": quantized_inputs("int4", dtype, generator),
         "int8_matmul": quantized_inputs("int8", dtype, generator),
+        "int8_matmul_a8": quantized_inputs("int8", dtype, generator, a8=True),
     }
 
 
-def quantized_inputs(fmt: str, dtype: torch.dtype, generator: torch.Generator) -> tuple:
-    """x [3, 5, 64] and a 20 x 64 weight in `fmt`'s panels."""
+def quantized_inputs(
+    fmt: str, dtype: torch.dtype, generator: torch.Generator, a8: bool = False
+) -> tuple:
+    """x [3, 5, 64] and a 20 x 64 weight in `fmt`'s panels (int8 for int8_matmul_a8: its own)."""
     weight = quantized.from_float(torch.randn(20, 64, generator=generator), fmt)
-    return (torch.randn(3, 5, 64, generator=generator).to(dtype), *quantized.pack(weight), 20)
+    packed = quantized.pack_a8(weight) if a8 else quantized.pack(weight)
+    return (torch.randn(3, 5, 64, generator=generator).to(dtype), *packed, 20)
 
 
 @pytest.mark.parametrize("name", list(model_ops.SCHEMAS))

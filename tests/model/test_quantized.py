@@ -182,7 +182,9 @@ needs_bf16_products = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("op_name", ["int8_matmul", "int4_matmul", "int4_matmul_a8"])
+@pytest.mark.parametrize(
+    "op_name", ["int8_matmul", "int4_matmul", "int4_matmul_a8", "int8_matmul_a8"]
+)
 @pytest.mark.parametrize(
     "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_products)]
 )
@@ -191,12 +193,13 @@ def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_thread
 ) -> None:
     """fp32: calls of up to 3 rows over weights in registers, else row blocks of 6 over a
     buffer; bf16 (the bf16 products): up to 3 rows converting the codes in registers, else
-    row blocks of 8 over a buffer; int8 activations (int4_matmul_a8, either dtype): up to 3
-    rows splitting the codes in registers, else row blocks of 4 over a buffer; all in
+    row blocks of 8 over a buffer; int8 activations (the _a8 products, either dtype): up to
+    3 rows making the operands in registers, else row blocks of 4 over a buffer; all in
     chunks of 64 rows, threads splitting the panels."""
     fmt = op_name.split("_")[0]
     weight = _weight(fmt, 1000, 1536)  # 63 panels, the last part-filled; 6 chunks of inputs
-    codes, scales = quantized.pack(weight)
+    a8_int8 = op_name == "int8_matmul_a8"
+    codes, scales = quantized.pack_a8(weight) if a8_int8 else quantized.pack(weight)
     op = getattr(compiled_ops, op_name)
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(150, 1536, generator=generator).to(dtype)

@@ -1,9 +1,10 @@
-"""int4 products with int8 activations (`cellbatch::int4_matmul_a8`, kernels/quantized_a8.cpp,
-and quantized.resolve_activations): the activations are quantised as documented, the
-compiled op and its torch implementation compute the product of the quantised activations,
-the choice reaches only the projections it names, and a bad choice fails before anything
-loads. (That a row's result depends on neither the other rows nor the thread count is
-test_quantized.py's test, for every compiled product.)"""
+"""Quantised products with int8 activations (`cellbatch::int4_matmul_a8` and
+`int8_matmul_a8`, kernels/quantized_a8.cpp, and quantized.resolve_activations): the
+activations are quantised as documented, the compiled ops and their torch implementations
+compute the product of the quantised activations, the choice reaches only the products it
+names, and a bad choice fails before anything loads. (That a row's result depends on
+neither the other rows nor the thread count is test_quantized.py's test, for every
+compiled product.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from cellbatch.model import ops, quantized, quantized_torch
 from cellbatch.model.loading import load_model
-from cellbatch.model.quantized import A8_PROJECTIONS, QuantizedLinear
+from cellbatch.model.quantized import A8_PRODUCTS, QuantizedLinear
 from cellbatch.types import InvalidArgumentError
 
 
@@ -23,6 +24,13 @@ def _int4(rows: int, cols: int, size: float = 0.05) -> quantized.Int4Weight:
     )
     weight = quantized.from_float(weight * size, "int4")
     assert isinstance(weight, quantized.Int4Weight)
+    return weight
+
+
+def _int8(rows: int, cols: int, size: float = 0.05) -> quantized.Int8Weight:
+    generator = torch.Generator().manual_seed(0)
+    weight = quantized.from_float(torch.randn(rows, cols, generator=generator) * size, "int8")
+    assert isinstance(weight, quantized.Int8Weight)
     return weight
 
 
@@ -46,62 +54,108 @@ def test_activations_are_quantised_per_group_of_32() -> None:
     assert torch.allclose(sums, groups.sum(-1))
 
 
+def test_int8_panels_for_int8_activations_hold_four_inputs_per_lane() -> None:
+    weight = _int8(37, 64)
+    codes, scales = quantized.pack_a8(weight)
+    assert codes.shape == (3, 16, 16, 4) and codes.dtype == torch.int8
+    # Output 16 p + c's codes for inputs 4j .. 4j + 3 lie at [p, j, c].
+    assert torch.equal(codes[1, 5, 3], weight.codes[19, 20:24])
+    assert not codes[2, :, 5:].any()  # outputs 37.. pad the last panel
+    assert torch.equal(scales, quantized.pack(weight)[1])
+    with pytest.raises(ValueError, match="groups of 32"):
+        quantized.pack_a8(quantized.from_float(torch.randn(4, 40), "int8"))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize(("rows", "cols"), [(37, 64), (200, 96), (1000, 576)])
 @pytest.mark.parametrize(("size", "scale_dtype"), [(0.05, torch.float16), (1e-7, torch.float32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_product_is_that_of_the_quantised_activations(
-    compiled_ops, torch_ops, rows, cols, size, scale_dtype, dtype
+    compiled_ops, torch_ops, fmt, rows, cols, size, scale_dtype, dtype
 ) -> None:
     """Both implementations, for 1..70 rows (the few-row path, the buffered one and their
     remainders) and outputs in a part-filled block of panels: within float32 sums (and
-    the result's bf16 rounding) of the float64 product w = q s + o, the scaled codes times
-    the dequantised activations and the offsets times the activations."""
-    weight = _int4(rows, cols, size)
-    codes, scales = quantized.pack(weight)
+    the result's bf16 rounding) of the float64 product, the scaled codes times the
+    dequantised activations (int4, w = q s + o: and the offsets times the activations)."""
+    weight = _int4(rows, cols, size) if fmt == "int4" else _int8(rows, cols, size)
+    codes, scales = quantized.pack(weight) if fmt == "int4" else quantized.pack_a8(weight)
     assert scales.dtype == scale_dtype
     x = _inputs(70, cols, dtype)
     x_codes, x_scales, _ = quantized_torch.quantize_activations(x)
     dequantised = (x_codes.double() * x_scales.double()[..., None]).flatten(-2)
     dense = weight.dequantize().double()
-    # The offsets multiply the group's sum of the inputs as they are, the scaled codes the
-    # quantised inputs.
-    offsets = weight.offset.double().repeat_interleave(32, dim=1)
-    reference = dequantised @ (dense - offsets).t() + x.double() @ offsets.t()
+    if isinstance(weight, quantized.Int4Weight):
+        # The offsets multiply the group's sum of the inputs as they are, the scaled codes
+        # the quantised inputs.
+        offsets = weight.offset.double().repeat_interleave(32, dim=1)
+        reference = dequantised @ (dense - offsets).t() + x.double() @ offsets.t()
+    else:
+        reference = dequantised @ dense.t()
     magnitude = x.double().abs() @ dense.abs().t()
     rounding = 2.0**-8 if dtype == torch.bfloat16 else 0.0
     bound = reference.abs() * rounding + 4 * cols * torch.finfo(torch.float32).eps * magnitude
     for table in (compiled_ops, torch_ops):
+        op = table.int4_matmul_a8 if fmt == "int4" else table.int8_matmul_a8
         for count in (1, 2, 3, 4, 5, 8, 31, 64, 65, 70):
-            got = table.int4_matmul_a8(x[:count], codes, scales, rows)
+            got = op(x[:count], codes, scales, rows)
             assert got.shape == (count, rows) and got.dtype == dtype
             assert ((got.double() - reference[:count]).abs() <= bound[:count]).all(), count
 
 
 def test_int8_activations_stay_near_the_float_product(compiled_ops) -> None:
-    weight = _int4(576, 1536)
-    codes, scales = quantized.pack(weight)
     x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(4))
-    got = compiled_ops.int4_matmul_a8(x, codes, scales, 576)
-    expected = x @ weight.dequantize().t()
-    assert ((got - expected).norm() / expected.norm()).item() < 0.02
+    int4, int8 = _int4(576, 1536), _int8(576, 1536)
+    for weight, op, packed in (
+        (int4, compiled_ops.int4_matmul_a8, quantized.pack(int4)),
+        (int8, compiled_ops.int8_matmul_a8, quantized.pack_a8(int8)),
+    ):
+        got = op(x, *packed, 576)
+        expected = x @ weight.dequantize().t()
+        assert ((got - expected).norm() / expected.norm()).item() < 0.02
 
 
-def test_the_compiled_op_refuses_what_it_cannot_multiply(compiled_ops) -> None:
-    codes, scales = quantized.pack(_int4(40, 64))
-    with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 64\]"):
-        compiled_ops.int4_matmul_a8(torch.randn(2, 63), codes, scales, 40)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        compiled_ops.int4_matmul_a8(torch.randn(2, 64).double(), codes, scales, 40)
-    with pytest.raises(RuntimeError, match="cannot hold 100 outputs"):
-        compiled_ops.int4_matmul_a8(torch.randn(2, 64), codes, scales, 100)
+def test_the_compiled_ops_refuse_what_they_cannot_multiply(compiled_ops) -> None:
+    int4 = quantized.pack(_int4(40, 64))
+    int8 = quantized.pack_a8(_int8(40, 64))
+    for op, (codes, scales) in (
+        (compiled_ops.int4_matmul_a8, int4),
+        (compiled_ops.int8_matmul_a8, int8),
+    ):
+        with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 64\]"):
+            op(torch.randn(2, 63), codes, scales, 40)
+        with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+            op(torch.randn(2, 64).double(), codes, scales, 40)
+        with pytest.raises(RuntimeError, match="cannot hold 100 outputs"):
+            op(torch.randn(2, 64), codes, scales, 100)
+    # The int8 product's own layout, not int8_matmul's.
+    with pytest.raises(
+        RuntimeError, match=r"codes must be contiguous int8 \[panels, K / 4, 16, 4\]"
+    ):
+        compiled_ops.int8_matmul_a8(torch.randn(2, 64), *quantized.pack(_int8(40, 64)), 40)
 
 
-def test_torch_export_traces_the_product(compiled_ops) -> None:
-    linear = QuantizedLinear(_int4(40, 64), torch.randn(40), compiled_ops, "int8")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_torch_export_traces_the_product(compiled_ops, fmt) -> None:
+    weight = _int4(40, 64) if fmt == "int4" else _int8(40, 64)
+    linear = QuantizedLinear(weight, torch.randn(40), compiled_ops, "int8")
     x = torch.randn(5, 64)
     exported = torch.export.export(linear, (x,))
-    assert f"{ops.NAMESPACE}.int4_matmul_a8" in str(exported.graph)
+    assert f"{ops.NAMESPACE}.{fmt}_matmul_a8" in str(exported.graph)
     assert torch.equal(exported.module()(x), linear(x))
+
+
+def test_an_int8_weight_without_groups_of_32_keeps_float_activations(compiled_ops) -> None:
+    weight = quantized.from_float(torch.randn(40, 48), "int8")  # one scale per row
+    linear = QuantizedLinear(weight, None, compiled_ops, "int8")
+    assert linear.activations == "float" and linear.matmul == compiled_ops.int8_matmul
+
+
+def test_a_tied_head_with_int8_activations_still_embeds_exactly(compiled_ops) -> None:
+    weight = _int8(100, 64)
+    linear = QuantizedLinear(weight, None, compiled_ops, "int8")
+    embedding = quantized.QuantizedEmbedding(linear, torch.float32)
+    tokens = torch.tensor([[0, 17, 99], [5, 16, 31]])
+    assert torch.equal(embedding(tokens), weight.dequantize()[tokens])
 
 
 def test_auto_takes_int8_only_for_compiled_bf16_products_on_vnni(monkeypatch) -> None:
@@ -143,10 +197,12 @@ def test_int8_activations_reach_only_their_projections(
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             linear = getattr(layer, name)
-            assert linear.activations == ("int8" if name in A8_PROJECTIONS else "float"), name
-            expected = table.int4_matmul_a8 if name in A8_PROJECTIONS else table.int4_matmul
+            assert linear.activations == ("int8" if name in A8_PRODUCTS else "float"), name
+            expected = table.int4_matmul_a8 if name in A8_PRODUCTS else table.int4_matmul
             assert linear.matmul == expected, name
-    assert "(qkv, o_proj, gate_up with int8 activations)" in quantized.describe(model).format
+    assert model.lm_head.format == "int8" and model.lm_head.matmul == table.int8_matmul_a8
+    words = "(qkv, o_proj, gate_up, lm_head with int8 activations)"
+    assert words in quantized.describe(model).format
     _, floats = load_model(folder, "float32", kernel, "int4", activations="float")
     assert "int8 activations" not in quantized.describe(floats).format
     steps = [[(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12, 77, 3])], [(1, [70]), (0, [4])]]

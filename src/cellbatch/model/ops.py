@@ -1,6 +1,6 @@
 """The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store`,
-`silu_mul`, `int4_matmul`, `int4_matmul_a8` and `int8_matmul`, and the table of them a
-model calls.
+`silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul` and `int8_matmul_a8`, and the
+table of them a model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
 `cellbatch.model.attention.cell_attention_torch`, the quantised products' are in
@@ -34,6 +34,7 @@ from cellbatch.model.attention import cell_attention_torch
 from cellbatch.model.quantized_torch import (
     int4_matmul_a8_torch,
     int4_matmul_torch,
+    int8_matmul_a8_torch,
     int8_matmul_torch,
 )
 from cellbatch.types import InvalidArgumentError
@@ -63,6 +64,9 @@ SCHEMAS: dict[str, str] = {
     ),
     "int8_matmul": (
         "int8_matmul(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
+    ),
+    "int8_matmul_a8": (
+        "int8_matmul_a8(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
     ),
 }
 
@@ -134,6 +138,7 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "int4_matmul": int4_matmul_torch,
     "int4_matmul_a8": int4_matmul_a8_torch,
     "int8_matmul": int8_matmul_torch,
+    "int8_matmul_a8": int8_matmul_a8_torch,
 }
 
 
@@ -166,6 +171,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "int4_matmul": _matmul_fake,
     "int4_matmul_a8": _matmul_fake,
     "int8_matmul": _matmul_fake,
+    "int8_matmul_a8": _matmul_fake,
 }
 
 
@@ -203,6 +209,7 @@ class Ops:
     int4_matmul: Callable[..., torch.Tensor]
     int4_matmul_a8: Callable[..., torch.Tensor]
     int8_matmul: Callable[..., torch.Tensor]
+    int8_matmul_a8: Callable[..., torch.Tensor]
 
 
 def table(namespace: str) -> Ops:

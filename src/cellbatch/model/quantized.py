@@ -21,9 +21,10 @@ Promises:
   dequantising fallback pads its calls like the float path (quantized_torch).
 - Activations stay in the model's dtype (the compiled kernel computes float32 activations
   in float32, and bf16 ones, on CPUs with AVX512-BF16, with the bf16 dot-product
-  instructions), except where `resolve_activations` gives "int8": then the int4 products
-  of A8_PROJECTIONS quantise their inputs per group of 32 (`int4_matmul_a8`), as
-  llama.cpp's Q8_1 blocks do, and multiply with integer dot products (VPDPBUSD).
+  instructions), except where `resolve_activations` gives "int8": then the products of
+  A8_PRODUCTS quantise their inputs per group of 32 (`int4_matmul_a8`, and for the int8
+  head `int8_matmul_a8` over its own layout, `pack_a8`), as llama.cpp's Q8_1 blocks do,
+  and multiply with integer dot products (VPDPBUSD).
 Never: quantises norms, biases or RoPE tables; reads files (the loader hands it arrays).
 
 Kernels: with the compiled ops (kernels/quantized_matmul.cpp) a panel of 16 outputs is
@@ -45,11 +46,15 @@ weights 17.4 / 23.0 / 41.1 / 183. The torch ops (other devices, no compiled libr
 rebuild the float weight for each call: exact, available everywhere, slow.
 With int8 activations on a CPU with AVX512-VNNI (kernels/quantized_a8.cpp, same benchmark,
 `--rows 1,32,256`): 3.5 / 20.5 / 121 ms against the bf16 path's 4.2 / 27.5 / 191 and
-oneDNN's bf16 11.9 / 24.2 / 141, for the 30 layers' products. Their perplexity cost decided
-which products take them (`A8_PROJECTIONS`, `benchmarks/perplexity.py`): the inputs of qkv,
-o_proj and gate_up follow a norm or attention, and quantising them cost +0.13% together;
-down's inputs (silu(gate) * up) are heavy-tailed and cost +0.9% alone, so down keeps the
-model's dtype, as does the int8 LM head.
+oneDNN's bf16 11.9 / 24.2 / 141, for the 30 layers' products; the int8 LM head 0.63 / 4.15
+/ 29.0 against 0.71 / 6.14 / 44.4 on the bf16 path. Their perplexity cost decided which
+products take them (`A8_PRODUCTS`, `benchmarks/perplexity.py`, against the file's own
+dequantised model at 26.70): qkv, o_proj and gate_up, whose inputs follow a norm or
+attention, 26.89 (+0.72%); with the head too, 26.95 (+0.93%), the default, under the
+issue's 1% line but near it (its greedy agreement with fp32 moved from 1/32 to 2/32
+identical outputs, mean common prefix 14.4 -> 13.8 tokens); qkv, o_proj and the head
+alone 26.82 (+0.43%). down's inputs (silu(gate) * up) are heavy-tailed and cost +0.9%
+alone, so down keeps the model's dtype.
 """
 
 from __future__ import annotations
@@ -101,6 +106,9 @@ class ProductOps(Protocol):
     @property
     def int8_matmul(self) -> Callable[..., torch.Tensor]: ...
 
+    @property
+    def int8_matmul_a8(self) -> Callable[..., torch.Tensor]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +119,10 @@ GGUF_INT8_KINDS = frozenset({"Q8_0"})
 GGUF_FLOAT_KINDS = frozenset({"F32", "F16", "BF16", "F64"})
 _CHUNK_ROWS = 4096  # rows converted at a time: bounds the float32 scratch of a conversion
 PANEL = 16  # output features per panel of the kernels' layouts
-# The projections whose int4 products take int8 activations when those are chosen (see
-# the module's docstring for the measurement that chose them).
-A8_PROJECTIONS = ("qkv", "o_proj", "gate_up")
+# The products that take int8 activations when those are chosen: the int4 projections
+# named, and the int8 LM head (see the module's docstring for the measurement that chose
+# them).
+A8_PRODUCTS = ("qkv", "o_proj", "gate_up", "lm_head")
 
 
 def _checked(value: str, choices: tuple[str, ...], option: str, meaning: str) -> str:
@@ -144,7 +153,7 @@ def cpu_has_int8_products() -> bool:
 
 
 def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:
-    """What the int4 products of A8_PROJECTIONS do with their inputs: "int8" (quantised
+    """What the quantised products of A8_PRODUCTS do with their inputs: "int8" (quantised
     per group of 32) or "float" (the model's dtype). "auto" takes int8 with the compiled
     kernels on a CPU with AVX512-VNNI when the model computes in bf16 (the speed mode; a
     float32 model is asked for precision), else float."""
@@ -421,6 +430,18 @@ def pack(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return words.transpose(1, 2).contiguous(), _compact(scales.contiguous())
 
 
+def pack_a8(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight's (codes, scales) for `int8_matmul_a8`: codes int8 [P, K / 4, PANEL,
+    4], each output's codes four inputs together, the operand of VPDPBUSD; scales as
+    `pack`'s. Only for groups of GROUP_SIZE inputs (K a multiple of it)."""
+    cols = weight.shape[1]
+    if weight.scale.shape[1] * GROUP_SIZE != cols:
+        raise ValueError(f"int8 activations need groups of {GROUP_SIZE} inputs, not {cols}")
+    panels = _panels(weight.codes).view(-1, PANEL, cols // 4, 4)
+    _, scales = pack(weight)
+    return panels.permute(0, 2, 1, 3).contiguous(), scales
+
+
 def _compact(scales: torch.Tensor) -> torch.Tensor:
     """float32 scales as float16 if that holds them exactly."""
     half = scales.half()
@@ -436,10 +457,11 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
 
 class QuantizedLinear(nn.Module):
     """y = x w^T (+ bias) for an Int8Weight or Int4Weight, in the input's dtype, by the op
-    `int4_matmul` or `int8_matmul` of the model's ops table (`int4_matmul_a8` for an int4
-    weight with `activations` "int8"): the compiled kernel ("compiled"), or the torch
-    implementation that rebuilds the float weight for each call ("dequantize"). The weight
-    is held once, packed in the kernels' panel layout."""
+    `int4_matmul` or `int8_matmul` of the model's ops table (`int4_matmul_a8` or
+    `int8_matmul_a8` with `activations` "int8", which an int8 weight takes only in groups of
+    GROUP_SIZE inputs): the compiled kernel ("compiled"), or the torch implementation that
+    rebuilds the float weight for each call ("dequantize"). The weight is held once,
+    packed in its op's panel layout (`pack`, `pack_a8`)."""
 
     def __init__(
         self,
@@ -450,19 +472,24 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.format = weight.format
-        self.activations = activations if weight.format == "int4" else "float"
         self.out_features, self.in_features = weight.shape
+        grouped = isinstance(weight, Int4Weight) or (
+            weight.scale.shape[1] * GROUP_SIZE == self.in_features
+        )
+        self.activations = activations if grouped else "float"
         self.kernel = "compiled" if ops.kind == "compiled" else "dequantize"
         # The compiled kernel's rows do not depend on the call's other rows, so the model
         # need not pad its products (PackedTransformer.pack_linears).
         self.row_invariant = self.kernel == "compiled"
-        codes, scales = pack(weight)
+        a8 = self.activations == "int8"
+        if isinstance(weight, Int8Weight):
+            codes, scales = pack_a8(weight) if a8 else pack(weight)
+            self.matmul = ops.int8_matmul_a8 if a8 else ops.int8_matmul
+        else:
+            codes, scales = pack(weight)
+            self.matmul = ops.int4_matmul_a8 if a8 else ops.int4_matmul
         self.codes, self.scales = _param(codes), _param(scales)
         self.bias = None if bias is None else _param(bias.detach())
-        if self.format == "int8":
-            self.matmul = ops.int8_matmul
-        else:
-            self.matmul = ops.int4_matmul_a8 if self.activations == "int8" else ops.int4_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, self.codes, self.scales, self.out_features)
@@ -483,7 +510,10 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         panel, column = tokens // PANEL, tokens % PANEL
-        codes = self.codes[panel, :, column]  # [..., K]
+        # [..., K]: `pack`'s codes [P, K, PANEL], or `pack_a8`'s [P, K / 4, PANEL, 4]
+        codes = self.codes[panel, :, column]
+        if codes.dim() > tokens.dim() + 1:
+            codes = codes.flatten(-2)
         scales = self.scales[panel, :, column].float()  # [..., G]
         # torch leaves Tensor.unflatten unannotated.
         grouped: torch.Tensor = (
@@ -500,20 +530,23 @@ def install(
     "layers.{i}.{name}.weight" replaces that projection (its bias kept), "lm_head.weight"
     the head, "embed.weight" the embedding (and the head too, when tied). Their products
     use the model's ops table; with `activations` "int8" (resolve_activations' answer)
-    those of A8_PROJECTIONS quantise their inputs."""
+    those of A8_PRODUCTS quantise their inputs."""
+    head_takes = activations if "lm_head" in A8_PRODUCTS else "float"
     for target, weight in weights.items():
         path = target.removesuffix(".weight")
         if path == "embed":
-            linear = QuantizedLinear(weight, None, model.ops)
+            # A tied head's layout is the embedding's too (QuantizedEmbedding reads both).
+            tied = model.lm_head is None
+            linear = QuantizedLinear(weight, None, model.ops, head_takes if tied else "float")
             # setattr: the protocol reads these; the module takes the new submodules.
             setattr(model, "embed", QuantizedEmbedding(linear, model.dtype))  # noqa: B010
-            if model.lm_head is None:
+            if tied:
                 setattr(model, "lm_head", linear)  # noqa: B010
             continue
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, name)
-        takes = activations if name in A8_PROJECTIONS else "float"
+        takes = activations if name in A8_PRODUCTS else "float"
         linear = QuantizedLinear(weight, getattr(old, "bias", None), model.ops, takes)
         setattr(parent, name, linear)
 
@@ -545,8 +578,11 @@ def describe(model: DecoderModel) -> WeightsSummary:
     }
     main = formats["projections"]
     words = main + "".join(f", {role} {fmt}" for role, fmt in formats.items() if fmt != main)
-    if first is not None and getattr(getattr(first, "qkv", None), "activations", "") == "int8":
-        words += f" ({', '.join(A8_PROJECTIONS)} with int8 activations)"
+    products = {name: getattr(first, name, None) for name in A8_PRODUCTS}
+    products["lm_head"] = model.lm_head
+    with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
+    if with_a8:
+        words += f" ({', '.join(with_a8)} with int8 activations)"
     kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
     counted: set[int] = set()
     by_format: dict[str, int] = {}

@@ -1,13 +1,14 @@
-"""The torch implementations of the quantised products, `int4_matmul`, `int4_matmul_a8`
-and `int8_matmul` (cellbatch.model.ops registers them; the compiled kernels compute the same
-products, kernels/quantized_*.cpp), and the activation quantisation of `int4_matmul_a8`.
+"""The torch implementations of the quantised products, `int4_matmul`, `int4_matmul_a8`,
+`int8_matmul` and `int8_matmul_a8` (cellbatch.model.ops registers them; the compiled
+kernels compute the same products, kernels/quantized_*.cpp), and the activation
+quantisation of the `_a8` products.
 
 Owns: rebuilding a float weight from the kernels' panel layouts (cellbatch.model.quantized
 `pack`) for each call, and `quantize_activations`.
 Promises: int4_matmul and int8_matmul multiply with F.linear over the rebuilt weight, their
 calls padded to FALLBACK_MIN_ROWS rows so that a row's result does not depend on the other
-rows; int4_matmul_a8 quantises each row's inputs per group of 32 exactly as the compiled
-kernel does (the same float32 operations) and sums the groups' exact integer dot products,
+rows; the `_a8` products quantise each row's inputs per group of 32 exactly as the compiled
+kernel does (the same float32 operations) and sum the groups' exact integer dot products,
 scaled, in float32: the kernel's results to float rounding.
 Never: runs fast (these are the fallback on devices without the compiled kernels, and the
 reference the kernels are tested against).
@@ -99,6 +100,23 @@ def int4_matmul_a8_torch(
     dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
     scale, offset = scale[..., 0], offset[..., 0]  # [N, G]
     out = (dots * (scale[None] * x_scales[:, None, :]) + offset[None] * x_sums[:, None, :]).sum(-1)
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def int8_matmul_a8_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The op `int8_matmul_a8` in torch: x [..., K] quantised per group of 32
+    (`quantize_activations`) times the int8 panels of `quantized.pack_a8` (codes [P, K / 4,
+    PANEL, 4], scales [P, K / 32, PANEL]), y = sum over groups of dot * s * d, the dots exact."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_codes, x_scales, _ = quantize_activations(rows)
+    panels, quads = codes.shape[:2]
+    weight = codes.permute(0, 2, 1, 3).reshape(panels * PANEL, quads * 4)[:out_features]
+    weight_codes = weight.float().view(out_features, -1, GROUP_SIZE)
+    scale = scales.float().permute(0, 2, 1).reshape(panels * PANEL, -1)[:out_features]
+    dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
+    out = (dots * (scale[None] * x_scales[:, None, :])).sum(-1)
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 

@@ -38,13 +38,14 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// int4_matmul, int4_matmul_a8 and int8_matmul take the same arguments; each instantiation
+// int4_matmul, int4_matmul_a8, int8_matmul and int8_matmul_a8 take the same arguments; each instantiation
 // (one per op name) keeps its own op in its static.
 using QuantizedMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    int64_t);
 constexpr char kInt4Matmul[] = "cellbatch::int4_matmul";
 constexpr char kInt8Matmul[] = "cellbatch::int8_matmul";
 constexpr char kInt4MatmulA8[] = "cellbatch::int4_matmul_a8";
+constexpr char kInt8MatmulA8[] = "cellbatch::int8_matmul_a8";
 
 template <const char* kName>
 AOTITorchError quantized_matmul(AtenTensorHandle x, AtenTensorHandle codes,
@@ -93,6 +94,12 @@ AOTITorchError aoti_torch_cpu_int8_matmul(AtenTensorHandle x, AtenTensorHandle c
                                           AtenTensorHandle scales, int64_t out_features,
                                           AtenTensorHandle* ret0) {
   return quantized_matmul<kInt8Matmul>(x, codes, scales, out_features, ret0);
+}
+
+AOTITorchError aoti_torch_cpu_int8_matmul_a8(AtenTensorHandle x, AtenTensorHandle codes,
+                                             AtenTensorHandle scales, int64_t out_features,
+                                             AtenTensorHandle* ret0) {
+  return quantized_matmul<kInt8MatmulA8>(x, codes, scales, out_features, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_rope_store(AtenTensorHandle q, AtenTensorHandle k,

@@ -1,20 +1,27 @@
-// The int4 products with activations quantised to int8: `cellbatch::int4_matmul_a8`, for
-// the int4 panels of quantized_matmul.cpp and float32 or bfloat16 activations x [M, K].
+// The quantised products with activations quantised to int8: `cellbatch::int4_matmul_a8`
+// for the int4 panels of quantized_matmul.cpp and `cellbatch::int8_matmul_a8` for int8
+// panels laid out for it, with float32 or bfloat16 activations x [M, K].
 //
 // Owns: the quantisation of each row's inputs and the products over it. Per row and group
 // g of 32 inputs (the weights' groups), as llama.cpp's Q8_1 blocks hold them:
 //   amax = max |x|,  d = amax / 127,  xq = round_half_even(x * (127 / amax))  (0 if amax 0)
 //   sx = the group's sum of x (float32, a fixed order)
-// and then, for each output n with the group's scale s and offset o (w = q s + o):
-//   y = chain over g in input order of: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
+// and then, for each output n with the group's scale s (int4: and offset o, w = q s + o):
+//   int4: y = chain over g in input order of: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
+//   int8: y = chain over g in input order of: t = fma(float(dot), s * d, t)
 // where dot = sum(q xq) over the group, exact in int32. So a row costs 8 VPDPBUSD per
 // group of 32 inputs and 16 outputs (64 products each, four times the fp32 FMA's and
-// twice VDPBF16PS's) and 4 instructions to bring the scales in.
-// Calls of up to 3 rows split the code words into bytes in registers; larger ones split
-// 256 inputs of a block of three panels once into a buffer that stays in L1 and run the
-// rows over it, 4 at a time, while the next chunk's codes are prefetched. Byte j of
-// (word & 0x0F0F0F0F) is input 8b + 2j and of (word >> 4 & 0x0F0F0F0F) input 8b + 2j + 1,
-// so the quantised inputs are stored in that order (within each 8: 0, 2, 4, 6, 1, 3, 5, 7).
+// twice VDPBF16PS's) and a few instructions to bring the scales in. VPDPBUSD multiplies
+// unsigned bytes by signed ones: int4 codes are unsigned already; an int8 code goes in as
+// code + 128 and the group's dot product gives back 128 sum(xq), exactly.
+// Operands: int4 code words are split into bytes, byte j of (word & 0x0F0F0F0F) being
+// input 8b + 2j and of (word >> 4 & 0x0F0F0F0F) input 8b + 2j + 1, so for int4 the
+// quantised inputs are stored in that order (within each 8: 0, 2, 4, 6, 1, 3, 5, 7); int8
+// panels hold each output's codes four inputs to a 32-bit lane ([P, K / 4, 16, 4]), and
+// the inputs keep their own order. Calls of up to 3 rows make the operands in registers;
+// larger ones make those of 256 inputs of a block of three panels once, into a buffer
+// that stays in L1, and run the rows over it, 4 at a time, while the next chunk's codes
+// are prefetched.
 // Promises: y[m, n] is the same chain over the same values whatever the other rows of x,
 // the path their count takes and the thread count (batch invariance); a row's
 // quantisation reads only that row. CPUs without AVX512-VNNI run a portable loop over the
@@ -57,20 +64,26 @@ constexpr int64_t kRowChunk = 64;  // rows per pass over a block: their inputs s
 constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 3 KiB ahead per panel
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
-// Each row's quantised inputs: q [M, K] (in the byte order above), d and sx [M, K / 32].
+// Each row's quantised inputs: q [M, K] (in the byte order of the weights' format), d, sx
+// and qsum (the sum of the group's q: int8 weights' correction) [M, K / 32].
 struct Quantised {
   std::vector<int8_t> q;
   std::vector<float> d, sx;
+  std::vector<int32_t> qsum;
   int64_t in_features = 0;
 };
 
-// The position of input i of a group of 8 in the quantised order (0, 2, 4, 6, 1, 3, 5, 7).
-constexpr int64_t quantised_slot(int64_t i) { return (i % 2) * 4 + i / 2; }
+// The position of input i of a group of 8 in the quantised order: for int4 weights (0, 2,
+// 4, 6, 1, 3, 5, 7), for int8 ones the inputs' own.
+template <bool kInt4>
+constexpr int64_t quantised_slot(int64_t i) {
+  return kInt4 ? (i % 2) * 4 + i / 2 : i;
+}
 
 // One group of 32 inputs quantised in portable code: the reference for the vector path,
 // summed in the order _mm512_reduce_add_ps takes ((i, i + 16), then halves: 8, 4, 2, 1).
-template <typename T>
-void quantise_group_portable(const T* x, int8_t* q, float* d, float* sx) {
+template <bool kInt4, typename T>
+void quantise_group_portable(const T* x, int8_t* q, float* d, float* sx, int32_t* qsum) {
   float values[kGroup], amax = 0.0f;
   for (int64_t i = 0; i < kGroup; ++i) {
     values[i] = widen(x[i]);
@@ -83,13 +96,15 @@ void quantise_group_portable(const T* x, int8_t* q, float* d, float* sx) {
   *sx = partial[0];
   *d = amax / 127.0f;
   const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *qsum = 0;
   for (int64_t i = 0; i < kGroup; ++i) {
-    const float scaled = std::nearbyint(values[i] * inverse);
-    q[8 * (i / 8) + quantised_slot(i % 8)] = static_cast<int8_t>(std::clamp(scaled, -127.0f, 127.0f));
+    const float scaled = std::clamp(std::nearbyint(values[i] * inverse), -127.0f, 127.0f);
+    q[8 * (i / 8) + quantised_slot<kInt4>(i % 8)] = static_cast<int8_t>(scaled);
+    *qsum += static_cast<int32_t>(scaled);
   }
 }
 
-// The portable product for rows [m0, m1) and panels [p0, p1): the same chain per output.
+// The portable products for rows [m0, m1) and panels [p0, p1): the same chain per output.
 template <typename S, typename T>
 void product_portable(const Quantised& xs, const int32_t* codes, const S* scales, int64_t m0,
                       int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
@@ -104,12 +119,32 @@ void product_portable(const Quantised& xs, const int32_t* codes, const S* scales
             const uint32_t word = static_cast<uint32_t>(codes[(p * in_features / 8 + b) * kPanel + c]);
             for (int64_t i = 0; i < 8; ++i)
               dot += static_cast<int32_t>((word >> (4 * i)) & 15u) *
-                     xs.q[m * in_features + 8 * b + quantised_slot(i)];
+                     xs.q[m * in_features + 8 * b + quantised_slot<true>(i)];
           }
           const S* group = scales + ((p * groups + g) * 2) * kPanel;
           const float scale = static_cast<float>(group[c]) * xs.d[m * groups + g];
           total = std::fma(static_cast<float>(dot), scale, total);
           total = std::fma(static_cast<float>(group[kPanel + c]), xs.sx[m * groups + g], total);
+        }
+        y[m * out_features + p * kPanel + c] = static_cast<T>(total);
+      }
+}
+
+template <typename S, typename T>
+void product_portable(const Quantised& xs, const int8_t* codes, const S* scales, int64_t m0,
+                      int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
+  const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < out_features; ++c) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t dot = 0;
+          for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+            dot += static_cast<int32_t>(codes[((p * in_features + k) / 4 * kPanel + c) * 4 + k % 4]) *
+                   xs.q[m * in_features + k];
+          const float scale = static_cast<float>(scales[(p * groups + g) * kPanel + c]) * xs.d[m * groups + g];
+          total = std::fma(static_cast<float>(dot), scale, total);
         }
         y[m * out_features + p * kPanel + c] = static_cast<T>(total);
       }
@@ -131,48 +166,93 @@ bool a8_products_available() {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
 // One group of 32 inputs quantised (the vector form of quantise_group_portable).
-template <typename T>
-void quantise_group(const T* x, int8_t* q, float* d, float* sx) {
+template <bool kInt4, typename T>
+void quantise_group(const T* x, int8_t* q, float* d, float* sx, int32_t* qsum) {
   const __m512 low = load16(x), high = load16(x + 16);
   *sx = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
   *d = amax / 127.0f;
   const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  const __m128i q_low = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(low, inverse)));
-  const __m128i q_high = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(high, inverse)));
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q_low), q_high, 1);
-  // Within each 8 bytes: 0, 2, 4, 6, 1, 3, 5, 7 (both 128-bit lanes alike).
-  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
-                                         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(both, order));
+  // |x| <= amax, so every product rounds into [-127, 127]: the narrowing never saturates.
+  const __m512i i_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+  const __m512i i_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+  *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(i_low, i_high));
+  const __m256i both = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm512_cvtsepi32_epi8(i_low)), _mm512_cvtsepi32_epi8(i_high), 1);
+  if constexpr (kInt4) {
+    // Within each 8 bytes: 0, 2, 4, 6, 1, 3, 5, 7 (both 128-bit lanes alike).
+    const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(both, order));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), both);
+  }
 }
 
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* start = static_cast<const char*>(p);
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(start + at, _MM_HINT_T0);
+}
+
+// A format's panels, as the products read them: codes(p, b, h), the VPDPBUSD operand
+// (unsigned bytes, four inputs of each of the panel's 16 outputs per 32-bit lane) for
+// inputs 8b + 4h .. 8b + 4h + 3 of panel p, in the order the quantised inputs are stored;
+// group(p, g), the group's 16 scales (int4: then its 16 offsets).
 template <typename S>
-struct Panels {
+struct Int4Panels {
+  static constexpr bool kInt4 = true;
   const int32_t* codes;  // [P, K / 8, 16]
   const S* scales;       // [P, K / 32, 2, 16]
   int64_t in_features;
   const int32_t* words(int64_t p, int64_t b) const { return codes + (p * in_features / 8 + b) * kPanel; }
   const S* group(int64_t p, int64_t g) const { return scales + ((p * in_features / kGroup + g) * 2) * kPanel; }
+  // Byte j of the low nibbles is input 8b + 2j, of the high ones 8b + 2j + 1.
+  __m512i operand(int64_t p, int64_t b, int h) const {
+    const __m512i word = _mm512_loadu_si512(words(p, b)), nibble = _mm512_set1_epi8(0x0F);
+    return h == 0 ? _mm512_and_si512(word, nibble) : _mm512_and_si512(_mm512_srli_epi32(word, 4), nibble);
+  }
+  void prefetch_ahead(int64_t p, int64_t b, int h) const {
+    if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(words(p, b + kPrefetchWords)), _MM_HINT_T0);
+  }
   void prefetch_chunk(int64_t p, int64_t k0, int64_t len) const {
-    const char* w = reinterpret_cast<const char*>(words(p, k0 / 8));
-    for (int64_t at = 0; at < len / 8 * kPanel * 4; at += 64) _mm_prefetch(w + at, _MM_HINT_T0);
-    const char* s = reinterpret_cast<const char*>(group(p, k0 / kGroup));
-    for (int64_t at = 0; at < len / kGroup * 2 * kPanel * int64_t(sizeof(S)); at += 64)
-      _mm_prefetch(s + at, _MM_HINT_T0);
+    prefetch(words(p, k0 / 8), len / 8 * kPanel * 4);
+    prefetch(group(p, k0 / kGroup), len / kGroup * 2 * kPanel * int64_t(sizeof(S)));
   }
 };
 
-// A block's codes split into bytes: for each word b of the chunk and panel, (low, high).
+// int8 codes are signed: the operand is code + 128 (the sign bit flipped), and the
+// product takes 128 times the inputs' sum back off each group's dot product.
+template <typename S>
+struct Int8Panels {
+  static constexpr bool kInt4 = false;
+  const int8_t* codes;  // [P, K / 4, 16, 4]
+  const S* scales;      // [P, K / 32, 16]
+  int64_t in_features;
+  const int8_t* quad(int64_t p, int64_t j) const { return codes + (p * in_features / 4 + j) * 4 * kPanel; }
+  const S* group(int64_t p, int64_t g) const { return scales + (p * in_features / kGroup + g) * kPanel; }
+  __m512i operand(int64_t p, int64_t b, int h) const {
+    return _mm512_xor_si512(_mm512_loadu_si512(quad(p, 2 * b + h)), _mm512_set1_epi8(-128));
+  }
+  void prefetch_ahead(int64_t p, int64_t b, int h) const {
+    _mm_prefetch(reinterpret_cast<const char*>(quad(p, 2 * (b + kPrefetchWords) + h)), _MM_HINT_T0);
+  }
+  void prefetch_chunk(int64_t p, int64_t k0, int64_t len) const {
+    prefetch(quad(p, k0 / 4), len * kPanel);
+    prefetch(group(p, k0 / kGroup), len / kGroup * kPanel * int64_t(sizeof(S)));
+  }
+};
+
+// A chunk of a block's operands: for inputs 8b .. 8b + 7 of the chunk and each panel,
+// operand(p, b, 0) and operand(p, b, 1).
 struct alignas(64) Buffer {
   int32_t bytes[kChunk / 8][kBlock][2][kPanel];
 };
 
-// R rows from m times panels p0 .. p0 + P - 1 over groups [g0, g1), the split codes of
-// word b, half h of panel p from split(b, p, h); sums[r][16 P] continue from group g0
+// R rows from m times panels p0 .. p0 + P - 1 over groups [g0, g1), the operand of
+// inputs 8b + 4h .. of panel p from split(b, p, h); sums[r][16 P] continue from group g0
 // (start at 0).
-template <int R, int P, typename S, typename Split>
-inline void rows_over_groups(const Panels<S>& panels, const Quantised& xs, int64_t m, int64_t p0,
+template <int R, int P, typename Panels, typename Split>
+inline void rows_over_groups(const Panels& panels, const Quantised& xs, int64_t m, int64_t p0,
                              int64_t g0, int64_t g1, Split&& split, float* sums) {
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
   __m512 total[R][P];
@@ -205,14 +285,19 @@ inline void rows_over_groups(const Panels<S>& panels, const Quantised& xs, int64
       }
 #pragma GCC unroll 3
     for (int p = 0; p < P; ++p) {
-      const S* group = panels.group(p0 + p, g);
-      const __m512 scale = load16(group), offset = load16(group + kPanel);
+      const auto* group = panels.group(p0 + p, g);
+      const __m512 scale = load16(group);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m + r) * groups + g;
         const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xs.d[i]));
-        total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), row_scale, total[r][p]);
-        total[r][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs.sx[i]), total[r][p]);
+        if constexpr (Panels::kInt4) {
+          total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), row_scale, total[r][p]);
+          total[r][p] = _mm512_fmadd_ps(load16(group + kPanel), _mm512_set1_ps(xs.sx[i]), total[r][p]);
+        } else {
+          const __m512i exact = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * xs.qsum[i]));
+          total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), row_scale, total[r][p]);
+        }
       }
     }
   }
@@ -223,20 +308,15 @@ inline void rows_over_groups(const Panels<S>& panels, const Quantised& xs, int64
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
-template <int P, typename S>
-void block(const Panels<S>& panels, int64_t panel_count, const Quantised& xs, int64_t m,
+template <int P, typename Panels>
+void block(const Panels& panels, int64_t panel_count, const Quantised& xs, int64_t m,
            int64_t count, int64_t p0, Buffer* buffer, float* sums) {
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  if (count <= kFusedRows) {  // few rows: split the codes in registers, once
+  if (count <= kFusedRows) {  // few rows: the operands made in registers, once
     with_count<kFusedRows>(count, [&](auto rows) {
       auto split = [&](int64_t b, int p, int h) {
-        const __m512i word = _mm512_loadu_si512(panels.words(p0 + p, b));
-        if (h == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(panels.words(p0 + p, b + kPrefetchWords)), _MM_HINT_T0);
-          return _mm512_and_si512(word, nibble);
-        }
-        return _mm512_and_si512(_mm512_srli_epi32(word, 4), nibble);
+        panels.prefetch_ahead(p0 + p, b, h);
+        return panels.operand(p0 + p, b, h);
       };
       rows_over_groups<decltype(rows)::value, P>(panels, xs, m, p0, 0, groups, split, sums);
     });
@@ -245,12 +325,9 @@ void block(const Panels<S>& panels, int64_t panel_count, const Quantised& xs, in
   for (int64_t k0 = 0; k0 < in_features; k0 += kChunk) {  // else through the buffer
     const int64_t len = std::min(kChunk, in_features - k0);
     for (int p = 0; p < P; ++p)
-      for (int64_t b = k0 / 8; b < (k0 + len) / 8; ++b) {
-        const __m512i word = _mm512_loadu_si512(panels.words(p0 + p, b));
-        _mm512_store_si512(buffer->bytes[b - k0 / 8][p][0], _mm512_and_si512(word, nibble));
-        _mm512_store_si512(buffer->bytes[b - k0 / 8][p][1],
-                           _mm512_and_si512(_mm512_srli_epi32(word, 4), nibble));
-      }
+      for (int64_t b = k0 / 8; b < (k0 + len) / 8; ++b)
+        for (int h = 0; h < 2; ++h)
+          _mm512_store_si512(buffer->bytes[b - k0 / 8][p][h], panels.operand(p0 + p, b, h));
     // While the rows run over this chunk, the next one (of this block, else of the block
     // that follows it) comes from memory.
     const bool last = k0 + kChunk >= in_features;
@@ -284,8 +361,8 @@ inline void store16(const float* sums, int64_t width, c10::BFloat16* y) {
                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-template <typename S, typename T>
-void product_vnni(const Quantised& xs, const Panels<S>& panels, int64_t count, int64_t panel_count,
+template <typename Panels, typename T>
+void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int64_t panel_count,
                   int64_t out_features, T* y) {
   for_each_block<Buffer, kBlock, kRowChunk, kFusedRows>(
       count, panel_count,
@@ -312,36 +389,40 @@ bool a8_products_available() { return false; }
 
 #endif
 
-template <typename T>
+template <bool kInt4, typename T>
 Quantised quantise(const T* x, int64_t count, int64_t in_features, bool vector) {
   const int64_t groups = in_features / kGroup;
   Quantised xs{std::vector<int8_t>(count * in_features), std::vector<float>(count * groups),
-               std::vector<float>(count * groups), in_features};
+               std::vector<float>(count * groups), std::vector<int32_t>(count * groups),
+               in_features};
   at::parallel_for(0, count * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      int8_t* q = xs.q.data() + i * kGroup;
 #ifdef CELLBATCH_A8_PRODUCTS
       if (vector) {
-        quantise_group(x + i * kGroup, xs.q.data() + i * kGroup, &xs.d[i], &xs.sx[i]);
+        quantise_group<kInt4>(x + i * kGroup, q, &xs.d[i], &xs.sx[i], &xs.qsum[i]);
         continue;
       }
 #endif
-      quantise_group_portable(x + i * kGroup, xs.q.data() + i * kGroup, &xs.d[i], &xs.sx[i]);
+      quantise_group_portable<kInt4>(x + i * kGroup, q, &xs.d[i], &xs.sx[i], &xs.qsum[i]);
     }
   });
   return xs;
 }
 
-at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          int64_t out_features) {
-  const int64_t in_features = int4_in_features(codes, scales, "int4_matmul_a8");
+// The product of x [..., K] (float32 or bf16) with int4 or int8 panels whose layout `op`
+// has checked.
+template <bool kInt4>
+at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& codes,
+                      const at::Tensor& scales, int64_t in_features, int64_t out_features) {
+  using Code = std::conditional_t<kInt4, int32_t, int8_t>;
   const int64_t panel_count = codes.size(0);
-  TORCH_CHECK(out_features > 0 && panel_count == (out_features + kPanel - 1) / kPanel,
-              "int4_matmul_a8: ", panel_count, " panels of ", kPanel, " cannot hold ", out_features,
-              " outputs");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_features, "int4_matmul_a8: x must be [..., ",
-              in_features, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "int4_matmul_a8: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(out_features > 0 && panel_count == (out_features + kPanel - 1) / kPanel, op, ": ",
+              panel_count, " panels of ", kPanel, " cannot hold ", out_features, " outputs");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_features, op, ": x must be [..., ", in_features,
+              "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
   const at::Tensor rows = x.reshape({-1, in_features}).contiguous();
   const int64_t count = rows.size(0);
   at::Tensor out = at::empty({count, out_features}, rows.options());
@@ -349,26 +430,49 @@ at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at
   shape.push_back(out_features);
   if (count == 0) return out.view(shape);
   const bool vector = a8_products_available();
-  const int32_t* c = codes.data_ptr<int32_t>();
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
-    const Quantised xs = quantise(rows.data_ptr<T>(), count, in_features, vector);
+    const Quantised xs = quantise<kInt4>(rows.data_ptr<T>(), count, in_features, vector);
     T* y = out.data_ptr<T>();
+    const Code* c = codes.data_ptr<Code>();
     const S* s = scales.data_ptr<S>();
 #ifdef CELLBATCH_A8_PRODUCTS
-    if (vector) return product_vnni(xs, Panels<S>{c, s, in_features}, count, panel_count, out_features, y);
+    if (vector) {
+      using Panels = std::conditional_t<kInt4, Int4Panels<S>, Int8Panels<S>>;
+      return product_vnni(xs, Panels{c, s, in_features}, count, panel_count, out_features, y);
+    }
 #endif
     at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
       product_portable(xs, c, s, 0, count, begin, end, out_features, y);
     });
   };
-  for_scale_type(scales, "int4_matmul_a8", [&](auto scale_tag) {
+  for_scale_type(scales, op, [&](auto scale_tag) {
     if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{}, scale_tag);
     else run(float{}, scale_tag);
     return 0;
   });
   return out.view(shape);
+}
+
+at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          int64_t out_features) {
+  const int64_t in_features = int4_in_features(codes, scales, "int4_matmul_a8");
+  return a8_product<true>("int4_matmul_a8", x, codes, scales, in_features, out_features);
+}
+
+at::Tensor int8_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          int64_t out_features) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kPanel && codes.size(3) == 4 &&
+                  codes.is_contiguous() && codes.scalar_type() == at::kChar,
+              "int8_matmul_a8: codes must be contiguous int8 [panels, K / 4, 16, 4]");
+  const int64_t panels = codes.size(0), in_features = codes.size(1) * 4;
+  TORCH_CHECK(in_features % kGroup == 0, "int8_matmul_a8: K must be a multiple of 32");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == panels &&
+                  scales.size(1) == in_features / kGroup && scales.size(2) == kPanel &&
+                  scales.is_contiguous(),
+              "int8_matmul_a8: scales must be contiguous [panels, K / 32, 16]");
+  return a8_product<false>("int8_matmul_a8", x, codes, scales, in_features, out_features);
 }
 
 }  // namespace
@@ -377,4 +481,5 @@ at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at
 // The schema is defined in Python (cellbatch/model/ops.py), with the torch implementation.
 TORCH_LIBRARY_IMPL(cellbatch, CPU, m) {
   m.impl("int4_matmul_a8", &cellbatch::int4_matmul_a8);
+  m.impl("int8_matmul_a8", &cellbatch::int8_matmul_a8);
 }
