@@ -104,50 +104,54 @@ void quantise_group_portable(const T* x, int8_t* q, float* d, float* sx, int32_t
   }
 }
 
-// The portable products for rows [m0, m1) and panels [p0, p1): the same chain per output.
-template <typename S, typename T>
-void product_portable(const Quantised& xs, const int32_t* codes, const S* scales, int64_t m0,
-                      int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
-  const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+// The portable products for rows [m0, m1) and panels [p0, p1): per output (row m, panel
+// p, column c) the chain over groups g of total = add(m, p, c, g, total), the format's
+// terms, as the vector products run it.
+template <typename T, typename Add>
+void for_each_output(int64_t groups, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
+                     int64_t out_features, T* y, Add&& add) {
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t c = 0; c < kPanel && p * kPanel + c < out_features; ++c) {
         float total = 0.0f;
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0;
-          for (int64_t b = 4 * g; b < 4 * g + 4; ++b) {
-            const uint32_t word = static_cast<uint32_t>(codes[(p * in_features / 8 + b) * kPanel + c]);
-            for (int64_t i = 0; i < 8; ++i)
-              dot += static_cast<int32_t>((word >> (4 * i)) & 15u) *
-                     xs.q[m * in_features + 8 * b + quantised_slot<true>(i)];
-          }
-          const S* group = scales + ((p * groups + g) * 2) * kPanel;
-          const float scale = static_cast<float>(group[c]) * xs.d[m * groups + g];
-          total = std::fma(static_cast<float>(dot), scale, total);
-          total = std::fma(static_cast<float>(group[kPanel + c]), xs.sx[m * groups + g], total);
-        }
+        for (int64_t g = 0; g < groups; ++g) total = add(m, p, c, g, total);
         y[m * out_features + p * kPanel + c] = static_cast<T>(total);
       }
+}
+
+template <typename S, typename T>
+void product_portable(const Quantised& xs, const int32_t* codes, const S* scales, int64_t m0,
+                      int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
+  const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+  for_each_output(groups, m0, m1, p0, p1, out_features, y,
+                  [&](int64_t m, int64_t p, int64_t c, int64_t g, float total) {
+                    int32_t dot = 0;
+                    for (int64_t b = 4 * g; b < 4 * g + 4; ++b) {
+                      const auto word = static_cast<uint32_t>(codes[(p * in_features / 8 + b) * kPanel + c]);
+                      for (int64_t i = 0; i < 8; ++i)
+                        dot += static_cast<int32_t>((word >> (4 * i)) & 15u) *
+                               xs.q[m * in_features + 8 * b + quantised_slot<true>(i)];
+                    }
+                    const S* group = scales + ((p * groups + g) * 2) * kPanel;
+                    const float scale = static_cast<float>(group[c]) * xs.d[m * groups + g];
+                    total = std::fma(static_cast<float>(dot), scale, total);
+                    return std::fma(static_cast<float>(group[kPanel + c]), xs.sx[m * groups + g], total);
+                  });
 }
 
 template <typename S, typename T>
 void product_portable(const Quantised& xs, const int8_t* codes, const S* scales, int64_t m0,
                       int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < out_features; ++c) {
-        float total = 0.0f;
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0;
-          for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
-            dot += static_cast<int32_t>(codes[((p * in_features + k) / 4 * kPanel + c) * 4 + k % 4]) *
-                   xs.q[m * in_features + k];
-          const float scale = static_cast<float>(scales[(p * groups + g) * kPanel + c]) * xs.d[m * groups + g];
-          total = std::fma(static_cast<float>(dot), scale, total);
-        }
-        y[m * out_features + p * kPanel + c] = static_cast<T>(total);
-      }
+  for_each_output(groups, m0, m1, p0, p1, out_features, y,
+                  [&](int64_t m, int64_t p, int64_t c, int64_t g, float total) {
+                    int32_t dot = 0;
+                    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+                      dot += static_cast<int32_t>(codes[((p * in_features + k) / 4 * kPanel + c) * 4 + k % 4]) *
+                             xs.q[m * in_features + k];
+                    const float scale = static_cast<float>(scales[(p * groups + g) * kPanel + c]) * xs.d[m * groups + g];
+                    return std::fma(static_cast<float>(dot), scale, total);
+                  });
 }
 
 #ifdef CELLBATCH_A8_PRODUCTS
