@@ -72,7 +72,8 @@ class CellAttention:
         """q [T, H, D] (rows may be strided) -> [T, H * D] in q's dtype."""
         h = self.geometry
         out = q.new_empty(q.shape[0], h.num_heads * h.head_dim)
-        out[prepared.num_tokens :].zero_()  # padding rows, which no query names
+        if prepared.num_tokens < out.shape[0]:
+            out[prepared.num_tokens :].zero_()  # padding rows, which no query names
         self.op(
             q if q.stride(-1) == 1 and q.stride(-2) == h.head_dim else q.contiguous(),
             k_cache,
