@@ -216,3 +216,21 @@ def test_int8_activations_reach_only_their_projections(
     alone = first_sequence_logits(model, prompts, [7, 31], [0], 256)
     for order, chunk in (([0, 1, 2], 256), ([2, 1, 0], 16)):
         assert torch.equal(first_sequence_logits(model, prompts, [7, 31], order, chunk), alone)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_portable_loop_gives_the_vector_products_results(
+    compiled_ops, monkeypatch, fmt, dtype
+) -> None:
+    """CPUs without AVX512-VNNI run the portable loop (CELLBATCH_A8_PORTABLE=1 asks for it
+    here): the same quantised values and chain, so the same bits, for the few-row and the
+    buffered row counts."""
+    weight = _int4(200, 576) if fmt == "int4" else _int8(200, 576)
+    packed = quantized.pack(weight) if fmt == "int4" else quantized.pack_a8(weight)
+    op = compiled_ops.int4_matmul_a8 if fmt == "int4" else compiled_ops.int8_matmul_a8
+    x = _inputs(9, 576, dtype)
+    vector = [op(x[:count], *packed, 200) for count in (1, 3, 9)]
+    monkeypatch.setenv("CELLBATCH_A8_PORTABLE", "1")
+    for count, expected in zip((1, 3, 9), vector, strict=True):
+        assert torch.equal(op(x[:count], *packed, 200), expected), count

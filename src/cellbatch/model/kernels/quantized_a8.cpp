@@ -25,7 +25,8 @@
 // Promises: y[m, n] is the same chain over the same values whatever the other rows of x,
 // the path their count takes and the thread count (batch invariance); a row's
 // quantisation reads only that row. CPUs without AVX512-VNNI run a portable loop over the
-// same quantised values (same results to float rounding). Results are in x's dtype, bf16
+// same quantised values and the same chain (bit-identical results; CELLBATCH_A8_PORTABLE=1
+// runs it anywhere, for the tests). Results are in x's dtype, bf16
 // rounded to nearest even.
 // Never: changes the weights' numbers (only the activations are rounded), or allocates
 // per row.
@@ -42,6 +43,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -393,6 +395,14 @@ bool a8_products_available() { return false; }
 
 #endif
 
+// CELLBATCH_A8_PORTABLE=1 runs the portable loop on a VNNI CPU too, so that the tests
+// check on this machine the path that CPUs without VNNI take (read at each call: a test
+// sets it for a few calls).
+bool portable_asked() {
+  const char* value = std::getenv("CELLBATCH_A8_PORTABLE");
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
 template <bool kInt4, typename T>
 Quantised quantise(const T* x, int64_t count, int64_t in_features, bool vector) {
   const int64_t groups = in_features / kGroup;
@@ -433,7 +443,7 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(out_features);
   if (count == 0) return out.view(shape);
-  const bool vector = a8_products_available();
+  const bool vector = a8_products_available() && !portable_asked();
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
