@@ -97,8 +97,9 @@ void with_count(int64_t n, Fn&& fn) {
 // outputs each) between threads, and per block the rows in chunks of kRowChunk. Each
 // thread holds one Buffer (only when count > kFusedRows: the few-row paths use none) and
 // one chunk's sums [kRowChunk][16 kBlock]; run(width, m0, n, p0, buffer, sums) computes
-// the sums of panels p0 .. p0 + width - 1 for rows m0 .. m0 + n - 1, and
-// store(m0, n, p0, sums) writes them out.
+// the sums of panels p0 .. p0 + width - 1 for rows m0 .. m0 + n - 1 (width a
+// std::integral_constant, so that the block's register arrays are sized at compile time),
+// and store(m0, n, p0, sums) writes them out.
 template <typename Buffer, int64_t kBlock, int64_t kRowChunk, int64_t kFusedRows, typename Run,
           typename Store>
 void for_each_block(int64_t count, int64_t panel_count, Run&& run, Store&& store) {
@@ -111,7 +112,8 @@ void for_each_block(int64_t count, int64_t panel_count, Run&& run, Store&& store
       const int64_t n = std::min(kRowChunk, count - m0);
       for (int64_t b = begin; b < end; ++b) {
         const int64_t p0 = b * kBlock;
-        run(std::min(kBlock, panel_count - p0), m0, n, p0, held, sums.data());
+        with_count<kBlock>(std::min(kBlock, panel_count - p0),
+                           [&](auto width) { run(width, m0, n, p0, held, sums.data()); });
         store(m0, n, p0, sums.data());
       }
     }

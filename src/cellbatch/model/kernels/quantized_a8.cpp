@@ -372,10 +372,8 @@ void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int6
                   int64_t out_features, T* y) {
   for_each_block<Buffer, kBlock, kRowChunk, kFusedRows>(
       count, panel_count,
-      [&](int64_t width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
-        with_count<kBlock>(width, [&](auto p) {
-          block<decltype(p)::value>(panels, panel_count, xs, m0, n, p0, buffer, sums);
-        });
+      [&](auto width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
+        block<decltype(width)::value>(panels, panel_count, xs, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
         for (int64_t r = 0; r < n; ++r)

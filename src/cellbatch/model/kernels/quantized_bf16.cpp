@@ -354,10 +354,8 @@ at::Tensor product(const at::Tensor& x, const Panels& panels, int64_t panel_coun
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   for_each_block<Buffer, kBlock, kRowChunk, kFusedRows>(
       count, panel_count,
-      [&](int64_t width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
-        with_count<kBlock>(width, [&](auto p) {
-          block<decltype(p)::value>(panels, panel_count, rows, m0, n, p0, buffer, sums);
-        });
+      [&](auto width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
+        block<decltype(width)::value>(panels, panel_count, rows, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
         store_block(sums, n, p0 * kPanel, out_features, dst + m0 * out_features);
