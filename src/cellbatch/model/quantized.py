@@ -208,6 +208,11 @@ class Int8Weight:
         rows, cols = self.codes.shape  # codes are [N, K]
         return rows, cols
 
+    @property
+    def in_groups(self) -> bool:
+        """Whether its scales come per group of GROUP_SIZE inputs (not per row)."""
+        return bool(self.scale.shape[1] * GROUP_SIZE == self.codes.shape[1])
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.codes.shape
         groups = self.scale.shape[1]
@@ -435,7 +440,7 @@ def pack_a8(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     4], each output's codes four inputs together, the operand of VPDPBUSD; scales as
     `pack`'s. Only for groups of GROUP_SIZE inputs (K a multiple of it)."""
     cols = weight.shape[1]
-    if weight.scale.shape[1] * GROUP_SIZE != cols:
+    if not weight.in_groups:
         raise ValueError(f"int8 activations need groups of {GROUP_SIZE} inputs, not {cols}")
     panels = _panels(weight.codes).view(-1, PANEL, cols // 4, 4)
     _, scales = pack(weight)
@@ -473,9 +478,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.format = weight.format
         self.out_features, self.in_features = weight.shape
-        grouped = isinstance(weight, Int4Weight) or (
-            weight.scale.shape[1] * GROUP_SIZE == self.in_features
-        )
+        grouped = isinstance(weight, Int4Weight) or weight.in_groups
         self.activations = activations if grouped else "float"
         self.kernel = "compiled" if ops.kind == "compiled" else "dequantize"
         # The compiled kernel's rows do not depend on the call's other rows, so the model
@@ -531,13 +534,16 @@ def install(
     the head, "embed.weight" the embedding (and the head too, when tied). Their products
     use the model's ops table; with `activations` "int8" (resolve_activations' answer)
     those of A8_PRODUCTS quantise their inputs."""
-    head_takes = activations if "lm_head" in A8_PRODUCTS else "float"
+
+    def takes(name: str) -> str:
+        return activations if name in A8_PRODUCTS else "float"
+
     for target, weight in weights.items():
         path = target.removesuffix(".weight")
         if path == "embed":
             # A tied head's layout is the embedding's too (QuantizedEmbedding reads both).
             tied = model.lm_head is None
-            linear = QuantizedLinear(weight, None, model.ops, head_takes if tied else "float")
+            linear = QuantizedLinear(weight, None, model.ops, takes("lm_head" if tied else path))
             # setattr: the protocol reads these; the module takes the new submodules.
             setattr(model, "embed", QuantizedEmbedding(linear, model.dtype))  # noqa: B010
             if tied:
@@ -546,8 +552,7 @@ def install(
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, name)
-        takes = activations if name in A8_PRODUCTS else "float"
-        linear = QuantizedLinear(weight, getattr(old, "bias", None), model.ops, takes)
+        linear = QuantizedLinear(weight, getattr(old, "bias", None), model.ops, takes(name))
         setattr(parent, name, linear)
 
 
