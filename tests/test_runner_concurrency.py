@@ -42,15 +42,13 @@ def llama(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def engine(llama) -> Iterator[Engine]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # tests/conftest.py puts the count back after the test
     config, module = llama
     # Room for about four sessions' contexts: the clients' load preempts.
     shape = EngineShape(max_sessions=16, max_cells=400, max_batch_tokens=64)
     made = Engine(ModuleBackend(module, config), None, shape=shape)
     yield made
     made.close()
-    torch.set_num_threads(before)
 
 
 @dataclass

@@ -203,18 +203,15 @@ def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_thread
     op = getattr(compiled_ops, op_name)
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(150, 1536, generator=generator).to(dtype)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
-        for count in (2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 65, 150):
-            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
-        torch.set_num_threads(max(2, threads))
-        for count in (1, 7, 70, 150):
-            assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
-        assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
-    finally:
-        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()  # tests/conftest.py puts it back after the test
+    torch.set_num_threads(1)
+    alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
+    for count in (2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 65, 150):
+        assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+    torch.set_num_threads(max(2, threads))
+    for count in (1, 7, 70, 150):
+        assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+    assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
 
 
 @needs_bf16_products
