@@ -88,36 +88,43 @@ def quantize_activations(
     return codes, amax / 127.0, groups.sum(dim=-1)
 
 
+def _a8_product(
+    x: torch.Tensor,
+    weight_codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] quantised per group of 32 (`quantize_activations`) times weight codes
+    [N, K / 32, 32]: y = sum over groups of dot * s * d (+ o * sum(x) with an offset), scale
+    and offset [N, K / 32], the dots exact (integers below 2^24 in float32)."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_codes, x_scales, x_sums = quantize_activations(rows)
+    dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
+    terms = dots * (scale[None] * x_scales[:, None, :])
+    if offset is not None:
+        terms = terms + offset[None] * x_sums[:, None, :]
+    return terms.sum(-1).to(x.dtype).reshape(*x.shape[:-1], weight_codes.shape[0])
+
+
 def int4_matmul_a8_torch(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
 ) -> torch.Tensor:
-    """The op `int4_matmul_a8` in torch: x [..., K] quantised per group of 32
-    (`quantize_activations`) times the int4 panels, y = sum over groups of dot * s * d +
-    o * sum(x), the dots exact (integers below 2^24 in float32)."""
-    rows = x.reshape(-1, x.shape[-1])
-    x_codes, x_scales, x_sums = quantize_activations(rows)
+    """The op `int4_matmul_a8` in torch: x [..., K] times the int4 panels, with int8
+    activations (`_a8_product`, with the offsets)."""
     weight_codes, scale, offset = _int4_groups(codes, scales, out_features)
-    dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
-    scale, offset = scale[..., 0], offset[..., 0]  # [N, G]
-    out = (dots * (scale[None] * x_scales[:, None, :]) + offset[None] * x_sums[:, None, :]).sum(-1)
-    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return _a8_product(x, weight_codes, scale[..., 0], offset[..., 0])
 
 
 def int8_matmul_a8_torch(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
 ) -> torch.Tensor:
-    """The op `int8_matmul_a8` in torch: x [..., K] quantised per group of 32
-    (`quantize_activations`) times the int8 panels of `quantized.pack_a8` (codes [P, K / 4,
-    PANEL, 4], scales [P, K / 32, PANEL]), y = sum over groups of dot * s * d, the dots exact."""
-    rows = x.reshape(-1, x.shape[-1])
-    x_codes, x_scales, _ = quantize_activations(rows)
+    """The op `int8_matmul_a8` in torch: x [..., K] times the int8 panels of
+    `quantized.pack_a8` (codes [P, K / 4, PANEL, 4], scales [P, K / 32, PANEL]), with int8
+    activations (`_a8_product`)."""
     panels, quads = codes.shape[:2]
     weight = codes.permute(0, 2, 1, 3).reshape(panels * PANEL, quads * 4)[:out_features]
-    weight_codes = weight.float().view(out_features, -1, GROUP_SIZE)
     scale = scales.float().permute(0, 2, 1).reshape(panels * PANEL, -1)[:out_features]
-    dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
-    out = (dots * (scale[None] * x_scales[:, None, :])).sum(-1)
-    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return _a8_product(x, weight.float().view(out_features, -1, GROUP_SIZE), scale, None)
 
 
 def int8_matmul_torch(
