@@ -9,9 +9,14 @@
 // contiguous read per cell), before the KV heads run over them: read a head at a time, the
 // rows were strided reads that left a 32-row decode step's attention waiting on memory
 // (768 -> 394-414 us a layer, 32 sequences of 150 tokens, bf16). While a cell is widened,
-// the cell kAhead positions on is asked for, unless it follows its predecessor in the pool
-// (a decode step's cells do not: each sequence's next cell is a step later): 465 -> 380
-// us a layer on 30 layers' caches that do not fit the L3.
+// the cell kAhead positions on is asked for, adjacent in the pool or not: on 30 layers'
+// caches that do not fit the L3, 32 sequences of 150 cells 465 -> 435-445 us a layer
+// (each sequence's decode cells a step apart) or 390 -> 342-364 (adjacent cells); one
+// sequence of 300 adjacent cells just after 64 MiB of other reads, 68 -> 47-52 us: the
+// hardware prefetcher alone left it waiting. With fewer sequences' blocks than threads (a
+// single stream's decode), each KV head of a block is a work item of its own, so the
+// threads share it: one sequence of 150 (1,000) cells with K/V in cache, 19.6 -> 14.6
+// (104 -> 69) us.
 // Promises: a query's output depends only on its own query vector and the K/V of its own
 // visible cells, computed in a fixed order: tiles are aligned on absolute key positions,
 // each score is one chain of fused multiply-adds over the head dimension, and every sum
@@ -100,9 +105,7 @@ inline void load_row(const C* src, float* dst, int64_t n) {
   if constexpr (!std::is_same_v<T, C> && !std::is_same_v<T, float>) round_all<T>(dst, n);
 }
 
-// Asks for the cache lines of a row that will be read soon. Only for a row whose cell does
-// not follow the previous one's: the hardware prefetcher follows adjacent cells, and asking
-// for lines it already brings costs more than it saves.
+// Asks for the cache lines of a row that will be read soon.
 template <typename C>
 inline void prefetch_row(const C* row, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -218,21 +221,23 @@ struct CellAttention {
     return cache + seq_cells[key] * kv_width() + g * dim;
   }
 
-  // Widens the tile's K and V rows j in [a, b) (tile-relative), every KV head of a cell at
-  // once: a cell's K (or V) is one contiguous row of kv_heads x dim, read once and in
-  // order, where reading it a head at a time strode through it three times. The rows of
-  // the block's keys up to `end` (absolute) are prefetched kAhead cells ahead.
+  // Widens the tile's K and V rows j in [a, b) (tile-relative), the KV heads [g0, g1) of a
+  // cell at once: a cell's K (or V) is one contiguous row of kv_heads x dim, read once and
+  // in order, where reading it a head at a time strode through it three times. The rows of
+  // the block's keys up to `end` (absolute) are prefetched kAhead cells ahead. Staged rows
+  // keep the cache's layout (kv_width apart, head g at g * dim).
   void stage_tile(const int64_t* seq_cells, int64_t t0, int64_t a, int64_t b, int64_t end,
-                  Scratch& s) const {
-    const int64_t width = kv_width();
+                  int64_t g0, int64_t g1, Scratch& s) const {
+    const int64_t width = kv_width(), begin = g0 * dim, count = (g1 - g0) * dim;
     for (int64_t j = a; j < b; ++j) {
       const int64_t cell = seq_cells[t0 + j], ahead = t0 + j + kAhead;
-      if (ahead < end && seq_cells[ahead] != seq_cells[ahead - 1] + 1) {
-        prefetch_row(k_cache + seq_cells[ahead] * width, width);
-        prefetch_row(v_cache + seq_cells[ahead] * width, width);
+      if (ahead < end) {
+        prefetch_row(k_cache + seq_cells[ahead] * width + begin, count);
+        prefetch_row(v_cache + seq_cells[ahead] * width + begin, count);
       }
-      load_row<T>(k_cache + cell * width, s.tile_keys.data() + j * width, width);
-      load_row<T>(v_cache + cell * width, s.tile_values.data() + j * width, width);
+      load_row<T>(k_cache + cell * width + begin, s.tile_keys.data() + j * width + begin, count);
+      load_row<T>(v_cache + cell * width + begin, s.tile_values.data() + j * width + begin,
+                  count);
     }
   }
 
@@ -339,8 +344,10 @@ struct CellAttention {
     return factor;
   }
 
-  // The queries of `block`, every head: every visible key, tile by tile.
-  void run_block(int64_t block, Scratch& s) const {
+  // The queries of `block` under the query heads of KV heads [g0, g1): every visible key,
+  // tile by tile. Each KV head's work reads only its own K/V and queries, so how a block's
+  // KV heads are split between items never changes a result.
+  void run_block(int64_t block, int64_t g0, int64_t g1, Scratch& s) const {
     const int64_t first = block_starts[block], count = block_starts[block + 1] - first;
     const int64_t* seq_cells = cells + cell_offsets[first];
     const int64_t group = share(), num_rows = count * heads, width = heads * dim;
@@ -361,7 +368,7 @@ struct CellAttention {
     s.queries.resize(num_rows * dim);
     for (int64_t i = 0; i < count; ++i) {
       const T* src = q + rows[first + i] * q_row_stride;
-      for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t g = g0; g < g1; ++g)
         for (int64_t x = 0; x < group * dim; ++x)
           s.queries[row_of(g, i, 0) * dim + x] = widen(src[g * group * dim + x]);
     }
@@ -379,8 +386,8 @@ struct CellAttention {
           prefetch_row(v_cache + seq_cells[j] * kv_width(), kv_width());
         }
       }
-      if constexpr (!kDirect) stage_tile(seq_cells, t0, a, b, block_hi, s);
-      for (int64_t g = 0; g < kv_heads; ++g) {
+      if constexpr (!kDirect) stage_tile(seq_cells, t0, a, b, block_hi, g0, g1, s);
+      for (int64_t g = g0; g < g1; ++g) {
         const int64_t base = g * group_rows;
         load_keys(seq_cells, t0, a, b, g, s);
         int64_t r = 0;
@@ -416,7 +423,7 @@ struct CellAttention {
     }
     for (int64_t i = 0; i < count; ++i) {
       T* o = out + rows[first + i] * width;
-      for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t g = g0; g < g1; ++g)
         for (int64_t h = 0; h < group; ++h) {
           const int64_t row = row_of(g, i, h);
           const float* acc = &s.acc[row * dim];
@@ -428,20 +435,28 @@ struct CellAttention {
   }
 
   void run() const {
-    // Blocks are handed out longest first to whichever worker is free: which worker runs
-    // a block never changes its result.
-    std::vector<int64_t> cost(num_blocks);
+    // An item is a block's work under a range of its KV heads. With at least as many
+    // blocks as threads an item is a whole block (each cell's K/V row staged once); with
+    // fewer (a single stream's decode), each KV head of a block is an item of its own, so
+    // every thread has work. Items are handed out longest first to whichever worker is
+    // free: which worker runs an item, and how a block is split, never changes a result.
+    const int64_t threads = at::get_num_threads();
+    const int64_t parts = num_blocks < threads ? kv_heads : 1;
+    const int64_t num_items = num_blocks * parts;
+    std::vector<int64_t> cost(num_items);
     for (int64_t block = 0; block < num_blocks; ++block) {
       const int64_t first = block_starts[block], last = block_starts[block + 1] - 1;
       const int64_t span = pos[last] - (window > 0 ? pos[first] - window : -1);
-      cost[block] = (last - first + 1) * std::max<int64_t>(span, 1);
+      for (int64_t part = 0; part < parts; ++part)
+        cost[block * parts + part] = (last - first + 1) * std::max<int64_t>(span, 1);
     }
-    std::vector<int64_t> order(num_blocks);
+    std::vector<int64_t> order(num_items);
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
     std::atomic<int64_t> next{0};
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_blocks);
+    const int64_t workers = std::min<int64_t>(threads, num_items);
+    const int64_t heads_per_item = kv_heads / parts;
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       Scratch s;
       s.keys_t.resize(dim * kKeyTile);
@@ -450,7 +465,10 @@ struct CellAttention {
         s.tile_keys.resize(kKeyTile * kv_width());
         s.tile_values.resize(kKeyTile * kv_width());
       }
-      for (int64_t k = next++; k < num_blocks; k = next++) run_block(order[k], s);
+      for (int64_t k = next++; k < num_items; k = next++) {
+        const int64_t part = order[k] % parts;
+        run_block(order[k] / parts, part * heads_per_item, (part + 1) * heads_per_item, s);
+      }
     });
   }
 };
