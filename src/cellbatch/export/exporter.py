@@ -369,6 +369,11 @@ def _compile(
         # the compile time and gains nothing measurable per step; nor do line tables.
         "aot_inductor.compile_wrapper_opt_level": "O0",
         "aot_inductor.enable_line_tables": False,
+        # Round every bf16/fp16 intermediate to its dtype, as eager does: fused into one
+        # loop, `hidden + o` then `+ down` were added in float32 without the rounding
+        # between, which changed greedy tokens from the first and made a step's rows
+        # depend on which method ran them.
+        "emulate_precision_casts": True,
     }
     if threads is not None:
         options["compile_threads"] = threads
