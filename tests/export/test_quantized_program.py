@@ -50,11 +50,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def program(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("program") / "int4.pt2"
+def export_int4(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, dtype: str) -> Path:
+    """The checkpoint as an int4 program in `dtype`, decode widths 1 and 8."""
+    path = tmp_path_factory.mktemp("program") / f"int4-{dtype}.pt2"
     options = ExportOptions(
-        dtype="float32",
+        dtype=dtype,
         quantize="int4",
         max_step_tokens=MAX_STEP,
         decode_widths=(1, 8),
@@ -62,6 +62,11 @@ def program(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     export_program(checkpoint, path, options)
     return path
+
+
+@pytest.fixture(scope="module")
+def program(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_int4(checkpoint, tmp_path_factory, "float32")
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -78,16 +83,7 @@ def test_the_program_gives_the_eager_quantised_models_tokens(
 
 @pytest.fixture(scope="module")
 def bf16_program(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("program") / "int4-bf16.pt2"
-    options = ExportOptions(
-        dtype="bfloat16",
-        quantize="int4",
-        max_step_tokens=MAX_STEP,
-        decode_widths=(1, 8),
-        min_prefill_tokens=MIN_PREFILL,
-    )
-    export_program(checkpoint, path, options)
-    return path
+    return export_int4(checkpoint, tmp_path_factory, "bfloat16")
 
 
 def sampled_logits(executor: ModuleExecutor | ProgramExecutor) -> dict[int, list[torch.Tensor]]:
