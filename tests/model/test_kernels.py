@@ -140,6 +140,60 @@ def attention_inputs(dtype: torch.dtype) -> tuple:
     )
 
 
+def layer_inputs(dtype: torch.dtype) -> tuple:
+    """decoder_layer's arguments: a 5-token prompt chunk beside a decode (6 tokens, 2
+    padding rows), hidden 64, 4 heads of 16 over 2 KV heads, intermediate 64, the four
+    products int4 with and without int8 activations in turn."""
+    heads = head_geometry(num_heads=4, num_kv_heads=2, head_dim=16)
+    cache = CellCache(64)
+    first, second = cache.seq_alloc(), cache.seq_alloc()
+    for seq_ids, positions in (([second] * 3, [0, 1, 2]), ([first] * 5 + [second], [*range(5), 3])):
+        ids, pos = np.array(seq_ids), np.array(positions)
+        assert cache.declare_step(ids)
+        cells = cache.place_step(ids, pos)
+    plan = CellAttention(heads, None).prepare(cache.attention_plan(ids, pos, cells))
+    generator = torch.Generator().manual_seed(6)
+
+    def product(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = torch.randn(rows, cols, generator=generator) * 0.2
+        return quantized.pack(quantized.from_float(weight, "int4"))
+
+    kinds = [model_ops.PRODUCT_OPS.index(name) for name in ("int4_matmul_a8", "int4_matmul")]
+    angles = torch.rand(8, 8, generator=generator) * 20
+    k_cache, v_cache = torch.randn(2, 65, 2, 16, generator=generator).to(dtype)
+    return (
+        torch.randn(8, 64, generator=generator).to(dtype),
+        angles.cos(),
+        angles.sin(),
+        k_cache,
+        v_cache,
+        torch.from_numpy(cells),
+        plan.cells,
+        plan.rows,
+        plan.positions,
+        plan.cell_offsets,
+        plan.block_starts,
+        plan.num_tokens,
+        0,
+        (torch.rand(64, generator=generator) + 0.5).to(dtype),
+        (torch.rand(64, generator=generator) + 0.5).to(dtype),
+        1e-6,
+        *product(128, 64),
+        kinds[0],
+        *product(64, 64),
+        kinds[1],
+        *product(128, 64),
+        kinds[0],
+        64,
+        *product(64, 64),
+        kinds[1],
+        heads.num_heads,
+        heads.num_kv_heads,
+        heads.head_dim,
+        heads.attention_scale,
+    )
+
+
 def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
     generator = torch.Generator().manual_seed(3)
     q, k, v, cos, sin, cells, k_cache, v_cache = rope_inputs(dtype, torch.float32)
@@ -165,6 +219,7 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "int4_matmul_a8": quantized_inputs("int4", dtype, generator),
         "int8_matmul": quantized_inputs("int8", dtype, generator),
         "int8_matmul_a8": quantized_inputs("int8", dtype, generator, a8=True),
+        "decoder_layer": layer_inputs(dtype),
     }
 
 
@@ -213,6 +268,22 @@ def test_torch_export_traces_the_ops(table) -> None:
         assert f"{namespace}.{name}" in graph, name
     for ours, eager in zip(exported.module()(*layer_args()), Layer()(*layer_args()), strict=True):
         assert torch.equal(ours, eager)
+
+
+def test_the_compiled_and_torch_layers_agree_and_leave_padding_out(compiled_ops, torch_ops) -> None:
+    """decoder_layer: the compiled op (each step through the dispatcher) and the torch one
+    (the torch implementations of the same steps) agree to the steps' rounding, store
+    only the 6 real tokens' K/V, and give padding rows finite values."""
+    compiled_args, torch_args = layer_inputs(torch.float32), layer_inputs(torch.float32)
+    before = compiled_args[3].clone()
+    compiled = compiled_ops.decoder_layer(*compiled_args)
+    reference = torch_ops.decoder_layer(*torch_args)
+    assert compiled.shape == (8, 64) and compiled.isfinite().all()
+    assert (compiled - reference).abs().max() < 1e-4
+    written = (compiled_args[3] != before).flatten(1).any(1).nonzero().flatten()
+    assert sorted(written.tolist()) == sorted(compiled_args[5].tolist())
+    with pytest.raises(RuntimeError, match="product kind 7"):
+        compiled_ops.decoder_layer(*compiled_args[:18], 7, *compiled_args[19:])
 
 
 # -- a whole model ---------------------------------------------------------------------

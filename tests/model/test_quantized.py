@@ -319,6 +319,43 @@ def test_a_quantized_model_computes_its_weights_and_stays_near_fp32(
     assert relative < (0.05 if fmt == "int8" else 0.5)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "activations"),
+    [("float32", "float"), ("bfloat16", "float"), ("bfloat16", "int8")],
+)
+def test_a_layer_run_as_one_op_gives_the_bits_of_its_steps(
+    compiled_ops, tiny_checkpoint, packed_steps, dtype, activations
+) -> None:
+    """The compiled `decoder_layer` against the same layers run step by step from
+    Python, over prompt chunks beside decodes."""
+    _, folder = tiny_checkpoint("llama")
+    _, model = load_model(folder, dtype, "compiled", "int4", activations=activations)
+    kv_dtype = model.dtype
+    assert model.fuse_layers() == model.config.num_layers  # load_model fused them already
+    fused = packed_steps(model, STEPS, 2, kv_dtype)
+    assert model.fuse_layers(False) == 0
+    stepwise = packed_steps(model, STEPS, 2, kv_dtype)
+    for one_op, steps in zip(fused, stepwise, strict=True):
+        assert torch.equal(one_op, steps)
+
+
+@pytest.mark.parametrize(
+    ("kind", "quantize", "kernels", "why"),
+    [
+        ("qwen2", "int4", "compiled", "a bias on qkv"),
+        ("qwen3", "int4", "compiled", "q/k norms"),
+        ("llama", "none", "compiled", "float products"),
+        ("llama", "int4", "torch", "the torch ops"),
+    ],
+)
+def test_other_layers_keep_their_steps(
+    tmp_path, compiled_ops, kind, quantize, kernels, why
+) -> None:
+    _, folder = make_tiny_checkpoint(kind, tmp_path / kind)
+    _, model = load_model(folder, "float32", kernels, quantize)
+    assert model.fuse_layers() == 0, why
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_quantized_sequence_is_batch_invariant(
     tiny_checkpoint, first_sequence_logits, kernel, fmt

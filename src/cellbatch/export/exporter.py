@@ -141,6 +141,9 @@ def export_program(
     config, module = load_model(
         path, dtype, "compiled", quantize=options.quantize, activations=options.activations
     )
+    # The program traces each layer's own steps: AOTInductor calls each op directly, so
+    # the one-op layer (decoder_layer) would save nothing there.
+    module.fuse_layers(False)
     methods = _method_specs(options, module.min_rows)
     weights = describe_weights(module)
     progress(f"loaded in {time.perf_counter() - started:.1f} s (weights {weights.format})")

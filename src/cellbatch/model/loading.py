@@ -147,6 +147,7 @@ def _load(
     model.reset_rope("cpu")
     model.requires_grad_(False)
     model.pack_linears()
+    model.fuse_layers()
     return config, model.eval()
 
 

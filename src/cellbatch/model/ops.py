@@ -1,6 +1,6 @@
 """The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store`,
-`silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul` and `int8_matmul_a8`, and the
-table of them a model calls.
+`silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul` and `int8_matmul_a8`, the
+whole-layer `decoder_layer` over them, and the table of them a model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
 `cellbatch.model.attention.cell_attention_torch`, the quantised products' are in
@@ -68,7 +68,20 @@ SCHEMAS: dict[str, str] = {
     "int8_matmul_a8": (
         "int8_matmul_a8(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
     ),
+    "decoder_layer": (
+        "decoder_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor cells, Tensor plan_cells, Tensor plan_rows, "
+        "Tensor plan_positions, Tensor plan_cell_offsets, Tensor plan_block_starts, "
+        "int num_tokens, int window, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv_codes, Tensor qkv_scales, int qkv_kind, Tensor o_codes, Tensor o_scales, "
+        "int o_kind, Tensor gate_up_codes, Tensor gate_up_scales, int gate_up_kind, "
+        "int intermediate, Tensor down_codes, Tensor down_scales, int down_kind, "
+        "int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor"
+    ),
 }
+# decoder_layer's product kinds: a product's kind is the index of its op here (the same
+# order as PRODUCT_OPS in kernels/decoder_layer.cpp).
+PRODUCT_OPS = ("int4_matmul", "int4_matmul_a8", "int8_matmul", "int8_matmul_a8")
 
 
 # -- the pure-torch implementations -----------------------------------------------------
@@ -130,6 +143,78 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def decoder_layer_torch(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cells: torch.Tensor,
+    plan_cells: torch.Tensor,
+    plan_rows: torch.Tensor,
+    plan_positions: torch.Tensor,
+    plan_cell_offsets: torch.Tensor,
+    plan_block_starts: torch.Tensor,
+    num_tokens: int,
+    window: int,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    qkv_codes: torch.Tensor,
+    qkv_scales: torch.Tensor,
+    qkv_kind: int,
+    o_codes: torch.Tensor,
+    o_scales: torch.Tensor,
+    o_kind: int,
+    gate_up_codes: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    gate_up_kind: int,
+    intermediate: int,
+    down_codes: torch.Tensor,
+    down_scales: torch.Tensor,
+    down_kind: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """A Llama layer whose four products are quantised ops (kinds: PRODUCT_OPS), as the
+    torch implementations of its steps run it: the steps of `DecoderLayer.forward`."""
+    ops = getattr(torch.ops, TORCH_NAMESPACE)
+
+    def product(
+        kind: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        out: torch.Tensor = getattr(ops, PRODUCT_OPS[kind])(x, codes, scales, n)
+        return out
+
+    tokens, width = hidden.shape
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = product(
+        qkv_kind, ops.rms_norm(hidden, input_norm, eps), qkv_codes, qkv_scales, q_size + 2 * kv_size
+    )
+    q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
+    q = q.view(tokens, num_heads, head_dim)
+    k, v = k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim)
+    ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
+    attended = hidden.new_empty(tokens, q_size)
+    attended[num_tokens:].zero_()
+    plan = (plan_cells, plan_rows, plan_positions, plan_cell_offsets, plan_block_starts)
+    ops.cell_attention(q, k_cache, v_cache, *plan, window, scale, attended)
+    mid = hidden + product(o_kind, attended, o_codes, o_scales, width)
+    gate_up = product(
+        gate_up_kind,
+        ops.rms_norm(mid, post_norm, eps),
+        gate_up_codes,
+        gate_up_scales,
+        2 * intermediate,
+    )
+    out: torch.Tensor = mid + product(
+        down_kind, ops.silu_mul(gate_up), down_codes, down_scales, width
+    )
+    return out
+
+
 _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "cell_attention": cell_attention_torch,
     "rms_norm": rms_norm_torch,
@@ -139,6 +224,7 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "int4_matmul_a8": int4_matmul_a8_torch,
     "int8_matmul": int8_matmul_torch,
     "int8_matmul_a8": int8_matmul_a8_torch,
+    "decoder_layer": decoder_layer_torch,
 }
 
 
@@ -163,6 +249,10 @@ def _matmul_fake(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def _decoder_layer_fake(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
 _FAKES: dict[str, Callable[..., Any]] = {
     "cell_attention": _returns_nothing,
     "rms_norm": _rms_norm_fake,
@@ -172,6 +262,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "int4_matmul_a8": _matmul_fake,
     "int8_matmul": _matmul_fake,
     "int8_matmul_a8": _matmul_fake,
+    "decoder_layer": _decoder_layer_fake,
 }
 
 
@@ -210,6 +301,7 @@ class Ops:
     int4_matmul_a8: Callable[..., torch.Tensor]
     int8_matmul: Callable[..., torch.Tensor]
     int8_matmul_a8: Callable[..., torch.Tensor]
+    decoder_layer: Callable[..., torch.Tensor]
 
 
 def table(namespace: str) -> Ops:

@@ -487,10 +487,11 @@ class QuantizedLinear(nn.Module):
         a8 = self.activations == "int8"
         if isinstance(weight, Int8Weight):
             codes, scales = pack_a8(weight) if a8 else pack(weight)
-            self.matmul = ops.int8_matmul_a8 if a8 else ops.int8_matmul
+            self.op = "int8_matmul_a8" if a8 else "int8_matmul"
         else:
             codes, scales = pack(weight)
-            self.matmul = ops.int4_matmul_a8 if a8 else ops.int4_matmul
+            self.op = "int4_matmul_a8" if a8 else "int4_matmul"
+        self.matmul: Callable[..., torch.Tensor] = getattr(ops, self.op)
         self.codes, self.scales = _param(codes), _param(scales)
         self.bias = None if bias is None else _param(bias.detach())
 

@@ -32,7 +32,7 @@ from torch import nn
 from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
-from cellbatch.model.ops import Ops, resolve
+from cellbatch.model.ops import PRODUCT_OPS, Ops, resolve
 from cellbatch.types import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -196,6 +196,42 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(
             c.intermediate_size, c.hidden_size, bias=False, dtype=dtype, device=device
         )
+        self.intermediate_size = c.intermediate_size
+        # The arguments of ops.decoder_layer after the step's own, when the layer runs as
+        # that one op (`fuse`); None: the Python steps below.
+        self.fused: tuple[object, ...] | None = None
+
+    def fuse(self, enabled: bool = True) -> bool:
+        """Runs the layer as the compiled op `decoder_layer` (one call instead of ~15; the
+        same bits) when `enabled` and it can: compiled kernels, and all four products
+        quantised ones without a bias (cellbatch.model.quantized), no q/k norms."""
+        products = [getattr(self, name) for name in PROJECTIONS]
+        can = (
+            enabled
+            and self.ops.kind == "compiled"
+            and self.q_norm is None
+            and all(getattr(p, "op", None) in PRODUCT_OPS and p.bias is None for p in products)
+        )
+        self.fused = None
+        if can:
+            qkv, o_proj, gate_up, down = (
+                (p.codes, p.scales, PRODUCT_OPS.index(p.op)) for p in products
+            )
+            self.fused = (
+                self.input_norm.weight,
+                self.post_norm.weight,
+                self.input_norm.eps,
+                *qkv,
+                *o_proj,
+                *gate_up,
+                self.intermediate_size,
+                *down,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.attention.geometry.attention_scale,
+            )
+        return can
 
     def forward(
         self,
@@ -208,6 +244,24 @@ class DecoderLayer(nn.Module):
         prepared: FlatAttentionPlan,
         window: int | None,
     ) -> torch.Tensor:
+        if self.fused is not None:
+            out: torch.Tensor = self.ops.decoder_layer(
+                hidden,
+                cos,
+                sin,
+                k_cache,
+                v_cache,
+                cells,
+                prepared.cells,
+                prepared.rows,
+                prepared.positions,
+                prepared.cell_offsets,
+                prepared.block_starts,
+                prepared.num_tokens,
+                window or 0,
+                *self.fused,
+            )
+            return out
         tokens = hidden.shape[0]
         qkv = self.qkv(self.input_norm(hidden))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -221,9 +275,7 @@ class DecoderLayer(nn.Module):
         self.ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
         attended = self.attention.attend(q, k_cache, v_cache, prepared, window)
         hidden = hidden + self.o_proj(attended)
-        out: torch.Tensor = hidden + self.down(
-            self.ops.silu_mul(self.gate_up(self.post_norm(hidden)))
-        )
+        out = hidden + self.down(self.ops.silu_mul(self.gate_up(self.post_norm(hidden))))
         return out
 
 
@@ -318,6 +370,12 @@ class PackedTransformer(nn.Module):
                 else self.lm_head.weight
             )
             self.lm_head = PackedLinear(head, None)
+
+    def fuse_layers(self, enabled: bool = True) -> int:
+        """Runs each layer that can as the one op `decoder_layer` (DecoderLayer.fuse), or
+        none when not `enabled` (torch.export traces the layers' own steps). Returns how
+        many layers run fused."""
+        return sum(cast(DecoderLayer, layer).fuse(enabled) for layer in self.layers)
 
     def _products(self) -> list[nn.Module]:
         """Every module that multiplies by a weight matrix: the projections and the head
