@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.cache import CellCache
+from cellbatch.cache import CellCache, FlatAttentionPlan
 from cellbatch.model import kernels, quantized
 from cellbatch.model import ops as model_ops
 from cellbatch.model.attention import CellAttention
@@ -111,16 +111,25 @@ def test_the_compiled_ops_refuse_bad_shapes_with_a_message(compiled_ops) -> None
 # -- torch.library's checks ------------------------------------------------------------
 
 
-def attention_inputs(dtype: torch.dtype) -> tuple:
-    """The op's arguments for a step of a 5-token prompt chunk beside a decode."""
-    heads = head_geometry(num_heads=4, num_kv_heads=2, head_dim=16)
+HEADS = head_geometry(num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def mixed_step() -> tuple[np.ndarray, FlatAttentionPlan]:
+    """A step of a 5-token prompt chunk beside a decode (after a 3-token prompt): its 6
+    tokens' cells and its attention plan, in a cache of 64 cells."""
     cache = CellCache(64)
     first, second = cache.seq_alloc(), cache.seq_alloc()
     for seq_ids, positions in (([second] * 3, [0, 1, 2]), ([first] * 5 + [second], [*range(5), 3])):
         ids, pos = np.array(seq_ids), np.array(positions)
         assert cache.declare_step(ids)
         cells = cache.place_step(ids, pos)
-    args = CellAttention(heads, None).prepare(cache.attention_plan(ids, pos, cells))
+    return cells, CellAttention(HEADS, None).prepare(cache.attention_plan(ids, pos, cells))
+
+
+def attention_inputs(dtype: torch.dtype) -> tuple:
+    """The op's arguments for `mixed_step`, with 2 padding rows."""
+    heads = HEADS
+    _, args = mixed_step()
     generator = torch.Generator().manual_seed(4)
     q = torch.randn(8, heads.num_heads, heads.head_dim, generator=generator).to(dtype)
     k_cache, v_cache = torch.randn(2, 65, heads.num_kv_heads, heads.head_dim, generator=generator)
@@ -141,17 +150,11 @@ def attention_inputs(dtype: torch.dtype) -> tuple:
 
 
 def layer_inputs(dtype: torch.dtype) -> tuple:
-    """decoder_layer's arguments: a 5-token prompt chunk beside a decode (6 tokens, 2
-    padding rows), hidden 64, 4 heads of 16 over 2 KV heads, intermediate 64, the four
-    products int4 with and without int8 activations in turn."""
-    heads = head_geometry(num_heads=4, num_kv_heads=2, head_dim=16)
-    cache = CellCache(64)
-    first, second = cache.seq_alloc(), cache.seq_alloc()
-    for seq_ids, positions in (([second] * 3, [0, 1, 2]), ([first] * 5 + [second], [*range(5), 3])):
-        ids, pos = np.array(seq_ids), np.array(positions)
-        assert cache.declare_step(ids)
-        cells = cache.place_step(ids, pos)
-    plan = CellAttention(heads, None).prepare(cache.attention_plan(ids, pos, cells))
+    """decoder_layer's arguments for `mixed_step` (6 tokens, 2 padding rows): hidden 64,
+    4 heads of 16 over 2 KV heads, intermediate 64, the four products int4 with and
+    without int8 activations in turn."""
+    heads = HEADS
+    cells, plan = mixed_step()
     generator = torch.Generator().manual_seed(6)
 
     def product(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
