@@ -358,6 +358,7 @@ def test_ignore_eos_gives_every_peer_no_stop_tokens(
     printed = capsys.readouterr().out
     assert ("exactly 6 new tokens (stop tokens ignored)" in printed) == ignore_eos
     assert "--activations float" in printed  # named in cellbatch's label, not being auto
+    assert "float weights (--quantize none)" in printed  # the bench's, not the engine's
 
 
 def test_report_text_warns_when_the_machine_was_busy() -> None:

@@ -322,8 +322,8 @@ def cellbatch_peer(
     activations: str = "auto",
 ) -> tuple[Peer, list[EngineWindow]]:
     """cellbatch over `count` prompts, and the list that holds the engine's counters over
-    its latest call; its label names `quantize` unless the weights are float, and
-    `activations` unless "auto"."""
+    its latest call; its label names `quantize` (float weights, the bench's default, are
+    not the engine's: say so), and `activations` unless "auto"."""
     windows: list[EngineWindow] = []
 
     def generate(prompts: Sequence[Sequence[Token]], new: int) -> list[list[Token]]:
@@ -332,7 +332,9 @@ def cellbatch_peer(
         windows[:] = [window]
         return outputs
 
-    weights = "" if quantize == "none" else f", --quantize {quantize}"
+    weights = (
+        ", float weights (--quantize none)" if quantize == "none" else f", --quantize {quantize}"
+    )
     weights += "" if activations == "auto" else f", --activations {activations}"
     if share_prefix:
         return Peer(CELLBATCH, f"cellbatch{weights}", count, dtype, generate), windows
