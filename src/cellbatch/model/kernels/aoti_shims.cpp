@@ -1,5 +1,6 @@
 // C entry points of the cellbatch ops for AOTInductor-compiled programs: one
-// `aoti_torch_cpu_<op>` per op of cellbatch/model/ops.py's SCHEMAS, with the C signature
+// `aoti_torch_cpu_<op>` per op of cellbatch/model/ops.py's SCHEMAS but decoder_layer
+// (a program traces a layer as its steps), with the C signature
 // AOTInductor's generated code calls when an op is listed in
 // `aot_inductor.custom_ops_to_c_shims` (tensors as AtenTensorHandle, int as int64_t, float
 // as double, a returned tensor through AtenTensorHandle* ret0, which an op returning
@@ -14,12 +15,14 @@
 // AOTI_TORCH_SUCCESS, or AOTI_TORCH_FAILURE after logging the op's error.
 // Never: computes anything itself.
 
-#include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
+#include "op_handles.h"
+
 namespace {
+
+using cellbatch::find_op;
 
 using torch::aot_inductor::new_tensor_handle;
 using torch::aot_inductor::tensor_handle_to_tensor_pointer;
@@ -32,16 +35,8 @@ at::Tensor& mutable_tensor(AtenTensorHandle handle) {
   return *tensor_handle_to_tensor_pointer(handle);
 }
 
-// The op `name` with C++ signature Signature (each entry point keeps its own in a static).
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-// int4_matmul, int4_matmul_a8, int8_matmul and int8_matmul_a8 take the same arguments; each instantiation
-// (one per op name) keeps its own op in its static.
-using QuantizedMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   int64_t);
+// The quantised products share one signature; each instantiation (one per op name) keeps
+// its own op in its static.
 constexpr char kInt4Matmul[] = "cellbatch::int4_matmul";
 constexpr char kInt8Matmul[] = "cellbatch::int8_matmul";
 constexpr char kInt4MatmulA8[] = "cellbatch::int4_matmul_a8";
@@ -52,7 +47,7 @@ AOTITorchError quantized_matmul(AtenTensorHandle x, AtenTensorHandle codes,
                                 AtenTensorHandle scales, int64_t out_features,
                                 AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    static const auto op = find<QuantizedMatmul>(kName);
+    static const auto op = find_op<cellbatch::QuantizedMatmulOp>(kName);
     *ret0 = new_tensor_handle(op.call(tensor(x), tensor(codes), tensor(scales), out_features));
   });
 }
@@ -64,16 +59,14 @@ extern "C" {
 AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight,
                                        double eps, AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, double);
-    static const auto op = find<Signature>("cellbatch::rms_norm");
+    static const auto op = find_op<cellbatch::RmsNormOp>("cellbatch::rms_norm");
     *ret0 = new_tensor_handle(op.call(tensor(x), tensor(weight), eps));
   });
 }
 
 AOTITorchError aoti_torch_cpu_silu_mul(AtenTensorHandle gate_up, AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using Signature = at::Tensor(const at::Tensor&);
-    static const auto op = find<Signature>("cellbatch::silu_mul");
+    static const auto op = find_op<cellbatch::SiluMulOp>("cellbatch::silu_mul");
     *ret0 = new_tensor_handle(op.call(tensor(gate_up)));
   });
 }
@@ -108,9 +101,7 @@ AOTITorchError aoti_torch_cpu_rope_store(AtenTensorHandle q, AtenTensorHandle k,
                                          AtenTensorHandle k_cache, AtenTensorHandle v_cache,
                                          AtenTensorHandle* /*no result*/) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using Signature = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);
-    static const auto op = find<Signature>("cellbatch::rope_store");
+    static const auto op = find_op<cellbatch::RopeStoreOp>("cellbatch::rope_store");
     op.call(mutable_tensor(q), tensor(k), tensor(v), tensor(cos), tensor(sin), tensor(cells),
               mutable_tensor(k_cache), mutable_tensor(v_cache));
   });
@@ -122,10 +113,7 @@ AOTITorchError aoti_torch_cpu_cell_attention(
     AtenTensorHandle cell_offsets, AtenTensorHandle block_starts, int64_t window, double scale,
     AtenTensorHandle out, AtenTensorHandle* /*no result*/) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using Signature = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, int64_t, double, at::Tensor&);
-    static const auto op = find<Signature>("cellbatch::cell_attention");
+    static const auto op = find_op<cellbatch::CellAttentionOp>("cellbatch::cell_attention");
     op.call(tensor(q), tensor(k_cache), tensor(v_cache), tensor(cells), tensor(rows),
               tensor(pos), tensor(cell_offsets), tensor(block_starts), window, scale,
               mutable_tensor(out));

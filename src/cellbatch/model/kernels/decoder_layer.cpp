@@ -16,34 +16,29 @@
 // biases, q/k norms or products of another kind (the Python path does those).
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "op_handles.h"
 
 #include <array>
 
 namespace {
 
+using cellbatch::find_op;
+
 constexpr std::array<const char*, 4> PRODUCT_OPS = {
     "cellbatch::int4_matmul", "cellbatch::int4_matmul_a8", "cellbatch::int8_matmul",
     "cellbatch::int8_matmul_a8"};
 
-using Product = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
-using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
-using Rope = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                  const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);
-using Attention = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, int64_t, double, at::Tensor&);
-using SiluMul = at::Tensor(const at::Tensor&);
-
 struct Steps {
-  std::array<c10::TypedOperatorHandle<Product>, PRODUCT_OPS.size()> products;
-  c10::TypedOperatorHandle<Norm> rms_norm;
-  c10::TypedOperatorHandle<Rope> rope_store;
-  c10::TypedOperatorHandle<Attention> cell_attention;
-  c10::TypedOperatorHandle<SiluMul> silu_mul;
+  using Product = c10::TypedOperatorHandle<cellbatch::QuantizedMatmulOp>;
+  std::array<Product, PRODUCT_OPS.size()> products;
+  c10::TypedOperatorHandle<cellbatch::RmsNormOp> rms_norm;
+  c10::TypedOperatorHandle<cellbatch::RopeStoreOp> rope_store;
+  c10::TypedOperatorHandle<cellbatch::CellAttentionOp> cell_attention;
+  c10::TypedOperatorHandle<cellbatch::SiluMulOp> silu_mul;
 
-  const c10::TypedOperatorHandle<Product>& product(int64_t kind) const {
+  const Product& product(int64_t kind) const {
     TORCH_CHECK(kind >= 0 && kind < static_cast<int64_t>(products.size()),
                 "decoder_layer: product kind ", kind, " is not one of 0..",
                 products.size() - 1);
@@ -55,14 +50,15 @@ struct Steps {
 // after this library loads.
 const Steps& steps() {
   static const Steps found = [] {
-    auto& dispatcher = c10::Dispatcher::singleton();
-    auto find = [&](const char* name) { return dispatcher.findSchemaOrThrow(name, ""); };
-    return Steps{{find(PRODUCT_OPS[0]).typed<Product>(), find(PRODUCT_OPS[1]).typed<Product>(),
-                  find(PRODUCT_OPS[2]).typed<Product>(), find(PRODUCT_OPS[3]).typed<Product>()},
-                 find("cellbatch::rms_norm").typed<Norm>(),
-                 find("cellbatch::rope_store").typed<Rope>(),
-                 find("cellbatch::cell_attention").typed<Attention>(),
-                 find("cellbatch::silu_mul").typed<SiluMul>()};
+    using cellbatch::QuantizedMatmulOp;
+    return Steps{{find_op<QuantizedMatmulOp>(PRODUCT_OPS[0]),
+                  find_op<QuantizedMatmulOp>(PRODUCT_OPS[1]),
+                  find_op<QuantizedMatmulOp>(PRODUCT_OPS[2]),
+                  find_op<QuantizedMatmulOp>(PRODUCT_OPS[3])},
+                 find_op<cellbatch::RmsNormOp>("cellbatch::rms_norm"),
+                 find_op<cellbatch::RopeStoreOp>("cellbatch::rope_store"),
+                 find_op<cellbatch::CellAttentionOp>("cellbatch::cell_attention"),
+                 find_op<cellbatch::SiluMulOp>("cellbatch::silu_mul")};
   }();
   return found;
 }
