@@ -104,6 +104,11 @@ class FlatAttentionPlan:
     block_starts: torch.Tensor  # [blocks + 1] query index at which each block starts
     num_tokens: int
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The five tensors in the order the ops take them (cell_attention, decoder_layer)."""
+        return self.cells, self.rows, self.positions, self.cell_offsets, self.block_starts
+
 
 def flatten_plan(plan: AttentionPlan, query_block: int) -> FlatAttentionPlan:
     """The plan's queries and cells as flat tensors, each sequence's queries cut into

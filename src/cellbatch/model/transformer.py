@@ -196,7 +196,6 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(
             c.intermediate_size, c.hidden_size, bias=False, dtype=dtype, device=device
         )
-        self.intermediate_size = c.intermediate_size
         # The arguments of ops.decoder_layer after the step's own, when the layer runs as
         # that one op (`fuse`); None: the Python steps below.
         self.fused: tuple[object, ...] | None = None
@@ -224,7 +223,7 @@ class DecoderLayer(nn.Module):
                 *qkv,
                 *o_proj,
                 *gate_up,
-                self.intermediate_size,
+                self.down.in_features,
                 *down,
                 self.num_heads,
                 self.num_kv_heads,
@@ -252,11 +251,7 @@ class DecoderLayer(nn.Module):
                 k_cache,
                 v_cache,
                 cells,
-                prepared.cells,
-                prepared.rows,
-                prepared.positions,
-                prepared.cell_offsets,
-                prepared.block_starts,
+                *prepared.tensors,
                 prepared.num_tokens,
                 window or 0,
                 *self.fused,
