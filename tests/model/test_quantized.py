@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.model import ops, quantized, quantized_torch
+from cellbatch.model import gguf_blocks, ops, quantized, quantized_torch
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import Int4Weight, Int8Weight, QuantizedEmbedding, QuantizedLinear
 from cellbatch.model.transformer import PackedLinear, cpu_has_fast_bf16
@@ -100,16 +100,16 @@ def test_gguf_blocks_convert_to_gguf_s_own_values(tmp_path) -> None:
             gguf.quants.dequantize(data, tensor.tensor_type).reshape(48, 512)
         )
         if kind == "Q8_0":  # kept as it is: d and the codes
-            got = quantized.from_gguf(data, kind, "int8")
+            got = gguf_blocks.from_gguf(data, kind, "int8")
             assert got.format == "int8" and got.scale.shape == (48, 512 // 32)
             assert torch.equal(got.dequantize(), expected)
             continue
-        got = quantized.from_gguf(data, kind, "int4")
+        got = gguf_blocks.from_gguf(data, kind, "int4")
         assert got.format == "int4" and got.codes.max() <= 15
         assert torch.equal(got.dequantize(), expected), kind
         # The same blocks asked for as int8 go through gguf's dequantiser and are requantised
         # per group of 32: within half a group's step of the file's values.
-        as_int8 = quantized.from_gguf(data, kind, "int8")
+        as_int8 = gguf_blocks.from_gguf(data, kind, "int8")
         error = (as_int8.dequantize() - expected).view(48, -1, 32).abs().amax(dim=-1)
         assert (error <= as_int8.scale * 0.5 * (1 + 1e-5)).all()
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from cellbatch.model import quantized
+from cellbatch.model import gguf_blocks, quantized
 from cellbatch.model.config import ModelConfig, UnsupportedModelError
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype
 
@@ -311,7 +311,7 @@ class _GGUFCheckpoint:
         """The tensor's blocks (rows in torch's order) converted to `fmt`."""
         tensor = self._tensors[name]
         data = self._torch_rows(name, np.asarray(tensor.data))
-        return quantized.from_gguf(data, tensor.tensor_type.name, fmt)
+        return gguf_blocks.from_gguf(data, tensor.tensor_type.name, fmt)
 
     def _torch_rows(self, name: str, array: np.ndarray) -> np.ndarray:
         """Rows (dim 0) of `array` in transformers' order. Stored row (head, j, half) holds

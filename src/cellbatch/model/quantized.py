@@ -4,17 +4,17 @@ that multiply with them.
 Owns: the `quantize` choice ("auto", "none", "int8", "int4") and which format each weight
 takes (`target_format`); `Int8Weight` (groups of 32 inputs, or whole rows where K is not a
 multiple of 32: w = q * s, q int8) and `Int4Weight` (groups of 32 inputs: w = q * s + o, q in
-[0, 15]); their conversion from GGUF blocks and from float tensors (`from_gguf`,
-`from_float`); the kernels' panel layouts (`pack`; the ops' torch implementations, which
-read them, are in `cellbatch.model.quantized_torch`); the `activations` choice
-(`resolve_activations`); `QuantizedLinear`, `QuantizedEmbedding` and `install`, which puts
-them into a PackedTransformer; `describe`, what a model's weights are.
+[0, 15]); their conversion from float tensors (`from_float`; from GGUF blocks:
+`cellbatch.model.gguf_blocks`); the kernels' panel layouts (`pack`; the ops' torch
+implementations, which read them, are in `cellbatch.model.quantized_torch`); the
+`activations` choice (`resolve_activations`); `QuantizedLinear`, `QuantizedEmbedding` and
+`install`, which puts them into a PackedTransformer; `describe`, what a model's weights are.
 Promises:
-- Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K: d * sc), offset
-  m (Q4_0: -8d; Q4_K: -dmin * mn), all exact in float32, so the dequantised weights equal
-  gguf's own; Q8_0 blocks map onto Int8Weight exactly (scale d). Every other kind is
-  requantised by `from_float`. Scales and offsets are float32 values; the kernels' layout
-  holds them as float16 when they all are float16 values (GGUF's Q4_0/Q4_1/Q8_0 are).
+- (gguf_blocks) Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K:
+  d * sc), offset m (Q4_0: -8d; Q4_K: -dmin * mn), all exact in float32, so the dequantised
+  weights equal gguf's own; Q8_0 blocks map onto Int8Weight exactly (scale d). Every other
+  kind is requantised by `from_float`. Scales and offsets are float32 values; the kernels'
+  layout holds them as float16 when they all are float16 values (GGUF's Q4_0/Q4_1/Q8_0 are).
 - Conversion runs one tensor at a time in row chunks: the model never exists in float32.
 - A row's product never depends on the other rows of the call or on the thread count: the
   compiled kernel sums each output in input order whatever the rows and threads, and the
@@ -64,7 +64,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -117,7 +116,6 @@ GROUP_SIZE = 32
 GGUF_INT4_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 GGUF_INT8_KINDS = frozenset({"Q8_0"})
 GGUF_FLOAT_KINDS = frozenset({"F32", "F16", "BF16", "F64"})
-_CHUNK_ROWS = 4096  # rows converted at a time: bounds the float32 scratch of a conversion
 PANEL = 16  # output features per panel of the kernels' layouts
 # The products that take int8 activations when those are chosen: the int4 projections
 # named, and the int8 LM head (see the module's docstring for the measurement that chose
@@ -312,91 +310,6 @@ def _int4_from_float(weight: torch.Tensor) -> Int4Weight:
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp_(0, 15)
     return Int4Weight(codes.to(torch.uint8).reshape(rows, cols), scale, low)
-
-
-def from_gguf(data: np.ndarray, kind: str, fmt: str) -> QuantizedWeight:
-    """One GGUF tensor's data (rows in torch's order: [rows, bytes] for block kinds,
-    [rows, cols] for float kinds) in format `fmt`, converted `_CHUNK_ROWS` rows at a time.
-    Q4_0/Q4_1/Q4_K to int4 and Q8_0 to int8 take the blocks as they are; anything else is
-    dequantised (gguf's own dequantiser) chunk by chunk and quantised by `from_float`."""
-    chunks = _row_chunks(data)
-    if fmt == "int4" and kind in GGUF_INT4_KINDS:
-        return cat([_int4_from_blocks(chunk, kind) for chunk in chunks])
-    if fmt == "int8" and kind in GGUF_INT8_KINDS:
-        return cat([_int8_from_blocks(chunk) for chunk in chunks])
-    return cat([from_float(_dequantize(chunk, kind), fmt) for chunk in chunks])
-
-
-def _row_chunks(data: np.ndarray) -> Iterator[np.ndarray]:
-    for start in range(0, data.shape[0], _CHUNK_ROWS):
-        yield data[start : start + _CHUNK_ROWS]
-
-
-def _dequantize(chunk: np.ndarray, kind: str) -> torch.Tensor:
-    import gguf
-
-    array = gguf.quants.dequantize(np.asarray(chunk), gguf.GGMLQuantizationType[kind])
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-
-
-def _halves(array: np.ndarray, offset: int) -> np.ndarray:
-    """float16 values stored as 2 bytes at `offset` of each block -> float32 [..]."""
-    raw = np.ascontiguousarray(array[..., offset : offset + 2])
-    return raw.view(np.float16)[..., 0].astype(np.float32)
-
-
-def _int8_from_blocks(blocks: np.ndarray) -> Int8Weight:
-    """Q8_0 blocks (d, 32 int8 codes) of [rows] rows -> Int8Weight: w = d q, exactly."""
-    rows = blocks.shape[0]
-    b = blocks.reshape(rows, -1, 34)
-    codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
-    return Int8Weight(torch.from_numpy(codes), torch.from_numpy(_halves(b, 0)))
-
-
-def _int4_from_blocks(blocks: np.ndarray, kind: str) -> Int4Weight:
-    """Q4_0 (d, 16 bytes), Q4_1 (d, m, 16 bytes) or Q4_K (d, dmin, 12 bytes of 6-bit
-    sub-block scales and mins, 128 bytes) blocks of [rows] rows -> Int4Weight.
-
-    Q4_0/Q4_1: byte j of a block holds element j (low nibble) and j + 16 (high); w = d q + m
-    (Q4_0: d (q - 8)). Q4_K: 256 elements in 8 sub-blocks of 32; each 32 bytes hold two
-    sub-blocks (low nibbles, then high ones); w = d sc q - dmin mn. Scales and offsets are
-    float16 values or their products with 6-bit integers: exact in float32.
-    """
-    rows = blocks.shape[0]
-    if kind in ("Q4_0", "Q4_1"):
-        quants = 4 if kind == "Q4_1" else 2
-        b = blocks.reshape(rows, -1, quants + 16)
-        d = _halves(b, 0)
-        offset = _halves(b, 2) if kind == "Q4_1" else -8 * d
-        qs = b[..., quants:]
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-        scale = d
-    elif kind == "Q4_K":
-        b = blocks.reshape(rows, -1, 144)
-        d, dmin = _halves(b, 0), _halves(b, 2)
-        sc, mn = _q4k_scales_and_mins(b[..., 4:16])
-        scale = (d[..., None] * sc).reshape(rows, -1)
-        offset = -(dmin[..., None] * mn).reshape(rows, -1)
-        qs = b[..., 16:].reshape(rows, -1, 4, 32)
-        codes = np.stack([qs & 0x0F, qs >> 4], axis=-2)
-    else:
-        raise ValueError(f"{kind} blocks cannot be kept as int4")
-    return Int4Weight(
-        torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
-        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32)),
-    )
-
-
-def _q4k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 12 bytes of a Q4_K block -> (scales, mins) float32 [.., 8], 6 bits each: bytes
-    0-3 and 4-7 hold sub-blocks 0-3's scale and min in their low 6 bits and the top 2 bits
-    of sub-blocks 4-7's; bytes 8-11 hold the low 4 bits of sub-blocks 4-7's (scale in the
-    low nibble, min in the high one)."""
-    first, second, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    scales = np.concatenate([first & 63, (low & 0x0F) | ((first >> 6) << 4)], axis=-1)
-    mins = np.concatenate([second & 63, (low >> 4) | ((second >> 6) << 4)], axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
 
 
 # -- the kernels' panel layouts --------------------------------------------------------
