@@ -46,8 +46,8 @@ from cellbatch.bench.peers import load_transformers_model
 from cellbatch.bench.workload import CHAT_PROMPTS
 from cellbatch.cache import CellCache, KVPool
 from cellbatch.engine import DEFAULT_MAX_BATCH_TOKENS
+from cellbatch.model.cpu import cpu_has_fast_bf16
 from cellbatch.model.default import default_model_path
-from cellbatch.model.transformer import cpu_has_fast_bf16
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import FinishReason, GenConfig, Token
 

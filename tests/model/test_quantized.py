@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from cellbatch.model import gguf_blocks, ops, quantized, quantized_torch
+from cellbatch.model.cpu import cpu_has_fast_bf16
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import Int4Weight, Int8Weight, QuantizedEmbedding, QuantizedLinear
-from cellbatch.model.transformer import PackedLinear, cpu_has_fast_bf16
+from cellbatch.model.transformer import PackedLinear
 from cellbatch.types import InvalidArgumentError
 from tiny_models import make_tiny_checkpoint, write_gguf
 

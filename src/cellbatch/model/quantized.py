@@ -67,6 +67,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
+from cellbatch.model.cpu import cpu_has_int8_products
 from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES, InvalidArgumentError
 
 
@@ -143,11 +144,6 @@ def check_activations(choice: str) -> str:
     """The checked `activations` choice."""
     meaning = "int8 quantises the int4 products' inputs, float keeps the model's dtype"
     return _checked(choice, ACTIVATION_CHOICES, "activations", meaning)
-
-
-def cpu_has_int8_products() -> bool:
-    """True when the CPU has AVX512-VNNI, which the compiled int8-activation products use."""
-    return bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
 
 
 def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:

@@ -32,6 +32,7 @@ from torch import nn
 from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
+from cellbatch.model.cpu import cpu_has_fast_bf16
 from cellbatch.model.ops import PRODUCT_OPS, Ops, resolve
 from cellbatch.types import InvalidArgumentError
 
@@ -49,12 +50,6 @@ _DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16":
 PACKED_MIN_GEMM_ROWS = 2
 # A DecoderLayer's weight-matrix products, by attribute name.
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:

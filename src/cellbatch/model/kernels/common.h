@@ -1,5 +1,6 @@
 // Shared by the kernels' sources: float widening and narrowing for each compute dtype,
-// and dispatch over those dtypes and over the quantised products' scale dtypes.
+// dispatch over those dtypes and over the quantised products' scale dtypes, and the
+// question the AVX512 paths ask of torch beside the CPU.
 //
 // Promises: round_to<T>(x) is x as a tensor of dtype T would hold it (round to nearest
 // even); the bf16 cases are bit operations, so that loops of them vectorise (c10's
@@ -8,6 +9,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -26,6 +28,12 @@
 namespace cellbatch {
 
 using Vec = at::vec::Vectorized<float>;
+
+// True when torch runs its kernels at the AVX512 width in this process: the CPU has it and
+// ATEN_CPU_CAPABILITY does not cap torch lower. The AVX512 paths need it beside their CPU
+// features, so a process capped at AVX2 runs what an AVX2 CPU would (cellbatch.model.cpu
+// asks the same for the `auto` choices).
+inline bool torch_runs_avx512() { return at::get_cpu_capability() == "AVX512"; }
 constexpr int64_t kLanes = Vec::size();
 
 template <typename T>

@@ -24,7 +24,8 @@
 // are prefetched.
 // Promises: y[m, n] is the same chain over the same values whatever the other rows of x,
 // the path their count takes and the thread count (batch invariance); a row's
-// quantisation reads only that row. CPUs without AVX512-VNNI run a portable loop over the
+// quantisation reads only that row. CPUs without AVX512-VNNI, and processes where torch
+// runs below the AVX512 width (ATEN_CPU_CAPABILITY=avx2), run a portable loop over the
 // same quantised values and the same chain (bit-identical results; CELLBATCH_A8_PORTABLE=1
 // runs it anywhere, for the tests). Results are in x's dtype, bf16
 // rounded to nearest even.
@@ -163,7 +164,8 @@ bool a8_products_available() {
                                 __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512vl") &&
                                 __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("avx512vnni");
+                                __builtin_cpu_supports("avx512vnni") &&
+                                torch_runs_avx512();
   return available;
 }
 

@@ -23,8 +23,9 @@
 // count (batch invariance): groups in input order, pairs in a fixed order within a group.
 // The weights' bytes read are the int4/int8 codes and scales, as on the fp32 path. Results
 // are bf16, rounded to nearest even from the fp32 sums.
-// Never: runs on a CPU without AVX512-BF16 (`bf16_products_available` asks the CPU, and
-// the instructions live only in functions compiled for that target), or allocates per row.
+// Never: runs on a CPU without AVX512-BF16, or where torch runs below the AVX512 width
+// (`bf16_products_available` asks both, and the instructions live only in functions
+// compiled for that target), or allocates per row.
 
 #include "quantized_bf16.h"
 
@@ -55,7 +56,8 @@ bool bf16_products_available() {
   static const bool available = __builtin_cpu_supports("avx512f") &&
                                 __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512bf16");
+                                __builtin_cpu_supports("avx512bf16") &&
+                                torch_runs_avx512();
   return available;
 }
 

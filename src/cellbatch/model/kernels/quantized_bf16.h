@@ -10,7 +10,7 @@
 namespace cellbatch {
 
 // True when this library holds the bf16 products and this CPU runs them (AVX512-F, -BW
-// and -BF16, detected when first asked, never assumed).
+// and -BF16, detected when first asked, never assumed) with torch at the AVX512 width.
 bool bf16_products_available();
 
 // y[M, N] (bfloat16) = x w^T for bfloat16 x [M, K] and the int4 panels of

@@ -1,0 +1,43 @@
+"""What this CPU offers the model's products: the feature questions that the `auto` choices
+(dtype, activations, oneDNN packing) ask, in one place.
+
+Owns: `cpu_has_fast_bf16` and `cpu_has_int8_products`, and the rule they share: a feature
+counts only when the CPU has it (detected, never assumed) and torch runs at a vector
+width that includes it (`torch.backends.cpu.get_cpu_capability()`).
+Promises: with torch's own switch `ATEN_CPU_CAPABILITY=avx2`, cellbatch chooses as on an
+AVX2 CPU: no AVX512 feature counts, so "auto" gives float32 and float activations, and
+the compiled kernels' AVX512 paths (which ask the same of torch, in C++) stay off. With
+`ONEDNN_MAX_CPU_ISA=AVX2` and `MKL_ENABLE_INSTRUCTIONS=AVX2` beside it, a process on an
+AVX512 CPU runs the instructions an AVX2 CPU would (`benchmarks/cpu_kinds.py` uses this to
+measure the AVX2 paths here); the memory and caches stay this machine's.
+Never: imports the compiled kernels, or caches an answer (torch reads its capability once
+per process; so do these questions' callers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def torch_runs_avx512() -> bool:
+    """True when torch's kernels run at the AVX512 width on this process (the CPU has
+    AVX512-F/BW/VL/DQ and ATEN_CPU_CAPABILITY does not cap it lower)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def _cpu_has(check: str) -> bool:
+    """torch.cpu's detection of one feature (False where this torch lacks the question)."""
+    return bool(getattr(torch.cpu, check, lambda: False)())
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX) and torch
+    runs at the AVX512 width."""
+    native = _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")
+    return native and torch_runs_avx512()
+
+
+def cpu_has_int8_products() -> bool:
+    """True when the CPU has AVX512-VNNI, which the compiled int8-activation products use,
+    and torch runs at the AVX512 width."""
+    return _cpu_has("_is_vnni_supported") and torch_runs_avx512()
