@@ -1,0 +1,53 @@
+"""The kernels as an AVX2 CPU runs them, on whatever CPU the suite runs on: the kernel tests
+again, in a process with torch, oneDNN and MKL capped at AVX2 and the kernels built for that
+capability (benchmarks/cpu_kinds.py's caps and build). On an AVX512 machine this is the
+only run of the 8-lane vector code, the AVX2 quantised path without the bf16 and int8
+shortcuts, and the `auto` choices an AVX2 CPU gets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpu_kinds import CHECKOUT, build_kernels, copy_tree, kind_environment
+
+TESTS = (
+    "tests/model/test_kernels.py",
+    "tests/model/test_quantized.py",
+    "tests/model/test_quantized_a8.py",
+    "tests/model/test_attention.py",
+)
+PROBE = (
+    "import torch\n"
+    "from cellbatch.model import cpu, kernels\n"
+    "from cellbatch.model.transformer import resolve_dtype\n"
+    "print(kernels.load(), torch.backends.cpu.get_cpu_capability(), cpu.cpu_has_fast_bf16(),\n"
+    "      resolve_dtype('auto'), kernels.LIBRARY)\n"
+)
+
+
+@pytest.mark.slow
+def test_the_kernel_tests_pass_as_an_avx2_cpu_runs_them(tmp_path: Path) -> None:
+    tree = tmp_path / "avx2"
+    copy_tree(None, tree)
+    build_kernels(tree, "avx2")
+    env = {**kind_environment("avx2"), "PYTHONPATH": str(tree / "src")}
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert probe.returncode == 0, probe.stderr
+    library = tree / "src/cellbatch/model/kernels/_C.so"
+    assert probe.stdout.split() == ["True", "AVX2", "False", "torch.float32", str(library)]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
+        cwd=CHECKOUT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1]
