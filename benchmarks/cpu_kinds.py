@@ -18,7 +18,7 @@ chat prompts at once, at most 64 new tokens, stopping at EOS; D32 = the 32 promp
 tokens each past EOS. Rounds interleave the trees, and the best of the rounds is kept.
 
     python benchmarks/cpu_kinds.py --kind avx2 --against 8e6ac69 \\
-        --modes auto:float32,none:float32,auto:bfloat16,none:bfloat16
+        --modes auto:float32,none:float32,auto:bfloat16
 """
 
 from __future__ import annotations
@@ -209,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parts = options.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; use some of {', '.join(PARTS)}")
+    modes = options.modes.split(",")
+    if malformed := [mode for mode in modes if mode.count(":") != 1]:
+        parser.error(f"modes {malformed} are not QUANTIZE:DTYPE; write e.g. auto:float32")
     if options.child:
         print(json.dumps(measure(options.model, options.child, parts, options.threads)))
         return
@@ -223,7 +226,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             copy_tree(None if name == "checkout" else name, tree)
             build_kernels(tree, options.kind)
         print(f"{name}: {tree} (kernels built for {options.kind})", flush=True)
-    modes = options.modes.split(",")
     results: dict[str, dict[str, list[dict]]] = {
         mode: {name: [] for name in trees} for mode in modes
     }

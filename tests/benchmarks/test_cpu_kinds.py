@@ -6,7 +6,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from cpu_kinds import CHECKOUT, copy_tree, kind_environment, measure, report
+import pytest
+
+from cpu_kinds import CHECKOUT, copy_tree, kind_environment, main, measure, report
 
 
 def test_a_mode_is_measured_with_its_tokens_digested(tiny_bench_model: Path) -> None:
@@ -61,3 +63,11 @@ def test_a_failed_mode_is_named_not_dropped() -> None:
     }
     row = report(results, ["single"]).splitlines()[2]
     assert row == "| none:bfloat16 | failed | 47.0 | failed | no |"
+
+
+def test_a_mode_without_its_dtype_is_refused_before_anything_builds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--modes", "auto:float32,auto"])
+    assert "['auto'] are not QUANTIZE:DTYPE" in capsys.readouterr().err
