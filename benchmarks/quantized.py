@@ -174,16 +174,21 @@ PRODUCT_KERNELS = (
 
 def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
     """call(x) for one product of `shape` with random weights held as `kernel` holds them:
-    fp32 oneDNN-packed (PackedLinear), our int4/int8 ops, PyTorch's int4/int8 weight-only
-    kernels (bf16 activations, as the previous QuantizedLinear ran them)."""
+    fp32 and bf16 as the model runs them (oneDNN-packed, PackedLinear, where it packs that
+    dtype on this CPU; else torch's linear), our int4/int8 ops, PyTorch's int4/int8
+    weight-only kernels (bf16 activations, as the previous QuantizedLinear ran them)."""
     import torch
 
     from cellbatch.model import ops, quantized
+    from cellbatch.model.transformer import can_pack_linears
 
     n, k = shape
     weight = torch.randn(n, k, generator=generator) * 0.05
     if kernel in ("fp32", "bf16"):
         dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
+        if not can_pack_linears(dtype, "cpu"):  # oneDNN's packed bf16 needs AVX512 or AMX
+            plain = weight.to(dtype)
+            return lambda x: torch.nn.functional.linear(x.to(dtype), plain)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
         return lambda x: torch.ops.mkldnn._linear_pointwise(
             x.to(dtype), packed, None, "none", [], ""
