@@ -25,9 +25,10 @@
 // Promises: y[m, n] is the same chain over the same values whatever the other rows of x,
 // the path their count takes and the thread count (batch invariance); a row's
 // quantisation reads only that row. CPUs without AVX512-VNNI, and processes where torch
-// runs below the AVX512 width (ATEN_CPU_CAPABILITY=avx2), run a portable loop over the
-// same quantised values and the same chain (bit-identical results; CELLBATCH_A8_PORTABLE=1
-// runs it anywhere, for the tests). Results are in x's dtype, bf16
+// runs below the AVX512 width (ATEN_CPU_CAPABILITY=avx2), run the AVX2 products
+// (quantized_a8_avx2.cpp), or where AVX2 is missing too a portable loop, over the same
+// quantised values and the same chain (bit-identical results; CELLBATCH_A8_PORTABLE=1
+// runs the portable loop anywhere, for the tests). Results are in x's dtype, bf16
 // rounded to nearest even.
 // Never: changes the weights' numbers (only the activations are rounded), or allocates
 // per row.
@@ -40,6 +41,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "quantized_a8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -57,8 +59,8 @@
 namespace cellbatch {
 namespace {
 
-constexpr int64_t kPanel = 16;     // outputs per panel
-constexpr int64_t kGroup = 32;     // inputs per group: one weight scale, one input scale
+using a8::kGroup;
+using a8::kPanel;
 constexpr int64_t kBlock = 3;      // panels per block
 constexpr int64_t kChunk = 256;    // inputs per buffer fill: 12 KiB for a block
 constexpr int64_t kRows = 4;       // rows per run over a buffer: 12 int32 + 12 float sums
@@ -67,14 +69,7 @@ constexpr int64_t kRowChunk = 64;  // rows per pass over a block: their inputs s
 constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 3 KiB ahead per panel
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
-// Each row's quantised inputs: q [M, K] (in the byte order of the weights' format), d, sx
-// and qsum (the sum of the group's q: int8 weights' correction) [M, K / 32].
-struct Quantised {
-  std::vector<int8_t> q;
-  std::vector<float> d, sx;
-  std::vector<int32_t> qsum;
-  int64_t in_features = 0;
-};
+using a8::Quantised;
 
 // The position of input i of a group of 8 in the quantised order: for int4 weights (0, 2,
 // 4, 6, 1, 3, 5, 7), for int8 ones the inputs' own.
@@ -443,7 +438,9 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(out_features);
   if (count == 0) return out.view(shape);
-  const bool vector = a8_products_available() && !portable_asked();
+  const bool portable = portable_asked();
+  const bool vector = a8_products_available() && !portable;
+  const bool avx2 = !vector && !portable && a8::avx2_products_available();
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
@@ -457,6 +454,10 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
       return product_vnni(xs, Panels{c, s, in_features}, count, panel_count, out_features, y);
     }
 #endif
+    if (avx2) {
+      if constexpr (kInt4) return a8::int4_products_avx2(xs, c, s, panel_count, out_features, y);
+      else return a8::int8_products_avx2(xs, c, s, panel_count, out_features, y);
+    }
     at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
       product_portable(xs, c, s, 0, count, begin, end, out_features, y);
     });

@@ -1,0 +1,42 @@
+// What the int8-activation products (quantized_a8.cpp) share with their AVX2 path
+// (quantized_a8_avx2.cpp): the panel and group sizes, each row's quantised inputs, and the
+// AVX2 products' entry points.
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace cellbatch::a8 {
+
+constexpr int64_t kPanel = 16;  // outputs per panel
+constexpr int64_t kGroup = 32;  // inputs per group: one weight scale, one input scale
+
+// Each row's quantised inputs: q [M, K] (in the byte order of the weights' format), d, sx
+// and qsum (the sum of the group's q: int8 weights' correction) [M, K / 32].
+struct Quantised {
+  std::vector<int8_t> q;
+  std::vector<float> d, sx;
+  std::vector<int32_t> qsum;
+  int64_t in_features = 0;
+};
+
+// True when this library holds the AVX2 products and this CPU runs them (AVX2, FMA, F16C,
+// detected when first asked).
+bool avx2_products_available();
+
+// y [count, out_features] (T: float or c10::BFloat16) from the quantised rows and int4
+// panels (codes [P, K / 8, 16], scales S [P, K / 32, 2, 16]) or int8 ones (codes
+// [P, K / 4, 16, 4], scales [P, K / 32, 16]), S float or c10::Half: the same chain per
+// output as the portable loop and the VNNI path, so the same bits.
+template <typename S, typename T>
+void int4_products_avx2(const Quantised& xs, const int32_t* codes, const S* scales,
+                        int64_t panel_count, int64_t out_features, T* y);
+template <typename S, typename T>
+void int8_products_avx2(const Quantised& xs, const int8_t* codes, const S* scales,
+                        int64_t panel_count, int64_t out_features, T* y);
+
+}  // namespace cellbatch::a8
