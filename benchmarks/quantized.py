@@ -222,10 +222,12 @@ def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
 def _as_run(kernel: str, name: str) -> str:
     """The kernel a model whose products are `kernel` runs product `name` with: the int4
     format keeps its LM head in int8, and int8 activations take only the products of
-    quantized.A8_PRODUCTS."""
-    from cellbatch.model.quantized import A8_PRODUCTS
+    quantized.a8_products (of bf16: the a8 calls here take bf16 inputs)."""
+    import torch
 
-    if kernel == "int4 a8" and name not in A8_PRODUCTS:
+    from cellbatch.model.quantized import a8_products
+
+    if kernel == "int4 a8" and name not in a8_products(torch.bfloat16):
         kernel = "int4 bf16"
     return kernel.replace("int4", "int8") if name == "lm_head" else kernel
 

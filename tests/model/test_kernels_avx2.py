@@ -1,8 +1,9 @@
 """The kernels as an AVX2 CPU runs them, on whatever CPU the suite runs on: the kernel tests
 again, in a process with torch, oneDNN and MKL capped at AVX2 and the kernels built for that
 capability (benchmarks/cpu_kinds.py's caps and build). On an AVX512 machine this is the
-only run of the 8-lane vector code, the AVX2 quantised path without the bf16 and int8
-shortcuts, and the `auto` choices an AVX2 CPU gets."""
+only run of the 8-lane vector code, the AVX2 quantised paths (the int8-input products by
+VPMADDUBSW among them, held to the portable loop bit for bit), and the `auto` choices an
+AVX2 CPU gets."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ PROBE = (
     "import torch\n"
     "from cellbatch.model import cpu, kernels\n"
     "from cellbatch.model.transformer import resolve_dtype\n"
+    "from cellbatch.model.quantized import resolve_activations\n"
     "print(kernels.load(), torch.backends.cpu.get_cpu_capability(), cpu.cpu_has_fast_bf16(),\n"
-    "      resolve_dtype('auto'), kernels.LIBRARY)\n"
+    "      resolve_dtype('auto'), resolve_activations('auto', 'compiled', torch.float32),\n"
+    "      kernels.LIBRARY)\n"
 )
 
 
@@ -40,7 +43,14 @@ def test_the_kernel_tests_pass_as_an_avx2_cpu_runs_them(tmp_path: Path) -> None:
     )
     assert probe.returncode == 0, probe.stderr
     library = tree / "src/cellbatch/model/kernels/_C.so"
-    assert probe.stdout.split() == ["True", "AVX2", "False", "torch.float32", str(library)]
+    assert probe.stdout.split() == [
+        "True",
+        "AVX2",
+        "False",
+        "torch.float32",
+        "int8",
+        str(library),
+    ]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
         cwd=CHECKOUT,

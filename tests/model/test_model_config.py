@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cellbatch.model import transformer as transformer_module
+from cellbatch.model import cpu as cpu_module
 from cellbatch.model.config import ModelConfig, UnsupportedModelError
 from cellbatch.model.transformer import resolve_dtype, rope_inverse_frequencies
 from cellbatch.types import InvalidArgumentError
@@ -168,5 +168,5 @@ def test_resolve_dtype_names_aliases_and_errors() -> None:
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, fast_bf16: bool) -> None:
-    monkeypatch.setattr(transformer_module, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(cpu_module, "cpu_has_fast_bf16", lambda: fast_bf16)
     assert resolve_dtype("auto") is (torch.bfloat16 if fast_bf16 else torch.float32)

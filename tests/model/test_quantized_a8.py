@@ -13,7 +13,7 @@ import torch
 
 from cellbatch.model import ops, quantized, quantized_torch
 from cellbatch.model.loading import load_model
-from cellbatch.model.quantized import A8_PRODUCTS, QuantizedLinear
+from cellbatch.model.quantized import QuantizedLinear, a8_products
 from cellbatch.types import InvalidArgumentError
 
 
@@ -158,14 +158,20 @@ def test_a_tied_head_with_int8_activations_still_embeds_exactly(compiled_ops) ->
     assert torch.equal(embedding(tokens), weight.dequantize()[tokens])
 
 
-def test_auto_takes_int8_only_for_compiled_bf16_products_on_vnni(monkeypatch) -> None:
+@pytest.mark.parametrize("speed_dtype", [torch.bfloat16, torch.float32])
+def test_auto_takes_int8_only_for_compiled_products_in_the_cpus_speed_dtype(
+    monkeypatch, speed_dtype
+) -> None:
+    """The speed dtype is what `auto` picks: bf16 on CPUs with native bf16, else float32."""
     resolve = quantized.resolve_activations
+    other = torch.float32 if speed_dtype == torch.bfloat16 else torch.bfloat16
+    monkeypatch.setattr(quantized, "cpu_dtype", lambda: speed_dtype)
     monkeypatch.setattr(quantized, "cpu_has_int8_products", lambda: True)
-    assert resolve("auto", "compiled", torch.bfloat16) == "int8"
-    assert resolve("auto", "compiled", torch.float32) == "float"  # fp32 asks for precision
-    assert resolve("auto", "torch", torch.bfloat16) == "float"
+    assert resolve("auto", "compiled", speed_dtype) == "int8"
+    assert resolve("auto", "compiled", other) == "float"  # another dtype was asked for
+    assert resolve("auto", "torch", speed_dtype) == "float"
     monkeypatch.setattr(quantized, "cpu_has_int8_products", lambda: False)
-    assert resolve("auto", "compiled", torch.bfloat16) == "float"
+    assert resolve("auto", "compiled", speed_dtype) == "float"
     # Asked for, either holds on any CPU and with either ops table.
     assert resolve("int8", "torch", torch.float32) == "int8"
     assert resolve("float", "compiled", torch.bfloat16) == "float"
@@ -185,25 +191,35 @@ def test_a_bad_activations_choice_fails_before_loading(tmp_path) -> None:
     assert exit_info.value.code == 2
 
 
+# Which products take int8 inputs, by the model's dtype (the perplexity each set cost).
+INT8_INPUTS = {
+    "bfloat16": ("qkv", "o_proj", "gate_up", "lm_head"),
+    "float32": ("gate_up", "lm_head"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", ["compiled", "torch"])
 def test_int8_activations_reach_only_their_projections(
-    tiny_checkpoint, packed_steps, first_sequence_logits, request, kernel
+    tiny_checkpoint, packed_steps, first_sequence_logits, request, kernel, dtype
 ) -> None:
     if kernel == "compiled":
         request.getfixturevalue("compiled_ops")
     _, folder = tiny_checkpoint("llama")
-    _, model = load_model(folder, "float32", kernel, "int4", activations="int8")
+    _, model = load_model(folder, dtype, kernel, "int4", activations="int8")
+    chosen = INT8_INPUTS[dtype]
+    assert a8_products(model.dtype) == chosen
     table = model.ops
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             linear = getattr(layer, name)
-            assert linear.activations == ("int8" if name in A8_PRODUCTS else "float"), name
-            expected = table.int4_matmul_a8 if name in A8_PRODUCTS else table.int4_matmul
+            assert linear.activations == ("int8" if name in chosen else "float"), name
+            expected = table.int4_matmul_a8 if name in chosen else table.int4_matmul
             assert linear.matmul == expected, name
     assert model.lm_head.format == "int8" and model.lm_head.matmul == table.int8_matmul_a8
-    words = "(qkv, o_proj, gate_up, lm_head with int8 activations)"
+    words = f"({', '.join(chosen)} with int8 activations)"
     assert words in quantized.describe(model).format
-    _, floats = load_model(folder, "float32", kernel, "int4", activations="float")
+    _, floats = load_model(folder, dtype, kernel, "int4", activations="float")
     assert "int8 activations" not in quantized.describe(floats).format
     steps = [[(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12, 77, 3])], [(1, [70]), (0, [4])]]
     got = torch.cat(packed_steps(model, steps, 2))

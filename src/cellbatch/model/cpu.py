@@ -1,12 +1,14 @@
 """What this CPU offers the model's products: the feature questions that the `auto` choices
 (dtype, activations, oneDNN packing) ask, in one place.
 
-Owns: `cpu_has_fast_bf16` and `cpu_has_int8_products`, and the rule they share: a feature
-counts only when the CPU has it (detected, never assumed) and torch runs at a vector
-width that includes it (`torch.backends.cpu.get_cpu_capability()`).
+Owns: `cpu_has_fast_bf16`, `cpu_dtype` (what `auto` computes in) and
+`cpu_has_int8_products`, and the rule they share: a feature counts only when the CPU has
+it (detected, never assumed) and torch runs at a vector width that includes it
+(`torch.backends.cpu.get_cpu_capability()`).
 Promises: with torch's own switch `ATEN_CPU_CAPABILITY=avx2`, cellbatch chooses as on an
-AVX2 CPU: no AVX512 feature counts, so "auto" gives float32 and float activations, and
-the compiled kernels' AVX512 paths (which ask the same of torch, in C++) stay off. With
+AVX2 CPU: no AVX512 feature counts, so "auto" gives float32 (with int8 inputs to gate_up
+and the head, by the AVX2 products), and the compiled kernels' AVX512 paths (which ask
+the same of torch, in C++) stay off. With
 `ONEDNN_MAX_CPU_ISA=AVX2` and `MKL_ENABLE_INSTRUCTIONS=AVX2` beside it, a process on an
 AVX512 CPU runs the instructions an AVX2 CPU would (`benchmarks/cpu_kinds.py` uses this to
 measure the AVX2 paths here); the memory and caches stay this machine's.
@@ -37,7 +39,14 @@ def cpu_has_fast_bf16() -> bool:
     return native and torch_runs_avx512()
 
 
+def cpu_dtype() -> torch.dtype:
+    """The dtype `auto` computes in here (the speed mode): bf16 where the CPU's bf16
+    products are native, else float32."""
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
 def cpu_has_int8_products() -> bool:
-    """True when the CPU has AVX512-VNNI, which the compiled int8-activation products use,
-    and torch runs at the AVX512 width."""
-    return _cpu_has("_is_vnni_supported") and torch_runs_avx512()
+    """True when the compiled int8-activation products have a vector path here: VPDPBUSD
+    (AVX512-VNNI at the AVX512 width) or VPMADDUBSW (AVX2, which AVX512 CPUs have too).
+    torch runs at one of those widths only on a CPU that has them."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

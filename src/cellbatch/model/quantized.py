@@ -22,7 +22,7 @@ Promises:
 - Activations stay in the model's dtype (the compiled kernel computes float32 activations
   in float32, and bf16 ones, on CPUs with AVX512-BF16, with the bf16 dot-product
   instructions), except where `resolve_activations` gives "int8": then the products of
-  A8_PRODUCTS quantise their inputs per group of 32 (`int4_matmul_a8`, and for the int8
+  a8_products(dtype) quantise their inputs per group of 32 (`int4_matmul_a8`, and for the int8
   head `int8_matmul_a8` over its own layout, `pack_a8`), as llama.cpp's Q8_1 blocks do,
   and multiply with integer dot products (VPDPBUSD).
 Never: quantises norms, biases or RoPE tables; reads files (the loader hands it arrays).
@@ -49,12 +49,15 @@ With int8 activations on a CPU with AVX512-VNNI (kernels/quantized_a8.cpp, same 
 oneDNN's bf16 11.9 / 24.2 / 141, for the 30 layers' products; the int8 LM head 0.63 / 4.15
 / 29.0 against 0.71 / 6.14 / 44.4 on the bf16 path. Their perplexity cost decided which
 products take them (`A8_PRODUCTS`, `benchmarks/perplexity.py`, against the file's own
-dequantised model at 26.70): qkv, o_proj and gate_up, whose inputs follow a norm or
-attention, 26.89 (+0.72%); with the head too, 26.95 (+0.93%), the default, under the
+dequantised model at 26.70). In bf16: qkv, o_proj and gate_up, whose inputs follow a norm
+or attention, 26.89 (+0.72%); with the head too, 26.95 (+0.93%), the default, under the
 issue's 1% line but near it (its greedy agreement with fp32 moved from 1/32 to 2/32
 identical outputs, mean common prefix 14.4 -> 13.8 tokens); qkv, o_proj and the head
 alone 26.82 (+0.43%). down's inputs (silu(gate) * up) are heavy-tailed and cost +0.9%
-alone, so down keeps the model's dtype.
+alone, so down keeps the model's dtype. In float32 (the AVX2 CPUs' speed mode, with the
+AVX2 products, kernels/quantized_a8_avx2.cpp) all four cost more: 26.99 (+1.08%), and so
+did qkv, o_proj and gate_up (26.99); gate_up and the head, which hold most of the time
+the int8 inputs save, 26.94 (+0.90%), so float32 takes those two.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from cellbatch.model.cpu import cpu_has_int8_products
+from cellbatch.model.cpu import cpu_dtype, cpu_has_int8_products
 from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES, InvalidArgumentError
 
 
@@ -118,10 +121,19 @@ GGUF_INT4_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 GGUF_INT8_KINDS = frozenset({"Q8_0"})
 GGUF_FLOAT_KINDS = frozenset({"F32", "F16", "BF16", "F64"})
 PANEL = 16  # output features per panel of the kernels' layouts
-# The products that take int8 activations when those are chosen: the int4 projections
-# named, and the int8 LM head (see the module's docstring for the measurement that chose
-# them).
-A8_PRODUCTS = ("qkv", "o_proj", "gate_up", "lm_head")
+# The products that take int8 activations when those are chosen, by the model's dtype: int4
+# projections and the int8 LM head (see the module's docstring for the perplexity that
+# chose each set). Other dtypes take float32's.
+A8_PRODUCTS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: ("qkv", "o_proj", "gate_up", "lm_head"),
+    torch.float32: ("gate_up", "lm_head"),
+}
+
+
+def a8_products(dtype: torch.dtype) -> tuple[str, ...]:
+    """The products that quantise their inputs to int8 in a model computing in `dtype`,
+    when its activations are "int8"."""
+    return A8_PRODUCTS.get(dtype, A8_PRODUCTS[torch.float32])
 
 
 def _checked(value: str, choices: tuple[str, ...], option: str, meaning: str) -> str:
@@ -147,13 +159,15 @@ def check_activations(choice: str) -> str:
 
 
 def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:
-    """What the quantised products of A8_PRODUCTS do with their inputs: "int8" (quantised
-    per group of 32) or "float" (the model's dtype). "auto" takes int8 with the compiled
-    kernels on a CPU with AVX512-VNNI when the model computes in bf16 (the speed mode; a
-    float32 model is asked for precision), else float."""
+    """What the quantised products of a8_products(dtype) do with their inputs: "int8"
+    (quantised per group of 32) or "float" (the model's dtype). "auto" takes int8 with the
+    compiled kernels where they have a vector int8 path (AVX512-VNNI, or AVX2) and the
+    model computes in the dtype that `auto` picks on this CPU (the speed mode: bf16 where
+    bf16 products are native, else float32); a model asked for another dtype (float32 on
+    a bf16 CPU, for precision) keeps float inputs, as does every other case."""
     if check_activations(choice) != "auto":
         return choice
-    fast = ops_kind == "compiled" and dtype == torch.bfloat16 and cpu_has_int8_products()
+    fast = ops_kind == "compiled" and dtype == cpu_dtype() and cpu_has_int8_products()
     return "int8" if fast else "float"
 
 
@@ -443,10 +457,11 @@ def install(
     "layers.{i}.{name}.weight" replaces that projection (its bias kept), "lm_head.weight"
     the head, "embed.weight" the embedding (and the head too, when tied). Their products
     use the model's ops table; with `activations` "int8" (resolve_activations' answer)
-    those of A8_PRODUCTS quantise their inputs."""
+    those of a8_products(model.dtype) quantise their inputs."""
+    chosen = a8_products(model.dtype)
 
     def takes(name: str) -> str:
-        return activations if name in A8_PRODUCTS else "float"
+        return activations if name in chosen else "float"
 
     for target, weight in weights.items():
         path = target.removesuffix(".weight")
@@ -493,7 +508,7 @@ def describe(model: DecoderModel) -> WeightsSummary:
     }
     main = formats["projections"]
     words = main + "".join(f", {role} {fmt}" for role, fmt in formats.items() if fmt != main)
-    products = {name: getattr(first, name, None) for name in A8_PRODUCTS}
+    products = {name: getattr(first, name, None) for name in a8_products(model.dtype)}
     products["lm_head"] = model.lm_head
     with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
     if with_a8:

@@ -32,7 +32,7 @@ from torch import nn
 from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
-from cellbatch.model.cpu import cpu_has_fast_bf16
+from cellbatch.model.cpu import cpu_dtype, cpu_has_fast_bf16
 from cellbatch.model.ops import PRODUCT_OPS, Ops, resolve
 from cellbatch.types import InvalidArgumentError
 
@@ -67,7 +67,7 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
     if key == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return cpu_dtype()
     if key not in DTYPES:
         raise InvalidArgumentError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
     return DTYPES[key]
