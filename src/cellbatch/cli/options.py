@@ -106,8 +106,9 @@ def add_weight_options(parser: argparse.ArgumentParser) -> None:
         "--activations",
         default="auto",
         choices=ACTIVATION_CHOICES,
-        help="inputs of the int4 products: auto (int8 where the CPU has AVX512-VNNI and the "
-        "model runs in bf16), float (the model's dtype) or int8 (quantised per group of 32)",
+        help="inputs of the int4 products: auto (int8 for some products where the CPU has "
+        "AVX512-VNNI or AVX2 and the model runs in the dtype auto picks), float (the model's "
+        "dtype) or int8 (quantised per group of 32)",
     )
 
 

@@ -137,9 +137,10 @@ class Engine:
         they build, else pure torch), "compiled" or "torch". `quantize`: "auto" (a GGUF
         file keeps its precision class, e.g. Q4_1 -> int4; other models stay float),
         "none", "int8" or "int4" (see cellbatch.model.quantized). `activations`: what the
-        int4 products do with their inputs: "auto" (int8 where the CPU has AVX512-VNNI and
-        the model runs in bf16, else float), "float" (the model's dtype) or "int8"
-        (quantised per group of 32: see quantized.resolve_activations). `progress` hears
+        int4 products do with their inputs: "auto" (int8 for some products where the
+        kernels have a vector int8 path, AVX512-VNNI or AVX2, and the model runs in the
+        dtype `auto` picks, else float), "float" (the model's dtype) or "int8" (quantised
+        per group of 32: see quantized.resolve_activations). `progress` hears
         of each phase of the load as it ends (what it did, and its seconds). The options
         are checked before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
