@@ -6,7 +6,8 @@ program's steps give the eager quantised model's tokens for every kind of step, 
 manifest says which weight format it holds, the Engine reports it, and a `quantize` that
 contradicts it is refused. The same in bf16 (the default dtype on CPUs with native bf16,
 with int8 activations where the CPU has VNNI; about 40 s more): every logit the program
-samples from is the eager model's, bit for bit.
+samples from is the eager model's, bit for bit. On CPUs where `auto` gives a float32
+model int8 inputs (AVX2), the float32 program takes them too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.exporter import ExportOptions, export_program
 from cellbatch.export.program import load_program
 from cellbatch.model.loading import load_model
-from cellbatch.model.quantized import describe
+from cellbatch.model.quantized import a8_products, describe, resolve_activations
 from cellbatch.types import InvalidArgumentError
 from program_steps import GREEDY, MAX_STEP, MIN_PREFILL, SCENARIO_SHAPE, SEEDED, run_scenario
 from tiny_models import make_tiny_checkpoint
@@ -129,8 +130,17 @@ def test_the_manifest_and_the_engine_say_which_weights_run(checkpoint: Path, pro
         "lm_head": "int8",
     }
     assert manifest.weight_kernel == "compiled"
+    # Where `auto` gives a float32 model int8 inputs (AVX2 CPUs), gate_up and the head
+    # take them: the program calls the int8-input products for those.
+    a8 = resolve_activations("auto", "compiled", torch.float32) == "int8"
+    assert not a8 or a8_products(torch.float32) == ("gate_up", "lm_head")
+    products = (
+        ("int4_matmul", "int4_matmul_a8", "int8_matmul_a8")
+        if a8
+        else ("int4_matmul", "int8_matmul")
+    )
+    ops = ("cell_attention", *products, "rms_norm", "rope_store", "silu_mul")
     # Every custom op the methods call goes straight to the kernels' C entry point.
-    ops = ("cell_attention", "int4_matmul", "int8_matmul", "rms_norm", "rope_store", "silu_mul")
     assert manifest.c_shims == [f"aoti_torch_cpu_{op}" for op in ops]
     assert {name.removeprefix("cellbatch::") for name in manifest.custom_ops} == set(ops)
     with zipfile.ZipFile(program) as archive:
@@ -142,7 +152,8 @@ def test_the_manifest_and_the_engine_say_which_weights_run(checkpoint: Path, pro
     _, model = load_model(checkpoint, "float32", "compiled", quantize="int4")
     assert manifest.weight_bytes_by_format == describe(model).bytes_by_format
     with Engine.from_pretrained(program, max_sessions=2) as engine:
-        assert engine.weight_format == "int4, embedding int8, lm_head int8"
+        inputs = " (gate_up, lm_head with int8 activations)" if a8 else ""
+        assert engine.weight_format == "int4, embedding int8, lm_head int8" + inputs
         assert engine.weights.bytes_by_format == manifest.weight_bytes_by_format
         # The program stores the quantised weights once, and no float copy of them: all it
         # holds besides them is the RoPE tables.
