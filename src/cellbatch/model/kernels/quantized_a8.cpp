@@ -197,18 +197,14 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(start + at, _MM_HINT_T0);
 }
 
-// A format's panels, as the products read them: codes(p, b, h), the VPDPBUSD operand
-// (unsigned bytes, four inputs of each of the panel's 16 outputs per 32-bit lane) for
-// inputs 8b + 4h .. 8b + 4h + 3 of panel p, in the order the quantised inputs are stored;
-// group(p, g), the group's 16 scales (int4: then its 16 offsets).
+// A format's panels (its layout, quantized_a8.h) as the VNNI products read them:
+// operand(p, b, h), the VPDPBUSD operand (unsigned bytes, four inputs of each of the
+// panel's 16 outputs per 32-bit lane) for inputs 8b + 4h .. 8b + 4h + 3 of panel p, in the
+// order the quantised inputs are stored.
 template <typename S>
-struct Int4Panels {
-  static constexpr bool kInt4 = true;
-  const int32_t* codes;  // [P, K / 8, 16]
-  const S* scales;       // [P, K / 32, 2, 16]
-  int64_t in_features;
-  const int32_t* words(int64_t p, int64_t b) const { return codes + (p * in_features / 8 + b) * kPanel; }
-  const S* group(int64_t p, int64_t g) const { return scales + ((p * in_features / kGroup + g) * 2) * kPanel; }
+struct Int4Panels : a8::Int4Layout<S> {
+  using a8::Int4Layout<S>::words;
+  using a8::Int4Layout<S>::group;
   // Byte j of the low nibbles is input 8b + 2j, of the high ones 8b + 2j + 1.
   __m512i operand(int64_t p, int64_t b, int h) const {
     const __m512i word = _mm512_loadu_si512(words(p, b)), nibble = _mm512_set1_epi8(0x0F);
@@ -226,13 +222,9 @@ struct Int4Panels {
 // int8 codes are signed: the operand is code + 128 (the sign bit flipped), and the
 // product takes 128 times the inputs' sum back off each group's dot product.
 template <typename S>
-struct Int8Panels {
-  static constexpr bool kInt4 = false;
-  const int8_t* codes;  // [P, K / 4, 16, 4]
-  const S* scales;      // [P, K / 32, 16]
-  int64_t in_features;
-  const int8_t* quad(int64_t p, int64_t j) const { return codes + (p * in_features / 4 + j) * 4 * kPanel; }
-  const S* group(int64_t p, int64_t g) const { return scales + (p * in_features / kGroup + g) * kPanel; }
+struct Int8Panels : a8::Int8Layout<S> {
+  using a8::Int8Layout<S>::quad;
+  using a8::Int8Layout<S>::group;
   __m512i operand(int64_t p, int64_t b, int h) const {
     return _mm512_xor_si512(_mm512_loadu_si512(quad(p, 2 * b + h)), _mm512_set1_epi8(-128));
   }
@@ -451,7 +443,7 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
 #ifdef CELLBATCH_A8_PRODUCTS
     if (vector) {
       using Panels = std::conditional_t<kInt4, Int4Panels<S>, Int8Panels<S>>;
-      return product_vnni(xs, Panels{c, s, in_features}, count, panel_count, out_features, y);
+      return product_vnni(xs, Panels{{c, s, in_features}}, count, panel_count, out_features, y);
     }
 #endif
     if (avx2) {

@@ -1,6 +1,6 @@
 // What the int8-activation products (quantized_a8.cpp) share with their AVX2 path
-// (quantized_a8_avx2.cpp): the panel and group sizes, each row's quantised inputs, and the
-// AVX2 products' entry points.
+// (quantized_a8_avx2.cpp): the panel and group sizes, the panels' layouts, each row's
+// quantised inputs, and the AVX2 products' entry points.
 
 #pragma once
 
@@ -22,6 +22,40 @@ struct Quantised {
   std::vector<float> d, sx;
   std::vector<int32_t> qsum;
   int64_t in_features = 0;
+};
+
+// The int4 panels as both vector paths address them: words(p, b), panel p's code words
+// for inputs 8b .. 8b + 7 (one 32-bit word of 8 nibbles per output; codes [P, K / 8, 16]);
+// group(p, g), the group's 16 scales, then its 16 offsets (scales [P, K / 32, 2, 16]).
+template <typename S>
+struct Int4Layout {
+  static constexpr bool kInt4 = true;
+  const int32_t* codes;
+  const S* scales;
+  int64_t in_features;
+  const int32_t* words(int64_t p, int64_t b) const {
+    return codes + (p * in_features / 8 + b) * kPanel;
+  }
+  const S* group(int64_t p, int64_t g) const {
+    return scales + ((p * in_features / kGroup + g) * 2) * kPanel;
+  }
+};
+
+// The int8 panels laid out for these products: quad(p, j), panel p's codes of inputs
+// 4j .. 4j + 3, four to each output's 32-bit lane (codes [P, K / 4, 16, 4]); group(p, g),
+// the group's 16 scales (scales [P, K / 32, 16]).
+template <typename S>
+struct Int8Layout {
+  static constexpr bool kInt4 = false;
+  const int8_t* codes;
+  const S* scales;
+  int64_t in_features;
+  const int8_t* quad(int64_t p, int64_t j) const {
+    return codes + (p * in_features / 4 + j) * 4 * kPanel;
+  }
+  const S* group(int64_t p, int64_t g) const {
+    return scales + (p * in_features / kGroup + g) * kPanel;
+  }
 };
 
 // True when this library holds the AVX2 products and this CPU runs them (AVX2, FMA, F16C,

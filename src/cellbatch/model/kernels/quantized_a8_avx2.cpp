@@ -59,19 +59,14 @@ inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// A format's panels as the products read them: operands(p, b, h, codes, signs) gives, for
-// each half j of panel p, the unsigned bytes of its 8 outputs' codes for inputs
-// 8b + 4h .. 8b + 4h + 3 (in the order the quantised inputs are stored) and what signs
-// the inputs take (signed(inputs, signs[j])); group(p, g) the group's 16 scales (int4:
-// then its 16 offsets).
+// A format's panels (its layout, quantized_a8.h) as the products read them:
+// operands(p, b, h, codes, signs) gives, for each half j of panel p, the unsigned bytes of
+// its 8 outputs' codes for inputs 8b + 4h .. 8b + 4h + 3 (in the order the quantised
+// inputs are stored) and what signs the inputs take (inputs(x, signs[j])).
 template <typename S>
-struct Int4Panels {
-  static constexpr bool kInt4 = true;
-  const int32_t* codes;  // [P, K / 8, 16]
-  const S* scales;       // [P, K / 32, 2, 16]
-  int64_t in_features;
+struct Int4Panels : Int4Layout<S> {
   void operands(int64_t p, int64_t b, int h, __m256i* out, __m256i*) const {
-    const int32_t* words = codes + (p * in_features / 8 + b) * kPanel;
+    const int32_t* words = this->words(p, b);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int j = 0; j < 2; ++j) {
       const __m256i word = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 8 * j));
@@ -79,28 +74,18 @@ struct Int4Panels {
     }
   }
   static __m256i inputs(__m256i x, __m256i) { return x; }
-  const S* group(int64_t p, int64_t g) const {
-    return scales + ((p * in_features / kGroup + g) * 2) * kPanel;
-  }
 };
 
 template <typename S>
-struct Int8Panels {
-  static constexpr bool kInt4 = false;
-  const int8_t* codes;  // [P, K / 4, 16, 4]
-  const S* scales;      // [P, K / 32, 16]
-  int64_t in_features;
+struct Int8Panels : Int8Layout<S> {
   void operands(int64_t p, int64_t b, int h, __m256i* out, __m256i* signs) const {
-    const int8_t* quad = codes + (p * in_features / 4 + 2 * b + h) * 4 * kPanel;
+    const int8_t* quad = this->quad(p, 2 * b + h);
     for (int j = 0; j < 2; ++j) {
       signs[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 32 * j));
       out[j] = _mm256_sign_epi8(signs[j], signs[j]);  // |code|
     }
   }
   static __m256i inputs(__m256i x, __m256i signs) { return _mm256_sign_epi8(x, signs); }
-  const S* group(int64_t p, int64_t g) const {
-    return scales + (p * in_features / kGroup + g) * kPanel;
-  }
 };
 
 // R rows from m over panel p, into y.
@@ -177,13 +162,13 @@ void products(const Panels& panels, const Quantised& xs, int64_t panel_count,
 template <typename S, typename T>
 void int4_products_avx2(const Quantised& xs, const int32_t* codes, const S* scales,
                         int64_t panel_count, int64_t out_features, T* y) {
-  products(Int4Panels<S>{codes, scales, xs.in_features}, xs, panel_count, out_features, y);
+  products(Int4Panels<S>{{codes, scales, xs.in_features}}, xs, panel_count, out_features, y);
 }
 
 template <typename S, typename T>
 void int8_products_avx2(const Quantised& xs, const int8_t* codes, const S* scales,
                         int64_t panel_count, int64_t out_features, T* y) {
-  products(Int8Panels<S>{codes, scales, xs.in_features}, xs, panel_count, out_features, y);
+  products(Int8Panels<S>{{codes, scales, xs.in_features}}, xs, panel_count, out_features, y);
 }
 
 #pragma GCC pop_options
