@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -34,6 +35,11 @@ using Vec = at::vec::Vectorized<float>;
 // features, so a process capped at AVX2 runs what an AVX2 CPU would (cellbatch.model.cpu
 // asks the same for the `auto` choices).
 inline bool torch_runs_avx512() { return at::get_cpu_capability() == "AVX512"; }
+// The same for the AVX2 paths: torch runs at the AVX2 width or wider.
+inline bool torch_runs_avx2() {
+  const std::string capability = at::get_cpu_capability();
+  return capability == "AVX2" || capability == "AVX512";
+}
 constexpr int64_t kLanes = Vec::size();
 
 template <typename T>

@@ -59,7 +59,7 @@ struct Int8Layout {
 };
 
 // True when this library holds the AVX2 products and this CPU runs them (AVX2, FMA, F16C,
-// detected when first asked).
+// detected when first asked) with torch at the AVX2 width or wider.
 bool avx2_products_available();
 
 // y [count, out_features] (T: float or c10::BFloat16) from the quantised rows and int4

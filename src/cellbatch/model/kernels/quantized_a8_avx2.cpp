@@ -18,9 +18,9 @@
 // per group, then fma(dot, s d, t) and, for int4, fma(o, sx, t), groups in input order),
 // so the same bits whatever the rows, their count and the threads; results rounded to T
 // as the portable loop rounds them.
-// Never: runs on a CPU without AVX2, FMA and F16C (`avx2_products_available` asks the
-// CPU, and the instructions live only in functions compiled for that target), or
-// allocates.
+// Never: runs on a CPU without AVX2, FMA and F16C, or where torch runs below the AVX2
+// width (`avx2_products_available` asks both, and the instructions live only in functions
+// compiled for that target), or allocates.
 
 #include "quantized_a8.h"
 
@@ -42,7 +42,8 @@ namespace cellbatch::a8 {
 
 bool avx2_products_available() {
   static const bool available = __builtin_cpu_supports("avx2") &&
-                                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+                                __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c") && torch_runs_avx2();
   return available;
 }
 
