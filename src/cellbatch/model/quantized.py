@@ -24,7 +24,7 @@ Promises:
   instructions), except where `resolve_activations` gives "int8": then the products of
   a8_products(dtype) quantise their inputs per group of 32 (`int4_matmul_a8`, and for the int8
   head `int8_matmul_a8` over its own layout, `pack_a8`), as llama.cpp's Q8_1 blocks do,
-  and multiply with integer dot products (VPDPBUSD).
+  and multiply with integer dot products (VPDPBUSD on AVX512-VNNI, VPMADDUBSW on AVX2).
 Never: quantises norms, biases or RoPE tables; reads files (the loader hands it arrays).
 
 Kernels: with the compiled ops (kernels/quantized_matmul.cpp) a panel of 16 outputs is

@@ -121,16 +121,17 @@ template <typename S, typename T>
 void product_portable(const Quantised& xs, const int32_t* codes, const S* scales, int64_t m0,
                       int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+  const a8::Int4Layout<S> panels{codes, scales, in_features};
   for_each_output(groups, m0, m1, p0, p1, out_features, y,
                   [&](int64_t m, int64_t p, int64_t c, int64_t g, float total) {
                     int32_t dot = 0;
                     for (int64_t b = 4 * g; b < 4 * g + 4; ++b) {
-                      const auto word = static_cast<uint32_t>(codes[(p * in_features / 8 + b) * kPanel + c]);
+                      const auto word = static_cast<uint32_t>(panels.words(p, b)[c]);
                       for (int64_t i = 0; i < 8; ++i)
                         dot += static_cast<int32_t>((word >> (4 * i)) & 15u) *
                                xs.q[m * in_features + 8 * b + quantised_slot<true>(i)];
                     }
-                    const S* group = scales + ((p * groups + g) * 2) * kPanel;
+                    const S* group = panels.group(p, g);
                     const float scale = static_cast<float>(group[c]) * xs.d[m * groups + g];
                     total = std::fma(static_cast<float>(dot), scale, total);
                     return std::fma(static_cast<float>(group[kPanel + c]), xs.sx[m * groups + g], total);
@@ -141,13 +142,14 @@ template <typename S, typename T>
 void product_portable(const Quantised& xs, const int8_t* codes, const S* scales, int64_t m0,
                       int64_t m1, int64_t p0, int64_t p1, int64_t out_features, T* y) {
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
+  const a8::Int8Layout<S> panels{codes, scales, in_features};
   for_each_output(groups, m0, m1, p0, p1, out_features, y,
                   [&](int64_t m, int64_t p, int64_t c, int64_t g, float total) {
                     int32_t dot = 0;
                     for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
-                      dot += static_cast<int32_t>(codes[((p * in_features + k) / 4 * kPanel + c) * 4 + k % 4]) *
+                      dot += static_cast<int32_t>(panels.quad(p, k / 4)[c * 4 + k % 4]) *
                              xs.q[m * in_features + k];
-                    const float scale = static_cast<float>(scales[(p * groups + g) * kPanel + c]) * xs.d[m * groups + g];
+                    const float scale = static_cast<float>(panels.group(p, g)[c]) * xs.d[m * groups + g];
                     return std::fma(static_cast<float>(dot), scale, total);
                   });
 }
