@@ -112,7 +112,8 @@ def tokens_digest(token_lists: Sequence[Sequence[int]]) -> str:
 
 def measure(model: str | None, mode: str, parts: Sequence[str], threads: int) -> dict[str, object]:
     """Runs in the child: loads `model` (None: the embedded default) in `mode` and times
-    the parts."""
+    the parts. It calls only what older revisions have too (Engine.from_pretrained,
+    generate, GenConfig), not quantized.py's measurement, which uses newer helpers."""
     from cellbatch.bench.workload import CHAT_PROMPTS
     from cellbatch.engine import Engine
     from cellbatch.types import GenConfig
