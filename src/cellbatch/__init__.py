@@ -1,5 +1,14 @@
 """cellbatch: many generations of one language model at once, sharing every forward."""
 
+import os
+
+# MKL's fp32 products (torch's F.linear, bmm: the torch implementations of the ops, which the
+# compiled kernels are tested against) round a row differently by the row count of the call
+# on Intel CPUs unless its conditional numerical reproducibility is strict. MKL reads this
+# once, at its first product in the process, so it is set before anything computes; a
+# value the user set stays.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
 from cellbatch.runner import GenerationHandle, Runner, Session
 from cellbatch.types import (

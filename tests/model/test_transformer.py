@@ -207,16 +207,22 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(tiny_checkpoint, packed_steps) -
 @pytest.mark.skipif(
     not can_pack_linears(torch.bfloat16, "cpu"), reason="needs a CPU with native bf16 products"
 )
-def test_packed_linear_equals_f_linear_for_every_row_count() -> None:
+@pytest.mark.parametrize("shape", [(96, 64), (576, 1536), (3072, 576)])
+def test_a_bf16_packed_linear_row_does_not_depend_on_the_other_rows(shape) -> None:
+    # (576, 1536) and (3072, 576) round differently by row count on AMX CPUs unless every
+    # call has the same row count (cellbatch.model.gemm).
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
-    bias = torch.randn(96, generator=generator).to(torch.bfloat16)
-    rows = torch.randn(300, 64, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(*shape, generator=generator) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(shape[0], generator=generator).to(torch.bfloat16)
+    rows = torch.randn(300, shape[1], generator=generator).to(torch.bfloat16)
     packed = PackedLinear(weight, bias)
     full = packed(rows)
-    assert torch.equal(full, F.linear(rows, weight, bias))
-    for count in (1, 2, 3, 15, 16, 33, 128):
+    reference = F.linear(rows.float(), weight.float(), bias.float())
+    assert (full.float() - reference).abs().max() < 0.1
+    for count in (1, 2, 3, 15, 16, 31, 32, 33, 100, 128, 200):
         assert torch.equal(packed(rows[:count]), full[:count]), count
+    for start in (1, 7, 40):
+        assert torch.equal(packed(rows[start : start + 32]), full[start : start + 32]), start
 
 
 @pytest.mark.skipif(not can_pack_linears(torch.float32, "cpu"), reason="needs oneDNN")

@@ -1,8 +1,8 @@
 """What this CPU offers the model's products: the feature questions that the `auto` choices
 (dtype, activations, oneDNN packing) ask, in one place.
 
-Owns: `cpu_has_fast_bf16`, `cpu_dtype` (what `auto` computes in) and
-`cpu_has_int8_products`, and the rule they share: a feature counts only when the CPU has
+Owns: `cpu_has_fast_bf16`, `cpu_dtype` (what `auto` computes in), `cpu_has_int8_products`
+and `cpu_has_amx`, and the rule they share: a feature counts only when the CPU has
 it (detected, never assumed) and torch runs at a vector width that includes it
 (`torch.backends.cpu.get_cpu_capability()`).
 Promises: with torch's own switch `ATEN_CPU_CAPABILITY=avx2`, cellbatch chooses as on an
@@ -50,3 +50,9 @@ def cpu_has_int8_products() -> bool:
     (AVX512-VNNI at the AVX512 width) or VPMADDUBSW (AVX2, which AVX512 CPUs have too).
     torch runs at one of those widths only on a CPU that has them."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles and torch runs at the AVX512 width, so that
+    oneDNN's bf16 products may take the tile kernels (unless ONEDNN_MAX_CPU_ISA caps them)."""
+    return _cpu_has("_is_amx_tile_supported") and torch_runs_avx512()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cellbatch.model.gemm import in_fixed_calls, rows_per_call
 from cellbatch.model.quantized import GROUP_SIZE, PANEL
 
 # The dequantising fallback multiplies with F.linear, whose fp32 GEMMs round calls of fewer
@@ -56,12 +57,15 @@ def _int8_dense(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.T
 
 
 def _padded_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight^T with at least FALLBACK_MIN_ROWS rows in the product."""
+    """x [..., K] @ weight^T with at least FALLBACK_MIN_ROWS rows in the product (in calls
+    of a fixed row count where the CPU needs that: `gemm.rows_per_call`)."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
     pad = FALLBACK_MIN_ROWS - count
     padded = F.pad(rows, (0, 0, 0, pad)) if pad > 0 else rows
-    return F.linear(padded, weight.to(x.dtype))[:count].reshape(*x.shape[:-1], weight.shape[0])
+    dense = weight.to(x.dtype)
+    out = in_fixed_calls(lambda part: F.linear(part, dense), padded, rows_per_call(x.dtype))
+    return out[:count].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def int4_matmul_torch(

@@ -33,6 +33,7 @@ from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.cpu import cpu_dtype, cpu_has_fast_bf16
+from cellbatch.model.gemm import in_fixed_calls, rows_per_call
 from cellbatch.model.ops import PRODUCT_OPS, Ops, resolve
 from cellbatch.types import InvalidArgumentError
 
@@ -120,8 +121,13 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # On AMX CPUs a bf16 row's rounding depends on the call's row count (gemm.py).
+        self.rows_per_call = rows_per_call(weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_fixed_calls(self._linear, x, self.rows_per_call)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.weight, self.bias, "none", [], ""
         )
