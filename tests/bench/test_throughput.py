@@ -321,6 +321,15 @@ def test_quick_run_on_a_tiny_model_writes_every_figure(
     assert _png_size(output.with_suffix(".png").read_bytes()) == (900, 500)
     printed = capsys.readouterr().out
     assert "transformers generate_batch" in printed and "decode-only" in printed
+    # what the docs publish of it: the command as typed, the machine, tables, the plot
+    assert data["command"] == "cellbatch bench " + " ".join(argv)
+    assert data["machine"]["threads"] == torch.get_num_threads()
+    assert data["machine"]["cpu_kind"] and data["machine"]["torch"] == torch.__version__
+    assert data["plot"] == "figures.png"
+    peers_table, sweep_table = data["tables"]
+    assert len(peers_table["rows"]) == 5 and [r[0] for r in sweep_table["rows"]] == [1, 3]
+    [headline] = data["headline"]  # transformers' continuous batching (vLLM did not run)
+    assert headline["ratio"] == pytest.approx(data["ratios"][f"{CELLBATCH}/{CONTINUOUS}"])
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])

@@ -2,8 +2,8 @@
 counters over a stretch of work, and the JSON and text of one benchmark run.
 
 Owns: comparing a peer's greedy tokens with the reference's (and the parity rule),
-`PeerRun`, `EngineWindow`, `ConcurrencyPoint`, `BenchReport`, its JSON file and its
-printed table.
+`PeerRun`, `EngineWindow`, `ConcurrencyPoint`, `BenchReport`, its JSON file (with the
+published tables and headline figures, `cellbatch.bench.results`) and its printed table.
 Promises: tokens/s is generated tokens (stop tokens included) over the wall time of the
 timed call; ratios are cellbatch's tokens/s over each other peer's that ran in the same
 run; the JSON keeps every figure, each peer's tokens and the options.
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellbatch.bench.workload import CELLBATCH, CHAT_PROMPTS, REFERENCES
+from cellbatch.bench.results import Headline, Results, ResultTable, machine, results_fields
+from cellbatch.bench.workload import CELLBATCH, CHAT_PROMPTS, CONTINUOUS, REFERENCES, VLLM
 from cellbatch.metrics import EngineMetrics
 from cellbatch.types import Token
 
@@ -218,6 +219,7 @@ class BenchReport:
     runs: list[PeerRun]
     sweep: list[ConcurrencyPoint] = field(default_factory=list)
     sweep_error: str = ""
+    command: str = "cellbatch bench"  # as the user typed it, for the published figures
 
     def run(self, name: str) -> PeerRun | None:
         return next((run for run in self.runs if run.name == name), None)
@@ -264,9 +266,96 @@ class BenchReport:
             "concurrency_error": self.sweep_error,
         }
 
+    def published(self) -> Results:
+        """The tables and headline figures the docs show of this run."""
+        options = self.options
+        lengths = self.prompt_lengths
+        reference = self.reference()
+        ratios = self.ratios()
+        ok_runs = [run for run in self.runs if run.ok]
+        budget = (
+            f"exactly {options.max_new_tokens} new tokens each"
+            if options.ignore_eos
+            else f"at most {options.max_new_tokens} new tokens each"
+        )
+        tables = [
+            ResultTable(
+                caption=f"{len(lengths)} chat prompts ({min(lengths)}-{max(lengths)} tokens), "
+                f"greedy, {budget}: generated tokens/s",
+                columns=("peer", "dtype", "tokens/s", "cellbatch x", "same tokens"),
+                rows=[
+                    (
+                        run.label,
+                        run.dtype,
+                        run.tokens_per_s,
+                        f"{ratios[f'{CELLBATCH}/{run.name}']:.2f}x"
+                        if f"{CELLBATCH}/{run.name}" in ratios
+                        else "",
+                        _agreement_cell(run, reference),
+                    )
+                    for run in ok_runs
+                ],
+            )
+        ]
+        if self.sweep:
+            tables.append(
+                ResultTable(
+                    caption="cellbatch decode-only tokens/s, sessions decoding in lockstep",
+                    columns=("sessions", "tokens/s", "sessions per step"),
+                    rows=[
+                        (
+                            point.sessions,
+                            point.window.decode_only_tokens_per_s,
+                            point.window.sessions_per_decode_step,
+                        )
+                        for point in self.sweep
+                    ],
+                )
+            )
+        ours = self.run(CELLBATCH)
+        headline = []
+        for name, what in ((VLLM, "vLLM's CPU build"), (CONTINUOUS, "transformers")):
+            theirs = self.run(name)
+            if ours is not None and ours.ok and theirs is not None and theirs.ok:
+                headline.append(
+                    Headline(
+                        what=f"{len(lengths)} chat prompts at once ({budget}), "
+                        f"{_weights(ours.label)}",
+                        cellbatch=ours.tokens_per_s,
+                        peer=f"{what} ({theirs.label}, {theirs.dtype})",
+                        peer_value=theirs.tokens_per_s,
+                    )
+                )
+        plot = options.plot
+        beside = plot is not None and plot.parent == options.output_json.parent
+        return Results(
+            benchmark=options.output_json.stem,
+            title="cellbatch bench: cellbatch against transformers"
+            + (" and vLLM" if self.run(VLLM) is not None else "")
+            + f" ({options.dtype})",
+            command=self.command,
+            tables=tables,
+            headline=headline,
+            plot=plot.name if beside and plot is not None else None,
+            machine=self.environment.get("machine") or machine(self.options.threads),
+        )
+
+
+def _weights(label: str) -> str:
+    """What a cellbatch peer's label says of its weights, for the headline's words."""
+    return label.removeprefix("cellbatch").strip(" ,") or "cellbatch"
+
+
+def _agreement_cell(run: PeerRun, reference: PeerRun | None) -> str:
+    if run is reference:
+        return "(reference)"
+    if run.agreement is None:
+        return ""
+    return f"{run.agreement.identical}/{run.agreement.total}"
+
 
 def write_json(report: BenchReport, path: Path) -> None:
-    dump_json(report.as_dict(), path)
+    dump_json({**results_fields(report.published()), **report.as_dict()}, path)
 
 
 def dump_json(data: dict[str, Any], path: Path) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import os
-import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from cellbatch.bench.peers import (
     transformers_peer,
 )
 from cellbatch.bench.report import BenchReport, PeerRun, compare, format_report, write_json
+from cellbatch.bench.results import command_line, machine
 from cellbatch.bench.workload import (
     CELLBATCH,
     CELLBATCH_UNSHARED,
@@ -184,11 +185,8 @@ def _environment(path: Path, options: BenchOptions) -> dict[str, Any]:
 
     return {
         "model": str(path),
-        "torch": torch.__version__,
+        "machine": machine(options.threads),
         "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "cpu": _cpu_name(),
-        "threads": options.threads,
         # The machine may be shared: a load above the cores' count makes every figure low.
         "cores": os.cpu_count(),
         "load_average_1min_at_start": _load_average(),
@@ -199,21 +197,18 @@ def _load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """`cellbatch bench [options]`; 0 when every part ran, 1 when one failed."""
+    """`cellbatch bench [options]`; 0 when every part ran, 1 when one failed.
+    `cellbatch bench --report` renders the published results instead
+    (`cellbatch.bench.publish`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--report" in argv:
+        from cellbatch.bench.publish import main as publish
+
+        return publish(argv)
     options = parse_options(argv)
     report = run_benchmark(options)
+    report.command = command_line("cellbatch bench", argv)
     print(format_report(report))
     write_json(report, options.output_json)
     progress(f"figures written to {options.output_json}")

@@ -280,6 +280,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--plot", type=Path, help="PNG path (default: the JSON's, as .png)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: render docs/results/*.json into README.md and docs/benchmarks.md "
+        "(cellbatch bench --report --help for its options)",
+    )
     return parser
 
 
