@@ -18,7 +18,7 @@ figure is its single-token steps).
         [--formats none,int8,int4,auto:auto,none:bfloat16]
         [--prompts 32] [--single-prompts 8] [--max-new-tokens 64] [--sessions 1,8,32]
         [--rounds 2] [--program model.pt2] [--llama-python /tmp/llamacpp-venv/bin/python]
-        [--output-json PATH]
+        [--output-json PATH]   (docs/results/quantized.json publishes it: docs/benchmarks.md)
     .venv/bin/python benchmarks/quantized.py --products [--threads 2] [--rows 1,8,32]
         [--passes 15] [--layers 30]   (the model's products alone, per kernel)
 
@@ -35,6 +35,15 @@ import sys
 from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
+
+from cellbatch.bench.results import (
+    Headline,
+    Results,
+    ResultTable,
+    command_line,
+    machine,
+    results_fields,
+)
 
 if TYPE_CHECKING:  # the parent process never imports torch: only the children run models
     import torch
@@ -290,7 +299,63 @@ def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> str:
     return f"{same}/{len(reference)}"
 
 
+def _row(
+    run: dict[str, Any], name: str, sessions: list[int], reference: dict[str, Any] | None
+) -> list[str | float | None]:
+    """One mode's cells: name, weights, RSS MiB, single and concurrent tokens/s, decode-only
+    tokens/s per session count, and (beside a parity run) greedy agreement."""
+    single = run["single"]
+    conc = run.get("concurrent")
+    rss = run.get("rss_after_load")
+    row: list[str | float | None] = [
+        name,
+        run["weights"],
+        rss / 2**20 if rss else None,
+        _tokens(single["outputs"]) / single["seconds"],
+        _tokens(conc["outputs"]) / conc["seconds"] if conc else None,
+        *(run["decode_only"].get(str(s)) for s in sessions),
+    ]
+    if reference is not None:
+        row.append(_agreement(single["outputs"], reference["single"]["outputs"]))
+        row.append(_agreement(conc["outputs"], reference["concurrent"]["outputs"]) if conc else "-")
+    return row
+
+
+def _fit(cell: str | float | None, width: int, column: int) -> str:
+    if cell is None:
+        text = "nan"
+    elif isinstance(cell, float):
+        text = f"{cell:.0f}" if column == 2 else f"{cell:.1f}"
+    else:
+        text = str(cell)
+    return f"{text:<{width}}" if column < 2 else f"{text:>{width}}"
+
+
+def _headline(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[Headline]:
+    """The default mode against llama.cpp on the same file, where both ran."""
+    ours, theirs = runs.get("auto:auto"), runs.get("llama.cpp")
+    if ours is None or theirs is None:
+        return []
+    rate = _tokens(ours["single"]["outputs"]) / ours["single"]["seconds"]
+    peer_rate = _tokens(theirs["single"]["outputs"]) / theirs["single"]["seconds"]
+    return [
+        Headline(
+            f"{args.single_prompts} chat prompts one at a time, the default mode",
+            rate,
+            "llama.cpp on the same GGUF file",
+            peer_rate,
+        ),
+        Headline(
+            "decode, one sequence, the default mode",
+            ours["decode_only"]["1"],
+            "llama.cpp on the same GGUF file",
+            theirs["decode_only"]["1"],
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv_given = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="default: SmolLM2-135M-Instruct Q4_1")
     parser.add_argument("--threads", type=int, default=2)
@@ -312,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=30, help="--products: layers")
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv_given)
     if args.products:
         rows = [int(count) for count in args.rows.split(",")]
         products(args.threads, rows, args.passes, args.layers)
@@ -354,38 +419,48 @@ def main(argv: list[str] | None = None) -> int:
 
     # The parity mode, where it ran: float32 without quantisation.
     reference = next((runs[f] for f in runs if mode_options(f)[:2] == ("none", "float32")), None)
-    header = (
-        f"{'mode':<14} {'weights':<44} {'RSS MiB':>8} {'single t/s':>10} {'32-conc t/s':>11} "
-        + " ".join(f"{'dec@' + str(s):>8}" for s in args.sessions)
-        + f" {'agree 1':>8} {'agree 32':>8}"
+    columns = [
+        "mode", "weights", "RSS MiB", "single t/s", "32-conc t/s",
+        *(f"dec@{s}" for s in args.sessions),
+        *(("agree 1", "agree 32") if reference is not None else ()),
+    ]  # fmt: skip
+    rows = [_row(run, name, args.sessions, reference) for name, run in runs.items()]
+    widths = [14, 44, 8, 10, 11, *(8 for _ in columns[5:])]
+    print(
+        " ".join(
+            _fit(column, width, i)
+            for i, (column, width) in enumerate(zip(columns, widths, strict=True))
+        )
     )
-    print(header)
-    for name, run in runs.items():
-        single = run["single"]
-        conc = run.get("concurrent")
-        rss = run.get("rss_after_load")
-        row = (
-            f"{name:<14} {run['weights']:<44} "
-            f"{rss / 2**20 if rss else float('nan'):>8.0f} "
-            f"{_tokens(single['outputs']) / single['seconds']:>10.1f} "
-            f"{_tokens(conc['outputs']) / conc['seconds'] if conc else float('nan'):>11.1f} "
-            + " ".join(
-                f"{run['decode_only'].get(str(s), float('nan')):>8.1f}" for s in args.sessions
+    for row in rows:
+        print(
+            " ".join(
+                _fit(cell, width, i)
+                for i, (cell, width) in enumerate(zip(row, widths, strict=True))
             )
         )
-        if reference is not None:
-            row += f" {_agreement(single['outputs'], reference['single']['outputs']):>8}"
-            agree = _agreement(conc["outputs"], reference["concurrent"]["outputs"]) if conc else "-"
-            row += f" {agree:>8}"
-        print(row)
     if args.output_json:
+        published = Results(
+            benchmark=args.output_json.stem,
+            title="Weight formats and modes (benchmarks/quantized.py)",
+            command=command_line("python benchmarks/quantized.py", argv_given),
+            tables=[
+                ResultTable(
+                    caption=f"tokens/s: {args.single_prompts} chat prompts one at a time "
+                    f"(single), {args.prompts} at once (conc), decode-only at N sessions in "
+                    f"lockstep (dec@N); at most {args.max_new_tokens} new tokens, greedy; "
+                    "agreement: greedy answers identical to the parity mode's",
+                    columns=columns,
+                    rows=rows,
+                )
+            ],
+            headline=_headline(runs, args),
+            machine=machine(args.threads),
+        )
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        details = {"options": vars(args) | {"model": str(args.model)}, "runs": runs}
         args.output_json.write_text(
-            json.dumps(
-                {"options": vars(args) | {"model": str(args.model)}, "runs": runs},
-                indent=1,
-                default=str,
-            )
+            json.dumps({**results_fields(published), **details}, indent=1, default=str)
         )
     return 0
 

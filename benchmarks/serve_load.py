@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -35,6 +36,14 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cellbatch.bench.results import (
+    Headline,
+    Results,
+    ResultTable,
+    command_line,
+    machine,
+    results_fields,
+)
 from cellbatch.bench.workload import CHAT_PROMPTS, DEFAULT_PEER_CACHE, DEFAULT_VLLM_PYTHON
 from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES
 
@@ -295,6 +304,7 @@ def _start_vllm(args) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv_given = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model path (default: the embedded SmolLM2-135M)")
     parser.add_argument(
@@ -339,8 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--offline-prompts", type=int, default=32, help="prompts of the offline baseline"
     )
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="write the figures here (docs/results/serve_load.json publishes them)",
+    )
+    args = parser.parse_args(argv_given)
     args.levels = [int(part) for part in args.clients.split(",")]
     if args.peer == "vllm" and args.peer_name == "peer":
         args.peer_name = f"vllm serve {args.peer_dtype}"
@@ -413,8 +427,68 @@ def main(argv: list[str] | None = None) -> int:
                 share = level.summary()["tokens_per_s"] / offline  # type: ignore[operator]
                 print(f"serve at {level.clients} clients / offline Engine.chat: {share:.2f}")
     if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        published = _published(args, levels, names, figures.get("offline"), argv_given)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**results_fields(published), **figures}, indent=2) + "\n")
     return 0
+
+
+def _published(
+    args: argparse.Namespace,
+    levels: list[Level],
+    names: list[str],
+    offline: object,
+    argv: list[str],
+) -> Results:
+    """The tables and headline figures the docs show of this run: every server at every
+    level, and cellbatch against each other server at the levels both ran."""
+    rows = []
+    for level in levels:
+        row = level.summary()
+        rows.append(
+            (
+                row["server"],
+                row["clients"],
+                row["tokens_per_s"],
+                row["ttft_p50_ms"],
+                row["itl_p50_ms"],
+                row["requests_per_s"],
+            )
+        )
+    tables = [
+        ResultTable(
+            caption=f"streaming chat clients, {args.requests} requests per level, at most "
+            f"{args.max_tokens} new tokens each, greedy",
+            columns=("server", "clients", "tokens/s", "TTFT p50 ms", "ITL p50 ms", "requests/s"),
+            rows=rows,
+        )
+    ]
+    if isinstance(offline, dict):
+        tables[0] = dataclasses.replace(
+            tables[0],
+            note=f"Offline `Engine.chat` on {args.offline_prompts} of the same prompts, in the "
+            f"same run: {offline['tokens_per_s']:.1f} tokens/s.",
+        )
+    ours = {level.clients: level for level in levels if level.server == "cellbatch serve"}
+    headline = [
+        Headline(
+            f"`cellbatch serve`, {level.clients} streaming client"
+            + ("s" if level.clients > 1 else ""),
+            ours[level.clients].summary()["tokens_per_s"],  # type: ignore[arg-type]
+            level.server,
+            level.summary()["tokens_per_s"],  # type: ignore[arg-type]
+        )
+        for level in levels
+        if args.peer and level.server == args.peer_name and level.clients in ours
+    ]
+    return Results(
+        benchmark=args.json.stem,
+        title="Serving (benchmarks/serve_load.py)",
+        command=command_line("python benchmarks/serve_load.py", argv),
+        tables=tables,
+        headline=headline,
+        machine=machine(args.threads),
+    )
 
 
 if __name__ == "__main__":

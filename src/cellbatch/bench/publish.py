@@ -122,8 +122,8 @@ def render_tables(results: Sequence[Published], page: Path) -> str:
 
 def render_headline(results: Sequence[Published], page_link: str) -> str:
     """The README's headline table: every headline figure, its ratio, where it ran."""
-    rows = []
-    sources = []
+    rows: list[tuple[str, ...]] = []
+    sources: list[str] = []
     for one in results:
         data = one.data
         if not data["headline"]:
