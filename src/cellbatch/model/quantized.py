@@ -29,35 +29,21 @@ Never: quantises norms, biases or RoPE tables; reads files (the loader hands it 
 
 Kernels: with the compiled ops (kernels/quantized_matmul.cpp) a panel of 16 outputs is
 dequantised input by input, in registers for calls of up to 3 rows, else once per 256
-inputs into an L1 buffer that every row of the call runs over. Measured on an AVX2 CPU
-(AMD EPYC, 2 threads, torch 2.13.0; `benchmarks/quantized.py --products`: the default
-model's 30 layers of products and its head, distinct weights read from memory, best of
-interleaved passes on a shared machine), against float32 oneDNN-packed products
-(PackedLinear): int4 7.3x and int8 6.7x as fast at 1 row, 2.3x at 8 rows, 1.35x at 32
-rows; PyTorch's own weight-only kernels (`aten._weight_int4pack_mm_for_cpu`,
-`_weight_int8pack_mm`, vectorised for bf16 activations only) ran 3.2x/3.0x at 1 row but
-0.6x at 32.
+inputs into an L1 buffer that every row of the call runs over: a one-row decode reads a
+quarter (int4) or half (int8) of float weights' bytes, which is what bounds it.
 With bf16 activations on a CPU with AVX512-BF16 (kernels/quantized_bf16.cpp) the codes,
 which bf16 holds exactly, go through VDPBF16PS and the scales come in once per group of
-32 inputs. Measured on an AVX512-BF16 AMD EPYC (2 threads, same benchmark, ms per pass of
-the model's products): int4 6.6 / 17.0 / 42.4 / 240 at 1 / 8 / 32 / 256 rows, against the
-float32 path's 7.1 / 23.8 / 62.3 / 439 and oneDNN's bf16 products of the dequantised
-weights 17.4 / 23.0 / 41.1 / 183. The torch ops (other devices, no compiled library)
-rebuild the float weight for each call: exact, available everywhere, slow.
-With int8 activations on a CPU with AVX512-VNNI (kernels/quantized_a8.cpp, same benchmark,
-`--rows 1,32,256`): 3.5 / 20.5 / 121 ms against the bf16 path's 4.2 / 27.5 / 191 and
-oneDNN's bf16 11.9 / 24.2 / 141, for the 30 layers' products; the int8 LM head 0.63 / 4.15
-/ 29.0 against 0.71 / 6.14 / 44.4 on the bf16 path. Their perplexity cost decided which
-products take them (`A8_PRODUCTS`, `benchmarks/perplexity.py`, against the file's own
-dequantised model at 26.70). In bf16: qkv, o_proj and gate_up, whose inputs follow a norm
-or attention, 26.89 (+0.72%); with the head too, 26.95 (+0.93%), the default, under the
-issue's 1% line but near it (its greedy agreement with fp32 moved from 1/32 to 2/32
-identical outputs, mean common prefix 14.4 -> 13.8 tokens); qkv, o_proj and the head
-alone 26.82 (+0.43%). down's inputs (silu(gate) * up) are heavy-tailed and cost +0.9%
-alone, so down keeps the model's dtype. In float32 (the AVX2 CPUs' speed mode, with the
-AVX2 products, kernels/quantized_a8_avx2.cpp) all four cost more: 26.99 (+1.08%), and so
-did qkv, o_proj and gate_up (26.99); gate_up and the head, which hold most of the time
-the int8 inputs save, 26.94 (+0.90%), so float32 takes those two.
+32 inputs. The torch ops (other devices, no compiled library) rebuild the float weight
+for each call: exact, available everywhere, slow.
+With int8 activations (kernels/quantized_a8.cpp on AVX512-VNNI, quantized_a8_avx2.cpp on
+AVX2) VPDPBUSD takes 64 products per instruction where VDPBF16PS takes 32, so from a few
+rows up they beat the bf16 path. They round the inputs, so their perplexity cost decides
+which products take them (`A8_PRODUCTS`, each set the one that stays within 1% of the
+file's own dequantised model by `benchmarks/perplexity.py`): in bf16 qkv, o_proj and
+gate_up, whose inputs follow a norm or attention, and the LM head; in float32 (the AVX2
+CPUs' speed mode), where every set costs more, gate_up and the head, which hold most of
+the time the int8 inputs save. down's inputs (silu(gate) * up) are heavy-tailed, so down
+keeps the model's dtype. The figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -56,9 +56,9 @@ PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype for "auto" | "float32" | "bfloat16" | "float16" (or fp32/bf16/fp16).
 
-    "auto" picks bf16 where the hardware has native bf16 matrix units (on the development
-    CPU, AVX512-BF16 runs decode-shaped matmuls about 2.2x faster than fp32), else fp32.
-    fp16 is never auto on CPU: without AVX512-FP16 it runs about 4x slower than fp32.
+    "auto" picks bf16 where the hardware has native bf16 matrix units (AVX512-BF16 or AMX:
+    half the bytes of fp32 per weight and activation, twice the products per instruction), else
+    fp32. fp16 is never auto on CPU: without AVX512-FP16 torch emulates it, slower than fp32.
     """
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
@@ -106,12 +106,13 @@ def rope_inverse_frequencies(
 
 
 class PackedLinear(nn.Module):
-    """A Linear whose weight oneDNN has reordered once for its own CPU kernels.
+    """A Linear whose weight oneDNN has reordered once for its own CPU kernels, so that no
+    call reorders it again: faster than F.linear at decode batch sizes.
 
-    Measured on the development CPU (AVX512-BF16, 2 threads), against F.linear:
-    - bf16: 1.3-1.5x faster at decode batch sizes, bit-identical for any row count (torch's
-      bf16 F.linear is oneDNN too);
-    - fp32: 1.5-2.7x faster (F.linear goes to MKL, slow on this AMD CPU). It rounds
+    - bf16: bit-identical to F.linear for any row count (torch's bf16 F.linear is oneDNN
+      too);
+    - fp32: F.linear goes to MKL, which rounds a row differently by row count; oneDNN on
+      reordered weights does not, from 2 rows (hence `PACKED_MIN_GEMM_ROWS`). It rounds
       differently from MKL, within about 1e-5 of transformers' logits, so greedy tokens
       agree unless the top two logits nearly tie.
     """
