@@ -5,8 +5,8 @@ result (or raises its exception) in the caller.
 Why: with torch's OpenMP backend (libgomp), every thread that runs parallel torch ops
 keeps its own team of worker threads for as long as it lives. Once the process holds
 more OpenMP threads than CPUs, libgomp stops spinning between parallel regions in
-every team, and on the 2-core development machine a decode step on the engine thread
-took 1.5x as long. Work such as model loading therefore runs on a thread that exits
+every team, and a decode step on the engine thread slows down by about half again.
+Work such as model loading therefore runs on a thread that exits
 (taking its team with it), so the engine thread's team is the only one left.
 Never: runs anything concurrently with the caller; it waits for the thread.
 """
