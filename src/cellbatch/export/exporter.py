@@ -361,7 +361,8 @@ def _compile(
     """AOTInductor's files for one method, its constants left out of the compiled code
     (the program stores the weights once, for every method), and the custom ops of
     `c_shims` called through their C entry points (declarations) rather than through
-    torch's proxy executor, which boxes each call's arguments (~4 us a call)."""
+    torch's proxy executor, which boxes each call's arguments: a cost every op call of every
+    step would pay."""
     from torch._inductor import aot_compile
 
     options = {
