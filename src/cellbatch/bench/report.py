@@ -75,7 +75,8 @@ class Agreement:
 
     @property
     def meets_parity_rule(self) -> bool:
-        """Identical everywhere, or one prompt off, at a near-tie (issue 4's rule)."""
+        """Identical everywhere, or one prompt off, at a near-tie (the default model's parity
+        rule: bf16 and MKL rounding may flip a near-tie, nothing else may)."""
         return not self.divergences or (len(self.divergences) == 1 and self.divergences[0].near_tie)
 
 

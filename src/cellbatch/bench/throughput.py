@@ -1,4 +1,4 @@
-"""Generated tokens/s of cellbatch against Hugging Face transformers on one model (issue 4).
+"""Generated tokens/s of cellbatch against Hugging Face transformers on one model.
 
 32 chat prompts, greedy, at most 64 new tokens, in one run on the same dtype and threads
 for transformers one prompt at a time, transformers on a left-padded batch (and that
