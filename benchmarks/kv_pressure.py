@@ -21,7 +21,7 @@ Promises: both modes get the same prompt tokens, dtype, threads, pool and sessio
 each mode's counters are taken over its own timed calls only (the peak is the largest
 seen by its engine); the exit status is 0 when every call succeeded and the modes'
 tokens agree, 1 otherwise; a bad option exits with a usage error before any model loads.
-Never: judges throughput against the issue's target (it prints both), or reaches into
+Never: judges throughput against the target ratio (it prints both), or reaches into
 the engine beyond its public API.
 """
 
@@ -61,7 +61,7 @@ QUICK_GENERATIONS = 16
 QUICK_MAX_NEW_TOKENS = 64
 QUICK_WORST_CASES = 4
 QUICK_REPEATS = 1
-TARGET_RATIO = 2.0  # the issue's: optimistic >= 2x reserve's tokens/s
+TARGET_RATIO = 2.0  # what optimistic admission is for: >= 2x reserve's tokens/s here
 # EngineMetrics counters a ModeRun takes over its own call.
 _PER_CALL_COUNTERS = (
     "preemptions",

@@ -1,4 +1,4 @@
-"""Perplexity of each weight format on a fixed text (issue 17), and llama.cpp's on the file.
+"""Perplexity of each weight format on a fixed text, and llama.cpp's on the file.
 
 The text is benchmarks/data/perplexity.txt (self-written, ~2,900 tokens of the default
 model's tokenizer). It is cut into chunks of `--context` tokens; each chunk runs as one

@@ -3,9 +3,9 @@
 For each mode (`--formats`: QUANTIZE[:DTYPE[:ACTIVATIONS]], the `--quantize`, `--dtype`
 and `--activations` options of `cellbatch run`, DTYPE float32 and ACTIVATIONS auto when
 left out; "auto:auto" is what a user gets by default)
-a fresh process loads the model so and measures: RSS after load; the chat figures of issue
-17's table (the first `--single-prompts` chat prompts one at a time, "1 request alone";
-all `--prompts` at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
+a fresh process loads the model so and measures: RSS after load; the chat figures (the
+first `--single-prompts` chat prompts one at a time, "1 request alone"; all `--prompts`
+at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
 decode-only tokens/s with 1, 8 and 32 sessions decoding in lockstep. Each mode's greedy
 tokens are compared with the parity mode's (none:float32). `--program PATH` adds the same
 figures for a program of the model (`cellbatch export`, e.g. with its default `--quantize
