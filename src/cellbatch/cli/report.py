@@ -1,7 +1,7 @@
 """The report of `cellbatch run`: memory probes, the JSON report and its printout.
 
 Owns: `rss_bytes`, `memory_snapshot`, `RunRecord` (what a run hands the report),
-`build_report` (the JSON report, whose schema the README documents) and
+`build_report` (the JSON report, whose schema docs/running.md documents) and
 `print_report`.
 Promises: one entry per prompt line, in input order, failed lines included with their
 problem.
