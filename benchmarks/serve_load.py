@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         published = _published(args, levels, names, figures.get("offline"), argv_given)
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**results_fields(published), **figures}, indent=2) + "\n")
+        text = json.dumps({**results_fields(published), **figures}, indent=2, default=str)
+        args.json.write_text(text + "\n")
     return 0
 
 
