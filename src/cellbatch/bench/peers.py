@@ -34,7 +34,6 @@ from cellbatch.bench.workload import (
     PADDED,
     PADDED_FP32,
     SINGLE,
-    WARMUP_PROMPTS,
     WARMUP_TOKENS,
 )
 from cellbatch.types import FinishReason, GenConfig, Token
@@ -261,12 +260,14 @@ class Peer:
 
 
 def time_peer(peer: Peer, prompts: Sequence[Sequence[Token]], max_new_tokens: int) -> PeerRun:
-    """Warms the peer up on a few prompts, then times it on all of them."""
+    """Warms the peer up on every prompt (a few tokens each, so that every shape the timed
+    call meets was met before: oneDNN and AOT kernels are built per shape on first use),
+    then times it on all of them."""
     run = PeerRun(peer.name, peer.label, peer.concurrency, peer.dtype)
     progress(f"{peer.label}: {len(prompts)} prompts, at most {max_new_tokens} new tokens each")
     try:
         if peer.own_seconds is None:
-            peer.generate(prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)
+            peer.generate(prompts, WARMUP_TOKENS)
         started = perf_counter()
         run.outputs = peer.generate(prompts, max_new_tokens)
         run.seconds = perf_counter() - started if peer.own_seconds is None else peer.own_seconds()

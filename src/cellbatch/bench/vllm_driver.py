@@ -14,7 +14,7 @@ cellbatch's), so it imports only vLLM and the standard library, never cellbatch.
                  {"outputs": [[ids], ...], "seconds": S, "version": V}: greedy tokens
                  of each prompt (through the first stop token), all prompts submitted
                  at once, and the wall time of that one `generate` call (after a warm-up
-                 call on two prompts; loading the model is not counted).
+                 call on every prompt, as the other peers get; loading is not counted).
     python vllm_driver.py serve FOLDER DTYPE THREADS PORT MAX_SEQS
         runs `vllm serve FOLDER` on 127.0.0.1:PORT (served name "vllm-peer") with that
         dtype, OpenMP threads bound to cores 0 .. THREADS - 1 and at most MAX_SEQS
@@ -96,7 +96,7 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
             temperature=0.0, max_tokens=new, stop_token_ids=stop, ignore_eos=not stop
         )
 
-    llm.generate(prompts[:2], greedy(int(request.get("warmup_tokens", 4))), use_tqdm=False)
+    llm.generate(prompts, greedy(int(request.get("warmup_tokens", 4))), use_tqdm=False)
     start = time.perf_counter()
     answers = llm.generate(prompts, greedy(int(request["max_new_tokens"])), use_tqdm=False)
     seconds = time.perf_counter() - start
