@@ -65,11 +65,11 @@ def test_report_renders_between_the_markers(
     assert readme.endswith("<!-- /results:headline -->\nafter\n") and "old" not in readme
     assert "| 32 prompts | 300.0 tokens/s | vLLM: 200.0 | **1.50x** | 1 |" in readme
     assert "Test CPU (AVX512 (BF16, VNNI) + AMX), 2 cores, 2 threads" in readme
-    assert "(docs/benchmarks.md#serve-load)" in readme
+    assert "(docs/benchmarks.md#results-serve-load)" in readme
     page = (checkout / "docs" / "benchmarks.md").read_text()
     # sections in file-name order, each with its command, machine, table and plot
     assert page.index("The quantized run") < page.index("The serve_load run")
-    assert "### The serve_load run {#serve-load}" in page
+    assert "### The serve_load run {#results-serve-load}" in page
     assert "python benchmarks/serve_load.py --threads 2\n" in page
     assert "| default | 123.5 |" in page
     assert "![The serve_load run](results/serve_load.png)" in page

@@ -47,7 +47,8 @@ class Published:
 
     @property
     def anchor(self) -> str:
-        return self.path.stem.replace("_", "-")
+        """The section's anchor on the benchmarks page."""
+        return "results-" + self.path.stem.replace("_", "-")
 
 
 def load_results(folder: Path) -> list[Published]:
