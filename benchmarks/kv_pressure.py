@@ -43,7 +43,8 @@ import torch
 
 from cellbatch.bench.peers import cellbatch_generate, progress
 from cellbatch.bench.report import Agreement, compare, dump_json
-from cellbatch.bench.throughput import _cpu_name, _load_average
+from cellbatch.bench.results import cpu_name
+from cellbatch.bench.throughput import _load_average
 from cellbatch.bench.workload import CHAT_PROMPTS, WARMUP_PROMPTS, WARMUP_TOKENS
 from cellbatch.metrics import EngineMetrics
 from cellbatch.types import QUANTIZE_CHOICES, GenConfig, Token
@@ -307,7 +308,7 @@ def run_benchmark(options: PressureOptions) -> PressureReport:
         "model": str(path),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "threads": options.threads,
         "cores": os.cpu_count(),
         "load_average_1min_at_start": _load_average(),

@@ -7,8 +7,9 @@ benchmark's own details (`results_fields`). `cellbatch bench --report`
 README.md and docs/benchmarks.md, so no figure reaches the docs without its command and
 machine.
 
-Owns: `machine()` (CPU name and kind, cores, threads, versions, commit), `ResultTable`,
-`Headline`, `results_fields` (the published keys), `command_line` (the command as typed).
+Owns: `machine()` (CPU name and kind, cores, threads, versions, commit), `cpu_name()`,
+`ResultTable`, `Headline`, `results_fields` (the published keys), `command_line` (the
+command as typed).
 Promises: the CPU kind is read from the CPU's own feature flags and torch's vector width,
 the same questions `auto` asks (`cellbatch.model.cpu`), never assumed; every value is
 JSON-ready.
@@ -108,7 +109,7 @@ def machine(threads: int | None = None) -> dict[str, Any]:
 
     flags = _cpu_flags()
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_kind": cpu_kind(flags, torch.backends.cpu.get_cpu_capability()),
         "flags": [flag for flag in KIND_FLAGS if flag in flags],
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
@@ -150,7 +151,8 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name, as the OS gives it."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
