@@ -1,5 +1,5 @@
 """Live `cellbatch serve` apps for tests: the app of `create_app` under uvicorn in a
-thread on 127.0.0.1, reached with the official `openai` client."""
+thread on 127.0.0.1, reached with the official `openai` and `anthropic` clients."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ class LiveServer:
 
         return openai.OpenAI(base_url=self.base_url + "/v1", **{"api_key": API_KEY, **options})
 
+    def anthropic(self, **options: object):  # -> anthropic.Anthropic
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.base_url, **{"api_key": API_KEY, **options})
+
     def kv_cells_in_use(self) -> int:
         return self.engine.kv_usage().cells_in_use
 
@@ -47,12 +52,21 @@ def start_live_server(
     api_key: str | None = API_KEY,
     max_queued_requests: int = 256,
     tool_call_parser: str | None = None,
+    data_dir: Path | None = None,
+    reasoning_parser: str = "auto",
     **engine: object,
 ) -> LiveServer:
     """A server over a new Engine of `model` (engine options as in from_pretrained)."""
     options = {"dtype": "float32", "kernels": "torch", "max_sessions": 16, **engine}
     made = Engine.from_pretrained(model, **options)  # type: ignore[arg-type]
-    base_url, server, thread = serve_in_thread(made, api_key, max_queued_requests, tool_call_parser)
+    base_url, server, thread = serve_in_thread(
+        made,
+        api_key,
+        max_queued_requests,
+        tool_call_parser,
+        data_dir=data_dir,
+        reasoning_parser=reasoning_parser,
+    )
     return LiveServer(made, base_url, server, thread)
 
 
@@ -62,6 +76,8 @@ def serve_in_thread(
     max_queued_requests: int = 256,
     tool_call_parser: str | None = None,
     served_model_name: str = MODEL_NAME,
+    data_dir: Path | None = None,
+    reasoning_parser: str = "auto",
 ) -> tuple[str, uvicorn.Server, threading.Thread]:
     """The app over `backend` under uvicorn on a free port of 127.0.0.1, started."""
     settings = ServerSettings(
@@ -71,6 +87,8 @@ def serve_in_thread(
         max_request_bytes=64 * 1024,
         shutdown_timeout=2.0,
         tool_call_parser=tool_call_parser,
+        data_dir=data_dir,
+        reasoning_parser=reasoning_parser,
     )
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ PACKAGE = Path(cellbatch.__file__).parent
 LAYERS: list[set[str]] = [
     {"types"},
     {"metrics", "text_stream", "threads"},
-    {"cache", "scheduler", "constraint", "tool_calls"},
+    {"cache", "scheduler", "constraint", "tool_calls", "reasoning"},
     {"model"},
     {"export"},
     {"executor"},

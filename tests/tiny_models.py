@@ -119,6 +119,70 @@ def make_tiny_chat_checkpoint(folder: Path, context: int = 256) -> Path:
     return folder
 
 
+# A ChatML template that thinks as Qwen3's does: the model opens <think> itself, and
+# `enable_thinking=False` closes an empty one in the prompt.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "(message['content'] or '') + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def make_scripted_thinking_checkpoint(folder: Path, script: str, context: int = 256) -> Path:
+    """A tiny Llama with the default model's tokenizer (plus Qwen3's `<think>` and
+    `</think>` as added tokens) and `THINKING_TEMPLATE`, whose greedy answer to any chat
+    prompt is `script`, then EOS. Its layers add nothing to the residual stream (zero
+    output projections), so each token's logits depend on that token alone: the
+    generation prompt's last token leads to the script's first, each script token to
+    the next (the script's tokens must differ from each other)."""
+    import transformers
+
+    from cellbatch.model.default import default_model_path
+
+    gguf = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKING_TEMPLATE
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    chain = [
+        tokenizer.encode(prompt, add_special_tokens=False)[-1],
+        *tokenizer.encode(script, add_special_tokens=False),
+    ]
+    assert len(set(chain)) == len(chain), f"the script's tokens repeat: {chain}"
+    hidden = 64
+    assert len(chain) <= hidden, "the script is too long for the model's width"
+    model, _ = make_tiny_checkpoint(
+        "llama",
+        folder,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for position, token in enumerate(chain):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, position] = 1.0
+            following = chain[position + 1] if position + 1 < len(chain) else None
+            model.lm_head.weight[following or tokenizer.eos_token_id, position] = 10.0
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def reference_model(folder: Path, **options: object):  # -> transformers.PreTrainedModel
     """transformers' fp32 model loaded from `folder` (options go to from_pretrained)."""
     import transformers

@@ -24,6 +24,7 @@ from cellbatch.cli.export import export_command
 from cellbatch.cli.options import UsageError, add_engine_options, add_weight_options
 from cellbatch.cli.run import run_command
 from cellbatch.cli.serve import serve_command
+from cellbatch.reasoning import REASONING_PARSERS
 from cellbatch.tool_calls.formats import FORMATS
 
 __all__ = ["main"]
@@ -107,6 +108,20 @@ def _parser() -> argparse.ArgumentParser:
         choices=list(FORMATS),
         help="the format tool calls are offered and read in (default: from the chat "
         "template; hermes for templates with no place for tools)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["auto", "none", *REASONING_PARSERS],
+        default="auto",
+        help="how an answer's <think> reasoning is told apart (reasoning_content in chat, "
+        "reasoning items in Responses, thinking blocks in Messages); auto: on for chat "
+        "templates that write </think>, off for the others",
+    )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        help="folder of the server's SQLite database (kept Responses API responses), made "
+        "if missing; without it they are kept in memory until the server stops",
     )
     serve.add_argument("--quiet", action="store_true", help="no startup lines")
     serve.add_argument(

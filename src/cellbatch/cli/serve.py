@@ -70,6 +70,8 @@ def serve_command(args: argparse.Namespace) -> NoReturn:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        data_dir=args.data_dir,
     )
     if not args.quiet:
         print(
@@ -101,6 +103,13 @@ def _check_options(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.prefix_cache_entries < 0:
         raise UsageError(f"--prefix-cache-entries must be >= 0, got {args.prefix_cache_entries}")
+    if args.data_dir is not None:
+        try:
+            args.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--data-dir {args.data_dir} cannot be a folder: {error}") from None
+        if not os.access(args.data_dir, os.W_OK):
+            raise UsageError(f"--data-dir {args.data_dir} is not writable")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.model is not None and not Path(args.model).exists() and args.ray_address is None:

@@ -5,8 +5,9 @@ Owns: `Backend` (where a plan's generations run: one engine here, replicas on Ra
 request runs) and `Choice` (one of its generations as it streams), `ApiError` (a
 request that cannot be served, with what the client is told) and the finish reasons'
 OpenAI names.
-Promises: a leaf of the server package: the app, the service, the responses, the local
-backend and the replicas' backend all import it, and it imports none of them.
+Promises: a leaf of the server package (but for `answers`, which imports nothing of
+the server): the app, the service, the responses, the local backend and the replicas'
+backend all import it, and it imports none of them.
 Never: plans, runs or answers anything.
 """
 
@@ -17,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from cellbatch.metrics import GenerationMetrics
-from cellbatch.tool_calls.formats import ToolFormat
-from cellbatch.tool_calls.stream import ToolCallStream
+from cellbatch.server.answers import AnswerReading, AnswerStream
 from cellbatch.types import (
     Constraint,
     FinishReason,
@@ -78,7 +78,8 @@ class Choice:
     error: str = ""
     echoed: bool = False  # streaming: the prompt went out with the first chunk
     offset: int = 0  # streaming: characters of token text sent so far (logprobs offsets)
-    tool_stream: ToolCallStream | None = None  # streaming with tools: content and calls sent
+    # Streaming a conversation: the reasoning, content and calls sent so far.
+    answer_stream: AnswerStream | None = None
 
 
 @dataclass
@@ -91,9 +92,9 @@ class Plan:
     echo: bool = False
     drop_generated: bool = False  # echo with max_tokens 0: one token runs, none is shown
     logprobs: int | None = None
-    # Tools offered: the answers are read for calls in this format (None: plain text).
-    tool_format: ToolFormat | None = None
-    parallel_tool_calls: bool = True
+    # How a conversation's answers are read: reasoning, and calls when tools are offered
+    # (the default: plain text).
+    reading: AnswerReading = field(default_factory=AnswerReading)
 
 
 class ChoiceHandle(Protocol):

@@ -32,7 +32,8 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -40,7 +41,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -48,6 +49,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cellbatch.engine import Engine
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
+from cellbatch.server.messages_api import MESSAGES_PATH, anthropic_error, messages_router
+from cellbatch.server.messages_protocol import CountTokensRequest, MessagesRequest
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
@@ -70,10 +73,12 @@ from cellbatch.server.protocol import (
     refused_fields,
 )
 from cellbatch.server.responses import Responses
-from cellbatch.server.service import EngineService, Job, until_disconnected
+from cellbatch.server.responses_api import responses_router
+from cellbatch.server.responses_protocol import ResponsesRequest
+from cellbatch.server.routing import RouteContext, check_model, parse, read_body
+from cellbatch.server.service import EngineService, Job
+from cellbatch.server.storage import Storage
 from cellbatch.types import FinishReason
-
-ModelT = TypeVar("ModelT", bound=BaseModel)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,8 @@ class ServerSettings:
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 10.0
     tool_call_parser: str | None = None  # a tool_calls.formats name; None: the template's
+    reasoning_parser: str = "auto"  # a reasoning parser's name, "none", or "auto": the template's
+    data_dir: Path | None = None  # the database's folder (storage.py); None: kept in memory
 
 
 def create_app(
@@ -102,9 +109,12 @@ def create_app(
     service = EngineService(
         backend, settings.served_model_name, metrics, settings.max_queued_requests
     )
-    planner = RequestPlanner(backend, settings.tool_call_parser)
+    planner = RequestPlanner(backend, settings.tool_call_parser, settings.reasoning_parser)
     metrics.watch(backend.collector(), service.load)
     responses = Responses(backend, settings.served_model_name)
+    storage = Storage(settings.data_dir)
+    names = (settings.served_model_name, *settings.model_aliases)
+    context = RouteContext(service, planner, responses, storage, names, settings.max_request_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -119,10 +129,11 @@ def create_app(
     app = FastAPI(title="cellbatch", lifespan=lifespan)
     app.state.service = service
     app.state.planner = planner
+    app.state.storage = storage
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        return _error_response(error)
+        return _error_response(error, path=request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -136,12 +147,13 @@ def create_app(
         else:
             message = f"{error.detail} ({where})"
         headers = dict(error.headers) if error.headers else None
-        return _error_response(ApiError(error.status_code, message), headers)
+        return _error_response(ApiError(error.status_code, message), headers, request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("request %s %s failed", request.method, request.url.path)
-        return _error_response(ApiError(500, f"internal error: {error!r}", kind="server_error"))
+        failure = ApiError(500, f"internal error: {error!r}", kind="server_error")
+        return _error_response(failure, path=request.url.path)
 
     if settings.api_key is not None:
         app.add_middleware(RequireApiKey, api_key=settings.api_key)
@@ -159,8 +171,6 @@ def create_app(
     async def health() -> JSONResponse:
         serving, body = await backend.health()
         return JSONResponse(body, status_code=200 if serving else 503)
-
-    names = (settings.served_model_name, *settings.model_aliases)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
@@ -184,11 +194,11 @@ def create_app(
 
     async def generate(request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat/completions"
-        body = await _read_body(request, settings)
+        body = await read_body(request, settings.max_request_bytes)
         parsed: ChatCompletionRequest | CompletionRequest = (
-            _parse(ChatCompletionRequest, body) if chat else _parse(CompletionRequest, body)
+            parse(ChatCompletionRequest, body) if chat else parse(CompletionRequest, body)
         )
-        _check_fields(parsed, names, warned)
+        _check_fields(parsed, context)
         service.admit()
         plan = (
             planner.plan_chat(parsed)
@@ -199,9 +209,7 @@ def create_app(
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             return EventSourceResponse(_stream(service, responses, job, endpoint, include_usage))
-        return await _collect(service, responses, job, request, endpoint, chat=chat)
-
-    warned: set[str] = set()
+        return await _collect(context, job, request, endpoint, chat=chat)
 
     @app.post("/v1/completions", responses=_answers(CompletionResponse, CompletionResponse))
     async def completions(request: Request) -> Response:
@@ -215,16 +223,16 @@ def create_app(
 
     @app.post("/tokenize", responses=_answers_of(TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
-        parsed = _parse(TokenizeRequest, await _read_body(request, settings))
-        _check_model(parsed.model, names)
+        parsed = await context.read(request, TokenizeRequest)
         return JSONResponse(dump(planner.tokenize(parsed)))
 
     @app.post("/detokenize", responses=_answers_of(DetokenizeResponse))
     async def detokenize(request: Request) -> JSONResponse:
-        parsed = _parse(DetokenizeRequest, await _read_body(request, settings))
-        _check_model(parsed.model, names)
+        parsed = await context.read(request, DetokenizeRequest)
         return JSONResponse(dump(planner.detokenize(parsed)))
 
+    app.include_router(responses_router(context))
+    app.include_router(messages_router(context))
     _document_request_bodies(
         app,
         {
@@ -232,6 +240,9 @@ def create_app(
             "/v1/chat/completions": ChatCompletionRequest,
             "/tokenize": TokenizeRequest,
             "/detokenize": DetokenizeRequest,
+            "/v1/responses": ResponsesRequest,
+            MESSAGES_PATH: MessagesRequest,
+            f"{MESSAGES_PATH}/count_tokens": CountTokensRequest,
         },
     )
     return app
@@ -243,46 +254,47 @@ OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redir
 
 
 class RequireApiKey:
-    """Refuses HTTP requests without `Authorization: Bearer <key>` (a 401 in OpenAI's
-    shape), except to OPEN_PATHS. A plain ASGI middleware: Starlette's
+    """Refuses HTTP requests without `Authorization: Bearer <key>` or `x-api-key: <key>`
+    (Anthropic's clients send that) (a 401 in the route's API's error shape), except to
+    OPEN_PATHS. A plain ASGI middleware: Starlette's
     BaseHTTPMiddleware (`@app.middleware`) passes every streamed chunk through a memory
     stream and a task of its own, a sixth of the HTTP thread's time at 32 streaming
     clients."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            headers = Headers(scope=scope)
+            bearer = headers.get("authorization", "").encode()
+            given = headers.get("x-api-key", "").encode()
+            if not (
+                hmac.compare_digest(bearer, b"Bearer " + self.key)
+                or hmac.compare_digest(given, self.key)
+            ):
                 refusal = _error_response(
                     ApiError(
                         401,
-                        "missing or wrong API key: send Authorization: Bearer <key>",
+                        "missing or wrong API key: send Authorization: Bearer <key> "
+                        "(or x-api-key: <key>)",
                         kind="authentication_error",
                         code="invalid_api_key",
-                    )
+                    ),
+                    path=scope["path"],
                 )
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-# Unknown field names remembered so as to warn once each; past this many, no more
-# warnings (a client sending random names cannot grow the set without bound).
-MAX_WARNED_FIELDS = 1024
-
-
 def _check_fields(
-    request: CompletionRequest | ChatCompletionRequest,
-    names: tuple[str, ...],
-    warned: set[str],
+    request: CompletionRequest | ChatCompletionRequest, context: RouteContext
 ) -> None:
     """Refuse a model that is not served and the fields that ask for what the server
     does not do; log each unknown field name once."""
-    _check_model(request.model, names)
+    check_model(request.model, context.names)
     refused = refused_fields(request.model_extra)
     if refused and refused[0] in CHAT_ONLY_FIELDS:
         raise ApiError(
@@ -298,23 +310,8 @@ def _check_fields(
             "is refused rather than answered without it; leave it out",
             refused[0],
         )
-    for name in request.model_extra or ():
-        # An unsupported field that passed asks for nothing: not unknown, nothing to say.
-        known = name in UNSUPPORTED_FIELDS or name in warned
-        if not known and len(warned) < MAX_WARNED_FIELDS:
-            warned.add(name)
-            log.warning("ignoring the unknown request field %r (said once per field name)", name)
-
-
-def _check_model(model: str | None, names: tuple[str, ...]) -> None:
-    if model is not None and model not in names:
-        raise ApiError(
-            404,
-            f"the model `{model}` does not exist; this server serves "
-            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
-            "model",
-            code="model_not_found",
-        )
+    # An unsupported field that passed asks for nothing: not unknown, nothing to say.
+    context.note_unknown_fields(set(request.model_extra or ()) - set(UNSUPPORTED_FIELDS))
 
 
 # The error answers the routes document, each in OpenAI's shape.
@@ -380,27 +377,14 @@ def _document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -
 
 
 async def _collect(
-    service: EngineService,
-    responses: Responses,
-    job: Job,
-    request: Request,
-    endpoint: str,
-    chat: bool,
+    context: RouteContext, job: Job, request: Request, endpoint: str, chat: bool
 ) -> Response:
-    async def drain() -> None:
-        async for _ in service.follow(job):
-            pass
-
-    work = asyncio.ensure_future(drain())
     try:
-        if await until_disconnected(work, request.is_disconnected):
-            job.cancel()
-            with contextlib.suppress(Exception):
-                await work
+        if await context.run_to_end(job, request):
             return Response(status_code=499)
-        await work
     finally:
-        service.finish(job, endpoint)
+        context.service.finish(job, endpoint)
+    responses = context.responses
     failure = responses.failure(job)
     if failure is not None:
         raise failure
@@ -447,42 +431,24 @@ def _event(model: BaseModel) -> bytes:
     return format_sse_event(data_str=model.model_dump_json())
 
 
-async def _read_body(request: Request, settings: ServerSettings) -> bytes:
-    limit = settings.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {declared} bytes, above the {limit}-byte limit")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is above the {limit}-byte limit")
-    return bytes(body)
-
-
-def _parse(model: type[ModelT], body: bytes) -> ModelT:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        if first.get("type") == "json_invalid":
-            raise ApiError(400, f"the body is not valid JSON: {first.get('msg')}") from None
-        raise ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None) from None
-
-
 def _error_body(error: ApiError) -> ErrorResponse:
     return ErrorResponse(
         error=ErrorBody(message=error.message, type=error.kind, param=error.param, code=error.code)
     )
 
 
-def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+def _error_response(
+    error: ApiError, headers: dict[str, str] | None = None, path: str = ""
+) -> JSONResponse:
+    """The error in OpenAI's shape, or in Anthropic's on the Messages API's routes."""
     if error.status == 429:
         headers = {**(headers or {}), "Retry-After": "1"}
-    return JSONResponse(
-        _error_body(error).model_dump(mode="json"), status_code=error.status, headers=headers
+    body = (
+        anthropic_error(error)
+        if path.startswith(MESSAGES_PATH)
+        else _error_body(error).model_dump(mode="json")
     )
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 async def _cancel_after_grace(
@@ -508,8 +474,12 @@ def serve(engine: Engine | Backend, settings: ServerSettings, host: str, port: i
     )
     server = uvicorn.Server(config)
     box.append(server)
+    storage: Storage = app.state.storage
     # uvicorn handles SIGINT/SIGTERM (stop accepting, wait, shut down), then raises the
     # signal again under the handlers it found; with these, the process then exits 0.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda signum, frame: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        storage.close()

@@ -4,7 +4,8 @@ Owns: `RequestPlanner`, which turns a validated request into what runs (completi
 prompts, or chat messages through the template with the tools offered; the sampling,
 token rules, constraint and stopping of each generation), the grammar that holds a
 `required` or named tool_choice to the calls, the format tool calls are offered and
-read in, and `/tokenize` and `/detokenize`.
+read in, how answers' reasoning is told apart (the parser, and whether each prompt
+opened the reasoning), and `/tokenize` and `/detokenize`.
 Promises: every problem a request can have by itself (a prompt longer than the
 context, a token outside the vocabulary, too many choices, bad stop strings, a
 tool_choice without its tool, a tool schema the grammar library rejects) is an
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from cellbatch.reasoning import ReasoningFormat, reasoning_for_template, reasoning_named
+from cellbatch.server.answers import AnswerReading
 from cellbatch.server.api import ApiError, Backend, Plan
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
@@ -46,14 +49,31 @@ if TYPE_CHECKING:
     from cellbatch.model.tokenizer import Tokenizer
 
 
+# A prompt's last tokens, enough to hold the reasoning tags a template ends it with.
+PROMPT_TAIL_TOKENS = 16
+
+
 class RequestPlanner:
-    def __init__(self, backend: Backend, tool_call_parser: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str = "auto",
+    ) -> None:
         self.backend = backend
         self.context_limit = int(backend.shape.max_session_tokens or 0)
         # The format tool calls are offered and read in: the flag's, else the template's.
         template = backend.tokenizer.chat_template_text if backend.tokenizer else ""
         self.tool_format: ToolFormat = (
             format_named(tool_call_parser) if tool_call_parser else format_for_template(template)
+        )
+        # How reasoning is told apart: the flag's parser, none, or the template's.
+        self.reasoning: ReasoningFormat | None = (
+            reasoning_for_template(template)
+            if reasoning_parser == "auto"
+            else None
+            if reasoning_parser == "none"
+            else reasoning_named(reasoning_parser)
         )
 
     def plan_completion(self, request: CompletionRequest) -> Plan:
@@ -87,14 +107,21 @@ class RequestPlanner:
             tool_constraint = self._tool_constraint(offered, choice, request)
         sampling = self._sampling(request, top, tool_constraint)
         config = self._config(request, prompt, max_tokens, sampling, "messages")
-        return Plan(
-            [prompt],
-            [config],
-            request.n,
-            logprobs=top,
-            tool_format=self.tool_format if offered else None,
-            parallel_tool_calls=request.parallel_tool_calls,
+        # An answer held to a constraint from its first token (but for tool_choice auto,
+        # whose grammar takes any text first) has no reasoning: it is all content.
+        free = sampling.constraint is None or (offered and choice.mode is ToolMode.AUTO)
+        reasoning = self.reasoning if free else None
+        reading = AnswerReading(
+            reasoning,
+            reasoning is not None and reasoning.opened_by(self._prompt_tail(prompt)),
+            self.tool_format if offered else None,
+            request.parallel_tool_calls,
         )
+        return Plan([prompt], [config], request.n, logprobs=top, reading=reading)
+
+    def _prompt_tail(self, prompt: Sequence[Token]) -> str:
+        tokenizer = self._tokenizer("read the prompt")
+        return tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
 
     def _chat_prompt(
         self, messages: list[ChatMessage], tools: list[Tool], add_generation_prompt: bool

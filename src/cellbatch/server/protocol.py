@@ -259,10 +259,14 @@ class ChatMessage(BaseModel):
         return message
 
 
+# What a function's name may be (OpenAI's rule).
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+
+
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -352,6 +356,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # the `<think>` part (vLLM's name)
     tool_calls: list[ToolCallMessage] = Field(default_factory=list)
 
 
@@ -397,6 +402,7 @@ class DeltaToolCall(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

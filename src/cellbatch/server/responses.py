@@ -4,7 +4,8 @@ Owns: the shapes of what `/v1/completions` and `/v1/chat/completions` answer:
 choices, finish reasons, usage (with prefix-cache hits as cached tokens), logprobs
 in both APIs' formats, echoed prompts, the stream's role, content, finish and
 usage chunks, and (tools offered) answers split into content and `tool_calls` with
-`finish_reason: "tool_calls"`, streamed as `delta.tool_calls` whose arguments grow.
+`finish_reason: "tool_calls"`, streamed as `delta.tool_calls` whose arguments grow;
+(a reasoning parser on) the reasoning as `reasoning_content`, streamed as its own deltas.
 Promises: a choice's streamed text concatenates to its whole text; logprobs align
 with the tokens shown; with `echo` the prompt (and its logprobs, the first token's
 being null) comes first; with `max_tokens: 0` nothing generated is shown; call markup
@@ -17,6 +18,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+from cellbatch.server.answers import AnswerStream, whole_answer
 from cellbatch.server.api import FINISH_REASONS, ApiError, Backend, Choice, Plan
 from cellbatch.server.protocol import (
     AssistantMessage,
@@ -39,7 +41,6 @@ from cellbatch.server.protocol import (
     Usage,
 )
 from cellbatch.server.service import Job
-from cellbatch.tool_calls.stream import ToolCallStream, split_answer
 from cellbatch.types import FinishReason, GenerationUpdate, Token, TokenLogprob
 
 
@@ -100,18 +101,17 @@ class Responses:
 
     @staticmethod
     def _message(choice: Choice, plan: Plan) -> AssistantMessage:
-        """The answer, split into content and calls when tools were offered."""
-        text = "".join(choice.text)
-        if plan.tool_format is None:
-            return AssistantMessage(content=text)
-        content, calls = split_answer(plan.tool_format, text, plan.parallel_tool_calls)
+        """The answer: its reasoning split off, and content and calls when tools were
+        offered."""
+        answer = whole_answer(plan.reading, "".join(choice.text))
         return AssistantMessage(
-            content=content,
+            content=answer.content,
+            reasoning_content=answer.reasoning,
             tool_calls=[
                 ToolCallMessage(
                     id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)
                 )
-                for call in calls
+                for call in answer.calls
             ],
         )
 
@@ -161,7 +161,7 @@ class Responses:
                 if plan.logprobs is not None and update.logprobs
                 else None
             )
-            called = choice.tool_stream is not None and choice.tool_stream.made_calls
+            called = choice.answer_stream is not None and choice.answer_stream.made_calls
             reason = (
                 self._finish(choice, plan, called) if update.finish_reason is not None else None
             )
@@ -188,12 +188,11 @@ class Responses:
 
     @staticmethod
     def _delta(choice: Choice, update: GenerationUpdate, plan: Plan) -> ChatDelta:
-        """The update's text as a delta: content, and call pieces when tools were offered."""
-        if plan.tool_format is None:
-            return ChatDelta(content=update.text or None)
-        if choice.tool_stream is None:
-            choice.tool_stream = ToolCallStream(plan.tool_format, plan.parallel_tool_calls)
-        content, pieces = choice.tool_stream.feed(update.text, update.finish_reason is not None)
+        """The update's text as a delta: reasoning, content, and call pieces when tools
+        were offered."""
+        if choice.answer_stream is None:
+            choice.answer_stream = AnswerStream(plan.reading)
+        read = choice.answer_stream.feed(update.text, update.finish_reason is not None)
         calls = [
             DeltaToolCall(
                 index=piece.index,
@@ -201,9 +200,13 @@ class Responses:
                 type="function" if piece.id is not None else None,
                 function=DeltaFunction(name=piece.name, arguments=piece.arguments),
             )
-            for piece in pieces
+            for piece in read.calls
         ]
-        return ChatDelta(content=content or None, tool_calls=calls or None)
+        return ChatDelta(
+            content=read.content or None,
+            reasoning_content=read.reasoning or None,
+            tool_calls=calls or None,
+        )
 
     @staticmethod
     def new_stream_id(chat: bool) -> str:

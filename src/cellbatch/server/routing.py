@@ -1,0 +1,115 @@
+"""What every route of the server shares: reading and checking a request's body, the
+served model's names, and what the routes of each API are given to work with.
+
+Owns: `RouteContext` (the service, the planner, the chat answers' shapes, the storage,
+the served names and the body limit, as the app hands them to each API's router; a
+job followed to its end unless the client leaves),
+`read_body` (the size limit, before anything is parsed), `parse` (pydantic's verdict
+as an `ApiError` naming the field), `check_model` and `note_unknown_fields` (each
+unknown top-level field logged once per name).
+Promises: a body over the limit is refused (413) before it is read whole; a body that is
+not JSON or breaks its model is a 400 naming the first field at fault.
+Never: runs or answers requests (the routes do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from cellbatch.server.api import ApiError
+from cellbatch.server.planner import RequestPlanner
+from cellbatch.server.responses import Responses
+from cellbatch.server.service import EngineService, Job, until_disconnected
+from cellbatch.server.storage import Storage
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+log = logging.getLogger("cellbatch.server.app")
+
+# Unknown field names remembered so as to warn once each; past this many, no more
+# warnings (a client sending random names cannot grow the set without bound).
+MAX_WARNED_FIELDS = 1024
+
+
+@dataclass
+class RouteContext:
+    service: EngineService
+    planner: RequestPlanner
+    responses: Responses
+    storage: Storage
+    names: tuple[str, ...]  # the served model's name, then its aliases
+    max_request_bytes: int
+    warned: set[str] = field(default_factory=set)
+
+    async def read(self, request: Request, model: type[ModelT]) -> ModelT:
+        """The request's body as `model`, its `model` field checked when it has one."""
+        parsed = parse(model, await read_body(request, self.max_request_bytes))
+        check_model(getattr(parsed, "model", None), self.names)
+        return parsed
+
+    async def run_to_end(self, job: Job, request: Request) -> bool:
+        """Follows `job` to its end; True if the client left first (then the job is
+        cancelled)."""
+
+        async def drain() -> None:
+            async for _ in self.service.follow(job):
+                pass
+
+        work = asyncio.ensure_future(drain())
+        if await until_disconnected(work, request.is_disconnected):
+            job.cancel()
+            with contextlib.suppress(Exception):
+                await work
+            return True
+        await work
+        return False
+
+    def note_unknown_fields(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name not in self.warned and len(self.warned) < MAX_WARNED_FIELDS:
+                self.warned.add(name)
+                log.warning(
+                    "ignoring the unknown request field %r (said once per field name)", name
+                )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes, above the {limit}-byte limit")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is above the {limit}-byte limit")
+    return bytes(body)
+
+
+def parse(model: type[ModelT], body: bytes) -> ModelT:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {first.get('msg')}") from None
+        raise ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None) from None
+
+
+def check_model(model: str | None, names: tuple[str, ...]) -> None:
+    if model is not None and model not in names:
+        raise ApiError(
+            404,
+            f"the model `{model}` does not exist; this server serves "
+            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
+            "model",
+            code="model_not_found",
+        )
