@@ -155,7 +155,8 @@ def messages_router(context: RouteContext) -> APIRouter:
         parsed = await context.read(request, CountTokensRequest)
         context.note_unknown_fields(parsed.model_extra or ())
         chat = _chat_request(parsed)
-        tokenize = TokenizeRequest(messages=chat.messages, tools=chat.tools)
+        offered = chat.tools if chat.tool_choice != "none" else None
+        tokenize = TokenizeRequest(messages=chat.messages, tools=offered)
         try:
             counted = context.planner.tokenize(tokenize)
         except ApiError as error:

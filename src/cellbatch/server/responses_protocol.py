@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from cellbatch.server.protocol import FUNCTION_NAME_PATTERN, JsonSchemaFormat
 
@@ -96,9 +96,19 @@ class ReasoningInputItem(_Loose):
     status: str | None = None
 
 
+def _item_type(item: Any) -> str:
+    """An item's type; a message may leave it out (OpenAI's EasyInputMessage)."""
+    if isinstance(item, dict):
+        return str(item.get("type", "message"))
+    return str(getattr(item, "type", "message"))
+
+
 InputItem = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem,
-    Field(discriminator="type"),
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
+    Discriminator(_item_type),
 ]
 
 

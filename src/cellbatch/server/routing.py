@@ -97,7 +97,8 @@ def parse(model: type[ModelT], body: bytes) -> ModelT:
     try:
         return model.model_validate_json(body)
     except ValidationError as error:
-        first = error.errors()[0]
+        # The deepest error: of a union's branches, the one that got furthest.
+        first = max(error.errors(), key=lambda found: len(found.get("loc", ())))
         where = ".".join(str(part) for part in first.get("loc", ()))
         if first.get("type") == "json_invalid":
             raise ApiError(400, f"the body is not valid JSON: {first.get('msg')}") from None
