@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 
+from cellbatch.server.protocol import ASKS_NOTHING
 from cellbatch.types import GenConfig
 from served import API_KEY, CONTEXT, MODEL_NAME
 from tiny_models import reference_model
@@ -175,7 +176,7 @@ def test_a_missing_or_wrong_key_is_401_and_health_needs_none(live) -> None:
             "context_length_exceeded",
         ),
         (json.dumps({"prompt": "x" * 70_000}).encode(), 413, None, None),
-        (json.dumps({"prompt": "hi", "stop": [""]}).encode(), 400, "stop", None),
+        (json.dumps({"prompt": "hi", "stop": [""]}).encode(), 400, "stop.0", None),
         (json.dumps({"prompt": "hi", "stop": ""}).encode(), 400, "stop", None),
         (json.dumps({"prompt": "hi", "n": 0}).encode(), 400, "n", None),
         (json.dumps({"prompt": "hi", "max_tokens": -1}).encode(), 400, "max_tokens", None),
@@ -295,5 +296,6 @@ def test_openapi_documents_the_request_bodies(live) -> None:
     assert {"response_format", "structured_outputs", "grammar"} <= set(chat["properties"])
     assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat["properties"])
     completion = components["CompletionRequest"]
-    assert "tools" not in completion["properties"]  # refused there, so not claimed
+    # Refused there when they ask for something: only the values that ask for nothing.
+    assert completion["properties"]["tools"] == ASKS_NOTHING
     assert "ChatMessage" in components and "ErrorResponse" in components

@@ -111,7 +111,7 @@ def _draw_full(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
 def _draw_top_k(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Among each row's top_k tokens, renormalised (their weights need no softmax)."""
     top_k = params[:, PARAM_TOP_K].long()
-    values, indices = scaled.topk(int(top_k.max()), dim=-1)
+    values, indices = scaled.topk(min(int(top_k.max()), scaled.shape[1]), dim=-1)
     in_top = torch.arange(values.shape[1], device=values.device) < top_k.unsqueeze(1)
     return _draw_among(indices, values.exp_().mul_(in_top), params[:, PARAM_COIN])
 
@@ -136,6 +136,7 @@ def _draw_top_p(scaled: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         top_p = params.index_select(0, pending)[:, PARAM_TOP_P : PARAM_TOP_P + 1]
         done = (cumulative[:, -1:] >= top_p).squeeze(1) | (width == vocab)
         in_nucleus = (cumulative - probabilities)[done] < top_p[done]
+        in_nucleus[:, 0] = True  # a top_p that float32 rounds to 0 still keeps one token
         tokens[pending[done]] = _draw_among(
             indices[done],
             probabilities[done].mul_(in_nucleus),

@@ -37,8 +37,8 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -49,9 +49,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cellbatch.engine import Engine
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
-from cellbatch.server.messages_api import MESSAGES_PATH, anthropic_error, messages_router
+from cellbatch.server.messages_api import (
+    MESSAGES_EVENTS,
+    MESSAGES_PATH,
+    anthropic_error,
+    messages_router,
+)
 from cellbatch.server.messages_protocol import CountTokensRequest, MessagesRequest
 from cellbatch.server.observability import ServerMetrics
+from cellbatch.server.openapi import Limits, answers, document
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
     CHAT_ONLY_FIELDS,
@@ -73,7 +79,7 @@ from cellbatch.server.protocol import (
     refused_fields,
 )
 from cellbatch.server.responses import Responses
-from cellbatch.server.responses_api import responses_router
+from cellbatch.server.responses_api import RESPONSES_EVENTS, responses_router
 from cellbatch.server.responses_protocol import ResponsesRequest
 from cellbatch.server.routing import RouteContext, check_model, parse, read_body
 from cellbatch.server.service import EngineService, Job
@@ -139,14 +145,17 @@ def create_app(
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         # Starlette's own answers (no such route, method not allowed), in OpenAI's shape.
         where = f"{request.method} {request.url.path}"
-        allowed = (error.headers or {}).get("Allow")
+        headers = dict(error.headers) if error.headers else None
+        if error.status_code == 405:
+            # Starlette names the first matching route's methods; a path may have several.
+            headers = {**(headers or {}), "Allow": _allowed_methods(app, request.url.path)}
+        allowed = (headers or {}).get("Allow")
         if error.status_code == 404:
             message = f"Invalid URL ({where})"
         elif error.status_code == 405 and allowed:
             message = f"Method not allowed ({where}); this route takes {allowed}"
         else:
             message = f"{error.detail} ({where})"
-        headers = dict(error.headers) if error.headers else None
         return _error_response(ApiError(error.status_code, message), headers, request.url.path)
 
     @app.exception_handler(Exception)
@@ -211,29 +220,49 @@ def create_app(
             return EventSourceResponse(_stream(service, responses, job, endpoint, include_usage))
         return await _collect(context, job, request, endpoint, chat=chat)
 
-    @app.post("/v1/completions", responses=_answers(CompletionResponse, CompletionResponse))
+    generation = (400, 401, 404, 413, 429, 500)
+
+    @app.post(
+        "/v1/completions",
+        responses=answers(
+            CompletionResponse,
+            ErrorResponse,
+            *generation,
+            events="CompletionResponse",
+            done_marker=True,
+        ),
+    )
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
     @app.post(
-        "/v1/chat/completions", responses=_answers(ChatCompletionResponse, ChatCompletionChunk)
+        "/v1/chat/completions",
+        responses=answers(
+            ChatCompletionResponse,
+            ErrorResponse,
+            *generation,
+            events="ChatCompletionChunk",
+            done_marker=True,
+        ),
     )
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat/completions")
 
-    @app.post("/tokenize", responses=_answers_of(TokenizeResponse))
+    @app.post("/tokenize", responses=answers(TokenizeResponse, ErrorResponse, 400, 401, 404, 413))
     async def tokenize(request: Request) -> JSONResponse:
         parsed = await context.read(request, TokenizeRequest)
         return JSONResponse(dump(planner.tokenize(parsed)))
 
-    @app.post("/detokenize", responses=_answers_of(DetokenizeResponse))
+    @app.post(
+        "/detokenize", responses=answers(DetokenizeResponse, ErrorResponse, 400, 401, 404, 413)
+    )
     async def detokenize(request: Request) -> JSONResponse:
         parsed = await context.read(request, DetokenizeRequest)
         return JSONResponse(dump(planner.detokenize(parsed)))
 
     app.include_router(responses_router(context))
     app.include_router(messages_router(context))
-    _document_request_bodies(
+    document(
         app,
         {
             "/v1/completions": CompletionRequest,
@@ -244,8 +273,24 @@ def create_app(
             MESSAGES_PATH: MessagesRequest,
             f"{MESSAGES_PATH}/count_tokens": CountTokensRequest,
         },
+        {
+            "CompletionResponse": CompletionResponse,
+            "ChatCompletionChunk": ChatCompletionChunk,
+            **RESPONSES_EVENTS,
+            **MESSAGES_EVENTS,
+        },
+        Limits(backend.vocab_size, planner.context_limit, backend.shape.max_sessions),
+        OPEN_PATHS if settings.api_key is not None else None,
     )
     return app
+
+
+def _allowed_methods(app: FastAPI, path: str) -> str:
+    methods: set[str] = set()
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(path):
+            methods |= route.methods or set()
+    return ", ".join(sorted(methods))
 
 
 # What a client reaches without the API key: the health check, and the API's own
@@ -312,68 +357,6 @@ def _check_fields(
         )
     # An unsupported field that passed asks for nothing: not unknown, nothing to say.
     context.note_unknown_fields(set(request.model_extra or ()) - set(UNSUPPORTED_FIELDS))
-
-
-# The error answers the routes document, each in OpenAI's shape.
-ERROR_STATUSES = {
-    400: "a bad request",
-    401: "a missing or wrong API key",
-    404: "the model is not served",
-    413: "the body is too large",
-    429: "too many requests wait",
-    500: "the generation failed",
-}
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {
-        status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]}
-        for status in statuses
-    }
-
-
-def _answers_of(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI answers of a plain JSON route: its body, or an error in OpenAI's shape."""
-    success = {"model": body, "description": f"a {body.__name__}"}
-    return {200: success, **_errors(400, 401, 404, 413)}
-
-
-def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI answers of a generation route: its body, or (stream: true) a stream
-    of `chunk` events; errors in OpenAI's shape."""
-    success: dict[str, Any] = {
-        "model": body,
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-        "description": f"a {body.__name__}, or with stream: true server-sent events, "
-        f"each a {chunk.__name__}, then [DONE]",
-    }
-    return {200: success, **_errors(*ERROR_STATUSES)}
-
-
-def _document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """FastAPI documents the bodies it parses itself; these routes read theirs (the size
-    limit comes first), so the published schema gets their models here."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                schema["paths"][path]["post"]["requestBody"] = {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
-                        }
-                    },
-                }
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _collect(

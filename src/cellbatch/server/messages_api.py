@@ -53,11 +53,13 @@ from cellbatch.server.messages_protocol import (
     TextDelta,
     ThinkingDelta,
     TokenCount,
+    ToolChoiceTool,
     ToolResultBlock,
     ToolUseBlock,
     Usage,
     _Conversation,
 )
+from cellbatch.server.openapi import answers
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -67,9 +69,11 @@ from cellbatch.server.protocol import (
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    TokenizeMessages,
     TokenizeRequest,
     ToolCallMessage,
     ToolDefinition,
+    ToolMessage,
 )
 from cellbatch.server.routing import RouteContext
 from cellbatch.server.service import Job
@@ -78,6 +82,7 @@ from cellbatch.types import FinishReason
 
 MESSAGES_PATH = "/v1/messages"
 ENDPOINT = "messages"
+MESSAGES_EVENTS = {"MessagesStreamEvent": StreamEvent}
 
 # The chat fields a refusal may name, as this API names them.
 FIELD_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
@@ -89,34 +94,27 @@ def anthropic_error(error: ApiError) -> dict[str, Any]:
     kind = ERROR_TYPES.get(
         error.status, "api_error" if error.status >= 500 else "invalid_request_error"
     )
-    body = AnthropicError(error=AnthropicErrorBody(type=kind, message=error.message))
+    code = str(error.code) if error.code is not None else None
+    body = AnthropicError(error=AnthropicErrorBody(type=kind, message=error.message, code=code))
     return body.model_dump(mode="json")
 
 
 def messages_router(context: RouteContext) -> APIRouter:
     router = APIRouter()
-    errors: dict[int | str, dict[str, Any]] = {
-        status: {"model": AnthropicError, "description": text}
-        for status, text in (
-            (400, "a bad request"),
-            (401, "a missing or wrong API key"),
-            (404, "the model is not served"),
-            (413, "the body is too large"),
-        )
-    }
 
     @router.post(
         MESSAGES_PATH,
-        responses={
-            200: {
-                "model": MessageObject,
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                "description": "the message, or with stream: true Anthropic's events",
-            },
-            **errors,
-            429: {"model": AnthropicError, "description": "too many requests wait"},
-            500: {"model": AnthropicError, "description": "the generation failed"},
-        },
+        responses=answers(
+            MessageObject,
+            AnthropicError,
+            400,
+            401,
+            404,
+            413,
+            429,
+            500,
+            events="MessagesStreamEvent",
+        ),
     )
     async def create(request: Request) -> Response:
         parsed = await context.read(request, MessagesRequest)
@@ -149,14 +147,14 @@ def messages_router(context: RouteContext) -> APIRouter:
 
     @router.post(
         f"{MESSAGES_PATH}/count_tokens",
-        responses={200: {"model": TokenCount, "description": "the prompt's tokens"}, **errors},
+        responses=answers(TokenCount, AnthropicError, 400, 401, 404, 413),
     )
     async def count_tokens(request: Request) -> JSONResponse:
         parsed = await context.read(request, CountTokensRequest)
         context.note_unknown_fields(parsed.model_extra or ())
         chat = _chat_request(parsed)
         offered = chat.tools if chat.tool_choice != "none" else None
-        tokenize = TokenizeRequest(messages=chat.messages, tools=offered)
+        tokenize = TokenizeRequest(TokenizeMessages(messages=chat.messages, tools=offered))
         try:
             counted = context.planner.tokenize(tokenize)
         except ApiError as error:
@@ -179,13 +177,11 @@ def _chat_request(request: _Conversation) -> ChatCompletionRequest:
             for tool in request.tools
         ]
     choice = request.tool_choice
+    if isinstance(choice, ToolChoiceTool):
+        fields["tool_choice"] = NamedToolChoice(function=NamedFunction(name=choice.name))
+    elif choice is not None and (request.tools or choice.type == "any"):
+        fields["tool_choice"] = TOOL_CHOICES[choice.type]
     if choice is not None:
-        if choice.type == "tool":
-            if not choice.name:
-                raise ApiError(400, "tool_choice of type tool needs the tool's name", "tool_choice")
-            fields["tool_choice"] = NamedToolChoice(function=NamedFunction(name=choice.name))
-        else:
-            fields["tool_choice"] = TOOL_CHOICES[choice.type]
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     if isinstance(request, MessagesRequest):
         fields.update(
@@ -206,10 +202,10 @@ def _chat_request(request: _Conversation) -> ChatCompletionRequest:
         raise ApiError(400, f"messages: {error.errors()[0].get('msg')}", "messages") from None
 
 
-def _messages(request: _Conversation) -> list[ChatMessage]:
+def _messages(request: _Conversation) -> list[ChatMessage | ToolMessage]:
     """The conversation as chat messages: tool results as tool turns (before the text
     of their user turn), an assistant's tool_use blocks as its calls."""
-    messages: list[ChatMessage] = []
+    messages: list[ChatMessage | ToolMessage] = []
     system = request.system_text()
     if system:
         messages.append(ChatMessage(role="system", content=system))
@@ -233,13 +229,11 @@ def _messages(request: _Conversation) -> list[ChatMessage]:
                 )
             )
             continue
-        for block in message.content:
-            if isinstance(block, ToolResultBlock):
-                text = f"Error: {block.text()}" if block.is_error else block.text()
-                messages.append(
-                    ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id)
-                )
-        if texts:
+        results = [block for block in message.content if isinstance(block, ToolResultBlock)]
+        for block in results:
+            text = f"Error: {block.text()}" if block.is_error else block.text()
+            messages.append(ToolMessage(role="tool", content=text, tool_call_id=block.tool_use_id))
+        if texts or not results:  # a turn of thinking blocks alone is still a turn
             messages.append(ChatMessage(role="user", content="".join(texts)))
     return messages
 

@@ -20,13 +20,19 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
-from cellbatch.server.protocol import FUNCTION_NAME_PATTERN
+from cellbatch.server.protocol import FUNCTION_NAME_PATTERN, Int, NewTokens, Text
 
 
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextBlock(_Loose):
@@ -89,17 +95,25 @@ class Tool(_Loose):
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Loose):
-    type: Literal["auto", "any", "none", "tool"]
-    name: str | None = None  # for type "tool"
+class ToolChoiceMode(_Loose):
+    type: Literal["auto", "any", "none"]
     disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Loose):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+ToolChoice = Annotated[ToolChoiceMode | ToolChoiceTool, Field(discriminator="type")]
 
 
 class ThinkingConfig(_Loose):
     """Accepted and not acted on: the model thinks as its chat template says."""
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: Int | None = None
 
 
 class JsonOutputFormat(_Loose):
@@ -117,7 +131,7 @@ class OutputConfig(_Loose):
 
 class _Conversation(BaseModel):
     # Other fields are kept (in model_extra) to be logged: none is dropped without a word.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -135,11 +149,11 @@ class _Conversation(BaseModel):
 
 
 class MessagesRequest(_Conversation):
-    max_tokens: Annotated[int, Field(ge=1)]
-    stop_sequences: list[str] | None = None
+    max_tokens: NewTokens
+    stop_sequences: list[Text] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0  # 0: off
+    top_k: Annotated[Int, Field(ge=0)] = 0  # 0: off
     stream: bool = False
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None  # accepted, not acted on
@@ -256,6 +270,13 @@ class MessageStop(BaseModel):
 class AnthropicErrorBody(BaseModel):
     type: str
     message: str
+    # cellbatch's code for the refusal, where it has one (as in OpenAI's shape); absent
+    # otherwise.
+    code: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_null_code(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class AnthropicError(BaseModel):

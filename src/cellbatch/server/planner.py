@@ -23,15 +23,18 @@ from cellbatch.reasoning import ReasoningFormat, reasoning_for_template, reasoni
 from cellbatch.server.answers import AnswerReading
 from cellbatch.server.api import ApiError, Backend, Plan
 from cellbatch.server.protocol import (
+    TOKEN_KEY,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     NamedToolChoice,
+    TokenizeMessages,
     TokenizeRequest,
     TokenizeResponse,
     ToolDefinition,
+    ToolMessage,
 )
 from cellbatch.text_stream import check_stop_strings
 from cellbatch.tool_calls.calls import Tool, ToolChoice, ToolMode
@@ -78,8 +81,6 @@ class RequestPlanner:
 
     def plan_completion(self, request: CompletionRequest) -> Plan:
         prompts = self._completion_prompts(request.prompt)
-        if request.max_tokens == 0 and not request.echo:
-            raise ApiError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
         drop = request.max_tokens == 0
         sampling = self._sampling(request, request.logprobs)
         if request.echo and request.logprobs is not None:
@@ -96,7 +97,9 @@ class RequestPlanner:
         prompt = self._chat_prompt(request.messages, offered, add_generation_prompt=True)
         top = request.top_logprobs if request.logprobs else None
         if request.top_logprobs is not None and not request.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            raise ApiError(
+                400, "top_logprobs needs logprobs: true", "top_logprobs", code="logprobs_needed"
+            )
         if request.logprobs and top is None:
             top = 0
         max_tokens = request.max_completion_tokens or request.max_tokens
@@ -124,7 +127,10 @@ class RequestPlanner:
         return tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
 
     def _chat_prompt(
-        self, messages: list[ChatMessage], tools: list[Tool], add_generation_prompt: bool
+        self,
+        messages: Sequence[ChatMessage | ToolMessage],
+        tools: list[Tool],
+        add_generation_prompt: bool,
     ) -> list[Token]:
         """The conversation through the chat template, the offered tools with it."""
         tokenizer = self._tokenizer("apply the chat template")
@@ -140,7 +146,10 @@ class RequestPlanner:
             return tokenizer.apply_chat_template(turns, add_generation_prompt, template_tools)
         except Exception as error:  # the template rejected the conversation
             raise ApiError(
-                400, f"the chat template refused the messages: {error}", "messages"
+                400,
+                f"the chat template refused the messages: {error}",
+                "messages",
+                code="template_refused",
             ) from error
 
     @staticmethod
@@ -161,7 +170,9 @@ class RequestPlanner:
         names = [tool.name for tool in tools]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
-            raise ApiError(400, f"tools name {repeated[0]!r} more than once", "tools")
+            raise ApiError(
+                400, f"tools name {repeated[0]!r} more than once", "tools", code="invalid_tools"
+            )
         if isinstance(asked, NamedToolChoice):
             choice = ToolChoice(ToolMode.FUNCTION, asked.function.name)
             if choice.name not in names:
@@ -170,12 +181,16 @@ class RequestPlanner:
                     f"tool_choice names the function {choice.name!r}, which is not among "
                     f"the tools ({', '.join(names) or 'none given'})",
                     "tool_choice",
+                    code="unknown_tool",
                 )
         else:
             choice = ToolChoice(ToolMode(asked or ("auto" if tools else "none")))
         if choice.mode is not ToolMode.NONE and not tools:
             raise ApiError(
-                400, f"tool_choice {choice.mode.value!r} needs tools; give them", "tool_choice"
+                400,
+                f"tool_choice {choice.mode.value!r} needs tools; give them",
+                "tool_choice",
+                code="unknown_tool",
             )
         return tools, choice
 
@@ -195,6 +210,7 @@ class RequestPlanner:
                 f"{asked[1]} and tools (tool_choice {choice.mode.value!r}) cannot both hold "
                 "the answer; drop one, or send tool_choice 'none'",
                 asked[1].partition(".")[0],
+                code="invalid_constraint",
             )
         named = choice.mode is ToolMode.FUNCTION
         called = [tool for tool in tools if not named or tool.name == choice.name]
@@ -211,7 +227,9 @@ class RequestPlanner:
             constraint = Constraint.grammar(grammar)
             self.backend.check_constraint(constraint)
         except InvalidArgumentError as error:
-            raise ApiError(400, f"the tools' schemas: {error}", "tools") from error
+            raise ApiError(
+                400, f"the tools' schemas: {error}", "tools", code="invalid_tools"
+            ) from error
         return constraint
 
     def _completion_prompts(self, prompt: object) -> list[list[Token]]:
@@ -245,13 +263,15 @@ class RequestPlanner:
         try:
             asked = request.constraint()
         except ValueError as error:  # InvalidArgumentError among them
-            raise ApiError(400, str(error), "response_format") from error
+            raise ApiError(400, str(error), "response_format", code="invalid_constraint") from error
         if asked is not None:
             constraint, field = asked
             try:
                 self.backend.check_constraint(constraint)
             except InvalidArgumentError as error:
-                raise ApiError(400, str(error), field.partition(".")[0]) from error
+                raise ApiError(
+                    400, str(error), field.partition(".")[0], code="invalid_constraint"
+                ) from error
         rules = self._token_rules(request)
         try:
             return SamplingParams(
@@ -272,14 +292,12 @@ class RequestPlanner:
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """The prompt's token ids (or the chat template's, for messages), as `/tokenize`."""
         tokenizer = self._tokenizer("tokenize")
-        if (request.prompt is None) == (request.messages is None):
-            raise ApiError(400, "give either prompt or messages, not both or neither", "prompt")
-        if request.messages is not None:
-            tools, _ = self._tool_choice(request.tools, None)
-            tokens = self._chat_prompt(request.messages, tools, request.add_generation_prompt)
+        asked = request.root
+        if isinstance(asked, TokenizeMessages):
+            tools, _ = self._tool_choice(asked.tools, None)
+            tokens = self._chat_prompt(asked.messages, tools, asked.add_generation_prompt)
         else:
-            assert request.prompt is not None
-            tokens = tokenizer.encode(request.prompt, request.add_special_tokens)
+            tokens = tokenizer.encode(asked.prompt, asked.add_special_tokens)
         return TokenizeResponse(
             count=len(tokens), max_model_len=self.context_limit, tokens=list(tokens)
         )
@@ -299,7 +317,7 @@ class RequestPlanner:
         if request.logit_bias:
             pairs = []
             for key, bias in request.logit_bias.items():
-                if not key.isdigit() or int(key) >= vocab:
+                if not TOKEN_KEY.fullmatch(key) or int(key) >= vocab:
                     raise ApiError(
                         400,
                         f"logit_bias key {key!r} is not a token id in [0, {vocab})",

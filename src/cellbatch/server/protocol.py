@@ -15,6 +15,7 @@ Never: tokenizes, generates or touches the engine.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -22,19 +23,45 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    RootModel,
     SerializerFunctionWrapHandler,
     model_serializer,
 )
 
+from cellbatch.server.openapi import bound
 from cellbatch.types import Constraint
 
 MAX_TOP_LOGPROBS = 20
 
 
+def _integral(value: object) -> object:
+    """A JSON number without a fraction (5.0) is an integer, as JSON Schema says."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field of a request (strict models take no "5", but do take 5.0).
+Int = Annotated[int, BeforeValidator(_integral)]
+MAX_SEED = 2**63 - 1
+
+# A token id of the served model's vocabulary; new tokens, within its context.
+TokenId = Annotated[Int, Field(ge=0, json_schema_extra=bound("token"))]
+TokenPrompt = Annotated[
+    list[TokenId], Field(min_length=1, json_schema_extra=bound("prompt_tokens"))
+]
+NewTokens = Annotated[Int, Field(ge=1, json_schema_extra=bound("new_tokens"))]
+# Text that must hold something (a prompt, a stop string).
+Text = Annotated[str, Field(min_length=1)]
+# A logit_bias key: a token id written in decimal.
+TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
@@ -60,6 +87,36 @@ UNSUPPORTED_FIELDS = (
 CHAT_ONLY_FIELDS = ("tools", "tool_choice")
 
 
+# The JSON schema of a value that asks for nothing (see _asks_nothing).
+ASKS_NOTHING: dict[str, Any] = {
+    "anyOf": [
+        {"type": "null"},
+        {"const": False},
+        {"const": 0},
+        {"const": ""},
+        {"const": "none"},
+        {"type": "array", "maxItems": 0},
+        {"type": "object", "maxProperties": 0},
+        {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+         "additionalProperties": False},
+    ]
+}  # fmt: skip
+
+
+def _unsupported_schema(declared: set[str]) -> dict[str, Any]:
+    """The unsupported fields a request body does not declare, each allowed only the
+    values that ask for nothing."""
+    return {
+        name: {"anyOf": [{"type": "null"}, {"const": 1}]} if name == "best_of" else ASKS_NOTHING
+        for name in UNSUPPORTED_FIELDS
+        if name not in declared
+    }
+
+
+def _document_unsupported(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    schema["properties"].update(_unsupported_schema(set(model.model_fields)))
+
+
 def refused_fields(extra: dict[str, Any] | None) -> list[str]:
     """The unsupported fields of a request's extras that ask for something."""
     return [
@@ -71,7 +128,7 @@ def refused_fields(extra: dict[str, Any] | None) -> list[str]:
 class JsonSchemaFormat(BaseModel):
     """OpenAI's `response_format.json_schema`."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 
     name: str = "response"
     description: str | None = None
@@ -82,7 +139,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: free text, any JSON object, or JSON fitting a schema."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -91,7 +148,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: one of a schema, a regex, a choice or a grammar."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -103,22 +160,23 @@ class StructuredOutputs(BaseModel):
 class _Request(BaseModel):
     # Other fields are kept (in model_extra), for the app to refuse or log: none is
     # dropped without a word.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[Int, Field(ge=0, json_schema_extra=bound("new_tokens"))] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's: 0 or -1 is off
+    top_k: Annotated[Int, Field(ge=-1)] = 0  # vLLM's: 0 or -1 is off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[int, Field(ge=0)] | None = None
-    stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    seed: Annotated[Int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: Text | list[Text] | None = None
+    n: Annotated[Int, Field(ge=1, json_schema_extra=bound("sessions"))] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    # Bounded where float32 arithmetic stays finite (vLLM's only asks for > 0).
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100.0)] = 1.0
     user: str | None = None  # accepted and ignored
     # What the text must be: OpenAI's, vLLM's (and its older guided_*) and llama.cpp's
     # ways of saying it; a request gives at most one (`constraint`).
@@ -131,12 +189,18 @@ class _Request(BaseModel):
     grammar: str | None = None  # llama.cpp's: GBNF
     json_schema: dict[str, Any] | None = None  # llama.cpp's
     # Token rules and stopping (OpenAI's logit_bias; vLLM's others), per request.
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+            Field(json_schema_extra=bound("token_keys")),
+        ]
+        | None
+    ) = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[str] | None = None
 
     def constraint(self) -> tuple[Constraint, str] | None:
@@ -202,20 +266,33 @@ def _vllm_constraints(
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    model_config = ConfigDict(
+        json_schema_extra=lambda schema, model: _completion_schema(schema, model)
+    )
+
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | TokenPrompt
+        | Annotated[list[TokenPrompt], Field(min_length=1)]
+    )
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
 
 
+def _completion_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    _document_unsupported(schema, model)
+
+
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"] = "text"
     text: str
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     name: str
     arguments: str  # JSON text of an object, as OpenAI's API sends it
@@ -224,17 +301,17 @@ class FunctionCall(BaseModel):
 class ToolCallMessage(BaseModel):
     """A call in an assistant message of the history (and in an answer)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result: the call it answers
@@ -259,12 +336,26 @@ class ChatMessage(BaseModel):
         return message
 
 
+class ChatMessage(_Message):
+    role: Literal["system", "user", "assistant", "developer"]
+
+
+class ToolMessage(_Message):
+    """A tool's result: it names the call it answers."""
+
+    role: Literal["tool"]
+    tool_call_id: str
+
+
+Message = Annotated[ChatMessage | ToolMessage, Field(discriminator="role")]
+
+
 # What a function's name may be (OpenAI's rule).
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
     description: str | None = None
@@ -273,33 +364,40 @@ class FunctionDefinition(BaseModel):
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    model_config = ConfigDict(json_schema_extra=lambda schema, model: _chat_schema(schema, model))
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: NewTokens | None = None
+    max_completion_tokens: NewTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+
+def _chat_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    _document_unsupported(schema, model)
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -422,17 +520,35 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's `/tokenize`: a completion prompt, or chat messages through the template."""
+class TokenizePrompt(BaseModel):
+    """vLLM's `/tokenize` of a completion prompt."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    prompt: str
+    messages: None = None
     add_special_tokens: bool = True
+
+
+class TokenizeMessages(BaseModel):
+    """vLLM's `/tokenize` of chat messages, through the template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
+
+
+class TokenizeRequest(RootModel[TokenizePrompt | TokenizeMessages]):
+    """A prompt or messages (the other left out, or null)."""
+
+    @property
+    def model(self) -> str | None:
+        return self.root.model
 
 
 class TokenizeResponse(BaseModel):
@@ -442,10 +558,10 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from cellbatch.server.answers import AnswerStream, whole_answer
 from cellbatch.server.api import ApiError
+from cellbatch.server.openapi import answers, errors
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -40,6 +41,7 @@ from cellbatch.server.protocol import (
     ResponseFormat,
     ToolCallMessage,
     ToolDefinition,
+    ToolMessage,
 )
 from cellbatch.server.responses_protocol import (
     DeletedResponse,
@@ -71,6 +73,7 @@ from cellbatch.server.service import Job
 from cellbatch.types import FinishReason
 
 ENDPOINT = "responses"
+RESPONSES_EVENTS = {"ResponseStreamEvent": StreamEvent}
 
 # The chat fields a refusal may name, as this API names them.
 FIELD_NAMES = {
@@ -83,28 +86,21 @@ FIELD_NAMES = {
 def responses_router(context: RouteContext) -> APIRouter:
     router = APIRouter()
     store = ResponseStore(context.storage)
-    errors: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": text}
-        for status, text in ((400, "a bad request"), (401, "a missing or wrong API key"))
-    }
-    missing: dict[int | str, dict[str, Any]] = {
-        404: {"model": ErrorResponse, "description": "no such response is kept"}
-    }
+    refusals = (400, 401, 404)
 
     @router.post(
         "/v1/responses",
-        responses={
-            200: {
-                "model": ResponseObject,
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                "description": "the response object, or with stream: true its typed events",
-            },
-            **errors,
-            404: {"model": ErrorResponse, "description": "the model, or the previous response"},
-            413: {"model": ErrorResponse, "description": "the body is too large"},
-            429: {"model": ErrorResponse, "description": "too many requests wait"},
-            500: {"model": ErrorResponse, "description": "the generation failed"},
-        },
+        responses=answers(
+            ResponseObject,
+            ErrorResponse,
+            400,
+            401,
+            404,
+            413,
+            429,
+            500,
+            events="ResponseStreamEvent",
+        ),
     )
     async def create(request: Request) -> Response:
         parsed = await context.read(request, ResponsesRequest)
@@ -147,7 +143,7 @@ def responses_router(context: RouteContext) -> APIRouter:
     @router.get(
         "/v1/responses/{response_id}",
         response_model=ResponseObject,
-        responses={**errors, **missing},
+        responses=errors(ErrorResponse, *refusals),
     )
     async def get(response_id: str) -> JSONResponse:
         kept = await asyncio.to_thread(store.get, response_id)
@@ -158,7 +154,7 @@ def responses_router(context: RouteContext) -> APIRouter:
     @router.delete(
         "/v1/responses/{response_id}",
         response_model=DeletedResponse,
-        responses={**errors, **missing},
+        responses=errors(ErrorResponse, *refusals),
     )
     async def delete(response_id: str) -> JSONResponse:
         if not await asyncio.to_thread(store.delete, response_id):
@@ -178,7 +174,12 @@ def _chat_request(request: ResponsesRequest, items: list[InputItem]) -> ChatComp
     """The request as the chat route takes it: the same planner plans both."""
     messages = _messages(request.instructions, items)
     if not messages:
-        raise ApiError(400, "input holds no message: give text or message items", "input")
+        raise ApiError(
+            400,
+            "input holds no message: give text or message items",
+            "input",
+            code="empty_conversation",
+        )
     fields: dict[str, Any] = {
         "messages": messages,
         "max_tokens": request.max_output_tokens,
@@ -216,11 +217,11 @@ def _chat_request(request: ResponsesRequest, items: list[InputItem]) -> ChatComp
         raise ApiError(400, f"input: {error.errors()[0].get('msg')}", "input") from None
 
 
-def _messages(instructions: str | None, items: list[InputItem]) -> list[ChatMessage]:
+def _messages(instructions: str | None, items: list[InputItem]) -> list[ChatMessage | ToolMessage]:
     """The conversation as chat messages: the developer's turns as system turns,
     consecutive calls as one assistant turn (after its text, if any), results as tool
     turns; reasoning items are left out (templates drop past reasoning)."""
-    messages: list[ChatMessage] = []
+    messages: list[ChatMessage | ToolMessage] = []
     if instructions:
         messages.append(ChatMessage(role="system", content=instructions))
     for item in items:
@@ -238,7 +239,7 @@ def _messages(instructions: str | None, items: list[InputItem]) -> list[ChatMess
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(
-                ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id)
+                ToolMessage(role="tool", content=item.text(), tool_call_id=item.call_id)
             )
     return messages
 

@@ -20,15 +20,19 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from cellbatch.server.protocol import FUNCTION_NAME_PATTERN, JsonSchemaFormat
+from cellbatch.server.protocol import (
+    FUNCTION_NAME_PATTERN,
+    JsonSchemaFormat,
+    NewTokens,
+)
 
 # -- the request ---------------------------------------------------------------------------
 
 
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class InputText(_Loose):
@@ -155,18 +159,24 @@ class ReasoningConfig(_Loose):
     summary: str | None = None
 
 
+def _not_true(value: bool) -> bool:
+    if value:
+        raise ValueError("background responses are not supported: leave background out")
+    return value
+
+
 class ResponsesRequest(BaseModel):
     # Other fields are kept (in model_extra) to be logged: none is dropped without a word.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: NewTokens | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     stream: bool = False
@@ -181,7 +191,9 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # What the server does not do: only the values that ask for nothing.
-    background: Literal[False] | None = None
+    background: (
+        Annotated[bool, Field(json_schema_extra={"const": False}), AfterValidator(_not_true)] | None
+    ) = None
     truncation: Literal["disabled"] | None = None
 
 

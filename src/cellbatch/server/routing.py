@@ -98,11 +98,25 @@ def parse(model: type[ModelT], body: bytes) -> ModelT:
         return model.model_validate_json(body)
     except ValidationError as error:
         # The deepest error: of a union's branches, the one that got furthest.
-        first = max(error.errors(), key=lambda found: len(found.get("loc", ())))
-        where = ".".join(str(part) for part in first.get("loc", ()))
+        first = max(error.errors(), key=lambda found: len(_field_path(found.get("loc", ()))))
+        where = ".".join(_field_path(first.get("loc", ())))
         if first.get("type") == "json_invalid":
             raise ApiError(400, f"the body is not valid JSON: {first.get('msg')}") from None
         raise ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None) from None
+
+
+# The names pydantic gives a union's branches in an error's location (not fields).
+_BRANCHES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "constrained-str"})
+
+
+def _field_path(location: tuple[int | str, ...]) -> list[str]:
+    """An error's location as the request names it: fields and indices, without the
+    union branches pydantic tried."""
+    return [
+        str(part)
+        for part in location
+        if not (isinstance(part, str) and (part in _BRANCHES or "[" in part))
+    ]
 
 
 def check_model(model: str | None, names: tuple[str, ...]) -> None:
