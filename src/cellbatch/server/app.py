@@ -57,7 +57,7 @@ from cellbatch.server.messages_api import (
 )
 from cellbatch.server.messages_protocol import CountTokensRequest, MessagesRequest
 from cellbatch.server.observability import ServerMetrics
-from cellbatch.server.openapi import Limits, answers, document
+from cellbatch.server.openapi import GENERATION_STATUSES, Limits, answers, document
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
     CHAT_ONLY_FIELDS,
@@ -220,14 +220,12 @@ def create_app(
             return EventSourceResponse(_stream(service, responses, job, endpoint, include_usage))
         return await _collect(context, job, request, endpoint, chat=chat)
 
-    generation = (400, 401, 404, 413, 429, 500)
-
     @app.post(
         "/v1/completions",
         responses=answers(
             CompletionResponse,
             ErrorResponse,
-            *generation,
+            *GENERATION_STATUSES,
             events="CompletionResponse",
             done_marker=True,
         ),
@@ -240,7 +238,7 @@ def create_app(
         responses=answers(
             ChatCompletionResponse,
             ErrorResponse,
-            *generation,
+            *GENERATION_STATUSES,
             events="ChatCompletionChunk",
             done_marker=True,
         ),
@@ -362,15 +360,9 @@ def _check_fields(
 async def _collect(
     context: RouteContext, job: Job, request: Request, endpoint: str, chat: bool
 ) -> Response:
-    try:
-        if await context.run_to_end(job, request):
-            return Response(status_code=499)
-    finally:
-        context.service.finish(job, endpoint)
+    if not await context.run_to_end(job, request, endpoint):
+        return Response(status_code=499)
     responses = context.responses
-    failure = responses.failure(job)
-    if failure is not None:
-        raise failure
     body = responses.chat_body(job) if chat else responses.completion_body(job)
     return JSONResponse(body.model_dump(mode="json"))
 

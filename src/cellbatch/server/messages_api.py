@@ -59,7 +59,7 @@ from cellbatch.server.messages_protocol import (
     Usage,
     _Conversation,
 )
-from cellbatch.server.openapi import answers
+from cellbatch.server.openapi import GENERATION_STATUSES, answers
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -107,12 +107,7 @@ def messages_router(context: RouteContext) -> APIRouter:
         responses=answers(
             MessageObject,
             AnthropicError,
-            400,
-            401,
-            404,
-            413,
-            429,
-            500,
+            *GENERATION_STATUSES,
             events="MessagesStreamEvent",
         ),
     )
@@ -130,14 +125,8 @@ def messages_router(context: RouteContext) -> APIRouter:
         )
         if parsed.stream:
             return EventSourceResponse(_stream(context, job, message, parsed))
-        try:
-            if await context.run_to_end(job, request):
-                return Response(status_code=499)
-        finally:
-            context.service.finish(job, ENDPOINT)
-        failure = context.responses.failure(job)
-        if failure is not None:
-            raise failure
+        if not await context.run_to_end(job, request, ENDPOINT):
+            return Response(status_code=499)
         (choice,) = job.choices
         answer = whole_answer(plan.reading, "".join(choice.text))
         message.content = _blocks(answer.reasoning, answer.content, answer.calls)

@@ -52,6 +52,10 @@ ERROR_STATUSES = {
 }
 
 
+# What a generation route may answer besides its body.
+GENERATION_STATUSES = (400, 401, 404, 413, 429, 500)
+
+
 def bound(kind: str) -> dict[str, Any]:
     """`json_schema_extra` marking a field whose bound depends on the served model."""
     return {BOUND: kind}

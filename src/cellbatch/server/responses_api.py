@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from cellbatch.server.answers import AnswerStream, whole_answer
 from cellbatch.server.api import ApiError
-from cellbatch.server.openapi import answers, errors
+from cellbatch.server.openapi import GENERATION_STATUSES, answers, errors
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -93,12 +93,7 @@ def responses_router(context: RouteContext) -> APIRouter:
         responses=answers(
             ResponseObject,
             ErrorResponse,
-            400,
-            401,
-            404,
-            413,
-            429,
-            500,
+            *GENERATION_STATUSES,
             events="ResponseStreamEvent",
         ),
     )
@@ -124,14 +119,8 @@ def responses_router(context: RouteContext) -> APIRouter:
         if parsed.stream:
             events = _stream(context, store, job, response, conversation)
             return EventSourceResponse(events)
-        try:
-            if await context.run_to_end(job, request):
-                return Response(status_code=499)
-        finally:
-            context.service.finish(job, ENDPOINT)
-        failure = context.responses.failure(job)
-        if failure is not None:
-            raise failure
+        if not await context.run_to_end(job, request, ENDPOINT):
+            return Response(status_code=499)
         (choice,) = job.choices
         answer = whole_answer(plan.reading, "".join(choice.text))
         response.output = _output_items(answer.reasoning, answer.content, answer.calls)

@@ -55,22 +55,28 @@ class RouteContext:
         check_model(getattr(parsed, "model", None), self.names)
         return parsed
 
-    async def run_to_end(self, job: Job, request: Request) -> bool:
-        """Follows `job` to its end; True if the client left first (then the job is
-        cancelled)."""
+    async def run_to_end(self, job: Job, request: Request, endpoint: str) -> bool:
+        """Follows `job` to its end and accounts for it; False if the client left first
+        (the job is then cancelled); a failed generation raises its ApiError."""
 
         async def drain() -> None:
             async for _ in self.service.follow(job):
                 pass
 
         work = asyncio.ensure_future(drain())
-        if await until_disconnected(work, request.is_disconnected):
-            job.cancel()
-            with contextlib.suppress(Exception):
-                await work
-            return True
-        await work
-        return False
+        try:
+            if await until_disconnected(work, request.is_disconnected):
+                job.cancel()
+                with contextlib.suppress(Exception):
+                    await work
+                return False
+            await work
+        finally:
+            self.service.finish(job, endpoint)
+        failure = self.responses.failure(job)
+        if failure is not None:
+            raise failure
+        return True
 
     def note_unknown_fields(self, names: Iterable[str]) -> None:
         for name in names:
