@@ -210,6 +210,9 @@ def test_the_key_may_come_as_x_api_key_and_errors_are_anthropics(live: LiveServe
         live.anthropic().messages.create(
             **{**body, "messages": [{"role": "user", "content": [image]}]}
         )
+    with pytest.raises(anthropic.BadRequestError) as unsupported:
+        live.anthropic().messages.create(**body, extra_body={"container": "ctr_1"})
+    assert "container" in unsupported.value.body["error"]["message"]
     # The other routes keep OpenAI's shape.
     openai_refusal = httpx.post(f"{live.base_url}/v1/chat/completions", json={}, headers={})
     assert set(openai_refusal.json()) == {"error"}

@@ -266,6 +266,7 @@ def test_previous_response_id_survives_a_restart(model: Path, tmp_path: Path) ->
     [
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools.0"),
         ({"input": "Hi", "background": True}, "background"),
+        ({"input": "Hi", "conversation": "conv_1"}, "conversation"),
         ({"input": "Hi", "max_output_tokens": 5000}, "max_output_tokens"),
         ({"input": []}, "input"),
         ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),

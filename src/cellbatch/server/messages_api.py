@@ -30,6 +30,7 @@ from cellbatch.server.answers import AnswerDelta, AnswerStream, whole_answer
 from cellbatch.server.api import ApiError
 from cellbatch.server.messages_protocol import (
     ERROR_TYPES,
+    MESSAGES_UNSUPPORTED,
     AnthropicError,
     AnthropicErrorBody,
     BlockDelta,
@@ -113,7 +114,7 @@ def messages_router(context: RouteContext) -> APIRouter:
     )
     async def create(request: Request) -> Response:
         parsed = await context.read(request, MessagesRequest)
-        context.note_unknown_fields(parsed.model_extra or ())
+        context.check_extras(parsed.model_extra, MESSAGES_UNSUPPORTED)
         context.service.admit()
         try:
             plan = context.planner.plan_chat(_chat_request(parsed))
@@ -140,7 +141,7 @@ def messages_router(context: RouteContext) -> APIRouter:
     )
     async def count_tokens(request: Request) -> JSONResponse:
         parsed = await context.read(request, CountTokensRequest)
-        context.note_unknown_fields(parsed.model_extra or ())
+        context.check_extras(parsed.model_extra, MESSAGES_UNSUPPORTED)
         chat = _chat_request(parsed)
         offered = chat.tools if chat.tool_choice != "none" else None
         tokenize = TokenizeRequest(TokenizeMessages(messages=chat.messages, tools=offered))

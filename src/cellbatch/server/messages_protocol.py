@@ -28,7 +28,13 @@ from pydantic import (
     model_serializer,
 )
 
-from cellbatch.server.protocol import FUNCTION_NAME_PATTERN, Int, NewTokens, Text
+from cellbatch.server.protocol import (
+    FUNCTION_NAME_PATTERN,
+    Int,
+    NewTokens,
+    Text,
+    document_unsupported,
+)
 
 
 class _Loose(BaseModel):
@@ -129,9 +135,20 @@ class OutputConfig(_Loose):
     effort: str | None = None
 
 
+# Fields of Anthropic's Messages API that cellbatch does not do: a request giving one a
+# value that asks for something is refused.
+MESSAGES_UNSUPPORTED = ("container", "mcp_servers")
+
+
 class _Conversation(BaseModel):
     # Other fields are kept (in model_extra) to be logged: none is dropped without a word.
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra=lambda schema, model: document_unsupported(
+            schema, model, MESSAGES_UNSUPPORTED
+        ),
+    )
 
     model: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)]

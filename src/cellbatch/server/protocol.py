@@ -103,24 +103,29 @@ ASKS_NOTHING: dict[str, Any] = {
 }  # fmt: skip
 
 
-def _unsupported_schema(declared: set[str]) -> dict[str, Any]:
-    """The unsupported fields a request body does not declare, each allowed only the
+def _unsupported_schema(declared: set[str], fields: tuple[str, ...]) -> dict[str, Any]:
+    """The unsupported `fields` a request body does not declare, each allowed only the
     values that ask for nothing."""
     return {
         name: {"anyOf": [{"type": "null"}, {"const": 1}]} if name == "best_of" else ASKS_NOTHING
-        for name in UNSUPPORTED_FIELDS
+        for name in fields
         if name not in declared
     }
 
 
-def _document_unsupported(schema: dict[str, Any], model: type[BaseModel]) -> None:
-    schema["properties"].update(_unsupported_schema(set(model.model_fields)))
+def document_unsupported(
+    schema: dict[str, Any], model: type[BaseModel], fields: tuple[str, ...] = UNSUPPORTED_FIELDS
+) -> None:
+    """`json_schema_extra` of a request model: its unsupported fields documented."""
+    schema["properties"].update(_unsupported_schema(set(model.model_fields), fields))
 
 
-def refused_fields(extra: dict[str, Any] | None) -> list[str]:
+def refused_fields(
+    extra: dict[str, Any] | None, fields: tuple[str, ...] = UNSUPPORTED_FIELDS
+) -> list[str]:
     """The unsupported fields of a request's extras that ask for something."""
     return [
-        name for name in UNSUPPORTED_FIELDS
+        name for name in fields
         if extra and name in extra and not _asks_nothing(name, extra[name])
     ]  # fmt: skip
 
@@ -281,7 +286,7 @@ class CompletionRequest(_Request):
 
 
 def _completion_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
-    _document_unsupported(schema, model)
+    document_unsupported(schema, model)
 
 
 class TextPart(BaseModel):
@@ -397,7 +402,7 @@ class ChatCompletionRequest(_Request):
 
 
 def _chat_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
-    _document_unsupported(schema, model)
+    document_unsupported(schema, model)
 
 
 # -- responses -------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from cellbatch.server.protocol import (
     ToolMessage,
 )
 from cellbatch.server.responses_protocol import (
+    RESPONSES_UNSUPPORTED,
     DeletedResponse,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -99,7 +100,7 @@ def responses_router(context: RouteContext) -> APIRouter:
     )
     async def create(request: Request) -> Response:
         parsed = await context.read(request, ResponsesRequest)
-        context.note_unknown_fields(parsed.model_extra or ())
+        context.check_extras(parsed.model_extra, RESPONSES_UNSUPPORTED)
         history: list[InputItem] = []
         if parsed.previous_response_id is not None:
             kept = await asyncio.to_thread(store.history, parsed.previous_response_id)

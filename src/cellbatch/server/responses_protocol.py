@@ -26,6 +26,7 @@ from cellbatch.server.protocol import (
     FUNCTION_NAME_PATTERN,
     JsonSchemaFormat,
     NewTokens,
+    document_unsupported,
 )
 
 # -- the request ---------------------------------------------------------------------------
@@ -159,6 +160,11 @@ class ReasoningConfig(_Loose):
     summary: str | None = None
 
 
+# Fields of OpenAI's Responses API that cellbatch does not do: a request giving one a
+# value that asks for something is refused (as on chat).
+RESPONSES_UNSUPPORTED = ("conversation", "prompt", "max_tool_calls", "top_logprobs")
+
+
 def _not_true(value: bool) -> bool:
     if value:
         raise ValueError("background responses are not supported: leave background out")
@@ -167,7 +173,13 @@ def _not_true(value: bool) -> bool:
 
 class ResponsesRequest(BaseModel):
     # Other fields are kept (in model_extra) to be logged: none is dropped without a word.
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra=lambda schema, model: document_unsupported(
+            schema, model, RESPONSES_UNSUPPORTED
+        ),
+    )
 
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]

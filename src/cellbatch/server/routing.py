@@ -19,13 +19,14 @@ import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from cellbatch.server.api import ApiError
 from cellbatch.server.planner import RequestPlanner
+from cellbatch.server.protocol import refused_fields
 from cellbatch.server.responses import Responses
 from cellbatch.server.service import EngineService, Job, until_disconnected
 from cellbatch.server.storage import Storage
@@ -77,6 +78,18 @@ class RouteContext:
         if failure is not None:
             raise failure
         return True
+
+    def check_extras(self, extra: dict[str, Any] | None, unsupported: tuple[str, ...]) -> None:
+        """Refuses the unsupported fields that ask for something; logs unknown ones."""
+        refused = refused_fields(extra, unsupported)
+        if refused:
+            raise ApiError(
+                400,
+                f"{refused[0]} is not supported by this server, and a request that asks for "
+                "it is refused rather than answered without it; leave it out",
+                refused[0],
+            )
+        self.note_unknown_fields(set(extra or ()) - set(unsupported))
 
     def note_unknown_fields(self, names: Iterable[str]) -> None:
         for name in names:
