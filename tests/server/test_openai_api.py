@@ -191,7 +191,7 @@ def test_a_missing_or_wrong_key_is_401_and_health_needs_none(live) -> None:
             json.dumps({"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}).encode(),
             400,
             "response_format",
-            None,
+            "invalid_constraint",
         ),
         (
             json.dumps({"prompt": "hi", "tools": [{"type": "function"}]}).encode(),

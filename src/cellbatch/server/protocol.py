@@ -29,6 +29,7 @@ from pydantic import (
     RootModel,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 from cellbatch.server.openapi import bound
@@ -550,6 +551,15 @@ class TokenizeMessages(BaseModel):
 
 class TokenizeRequest(RootModel[TokenizePrompt | TokenizeMessages]):
     """A prompt or messages (the other left out, or null)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_of_them(cls, body: Any) -> Any:
+        if isinstance(body, dict) and (body.get("prompt") is None) == (
+            body.get("messages") is None
+        ):
+            raise ValueError("give either prompt or messages, not both or neither")
+        return body
 
     @property
     def model(self) -> str | None:

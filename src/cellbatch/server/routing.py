@@ -134,7 +134,8 @@ def _field_path(location: tuple[int | str, ...]) -> list[str]:
     return [
         str(part)
         for part in location
-        if not (isinstance(part, str) and (part in _BRANCHES or "[" in part))
+        # Branches: pydantic's type names, and the models' (CamelCase) names.
+        if not (isinstance(part, str) and (part in _BRANCHES or "[" in part or part[:1].isupper()))
     ]
 
 
