@@ -30,6 +30,7 @@ from pydantic import (
 
 from cellbatch.server.protocol import (
     FUNCTION_NAME_PATTERN,
+    INTEGRAL,
     Int,
     NewTokens,
     Text,
@@ -170,7 +171,7 @@ class MessagesRequest(_Conversation):
     stop_sequences: list[Text] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[Int, Field(ge=0)] = 0  # 0: off
+    top_k: Annotated[int, Field(ge=0), INTEGRAL] = 0  # 0: off
     stream: bool = False
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None  # accepted, not acted on

@@ -45,16 +45,18 @@ def _integral(value: object) -> object:
     return value
 
 
-# An integer field of a request (strict models take no "5", but do take 5.0).
-Int = Annotated[int, BeforeValidator(_integral)]
+# An integer field of a request (strict models take no "5", but do take 5.0): last in
+# its Annotated, so that its bounds stay JSON Schema's minimum and maximum.
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, INTEGRAL]
 MAX_SEED = 2**63 - 1
 
 # A token id of the served model's vocabulary; new tokens, within its context.
-TokenId = Annotated[Int, Field(ge=0, json_schema_extra=bound("token"))]
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=bound("token")), INTEGRAL]
 TokenPrompt = Annotated[
     list[TokenId], Field(min_length=1, json_schema_extra=bound("prompt_tokens"))
 ]
-NewTokens = Annotated[Int, Field(ge=1, json_schema_extra=bound("new_tokens"))]
+NewTokens = Annotated[int, Field(ge=1, json_schema_extra=bound("new_tokens")), INTEGRAL]
 # Text that must hold something (a prompt, a stop string).
 Text = Annotated[str, Field(min_length=1)]
 # A logit_bias key: a token id written in decimal.
@@ -169,14 +171,16 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    max_tokens: Annotated[Int, Field(ge=0, json_schema_extra=bound("new_tokens"))] | None = None
+    max_tokens: (
+        Annotated[int, Field(ge=0, json_schema_extra=bound("new_tokens")), INTEGRAL] | None
+    ) = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[Int, Field(ge=-1)] = 0  # vLLM's: 0 or -1 is off
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] = 0  # vLLM's: 0 or -1 is off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[Int, Field(ge=0, le=MAX_SEED)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED), INTEGRAL] | None = None
     stop: Text | list[Text] | None = None
-    n: Annotated[Int, Field(ge=1, json_schema_extra=bound("sessions"))] = 1
+    n: Annotated[int, Field(ge=1, json_schema_extra=bound("sessions")), INTEGRAL] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -204,7 +208,7 @@ class _Request(BaseModel):
     ) = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[Int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
     include_stop_str_in_output: bool = False
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[str] | None = None
@@ -282,7 +286,7 @@ class CompletionRequest(_Request):
         | TokenPrompt
         | Annotated[list[TokenPrompt], Field(min_length=1)]
     )
-    logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), INTEGRAL] | None = None
     echo: bool = False
 
 
@@ -396,7 +400,7 @@ class ChatCompletionRequest(_Request):
     max_tokens: NewTokens | None = None
     max_completion_tokens: NewTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), INTEGRAL] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
