@@ -21,6 +21,7 @@ import torch
 
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
+from cellbatch.executor.cuda_executor import CudaExecutor, CudaOptions
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.program import Program, load_program, read_tokenizer
@@ -57,6 +58,11 @@ class ModelBackend(ABC):
         """ "module" (the torch module itself) or "program" (an exported program)."""
 
     @property
+    def device(self) -> torch.device:
+        """Where the forwards run."""
+        return torch.device("cpu")
+
+    @property
     @abstractmethod
     def weights(self) -> WeightsSummary: ...
 
@@ -79,10 +85,12 @@ class ModelBackend(ABC):
 
 @dataclasses.dataclass(frozen=True)
 class ModuleBackend(ModelBackend):
-    """A PackedTransformer run in this process, one forward per slice of a step."""
+    """A PackedTransformer run in this process: on the CPU one forward per slice of a step
+    (ModuleExecutor); with `cuda` options (a model on a GPU) through a CudaExecutor."""
 
     module: PackedTransformer
     config: ModelConfig
+    cuda: CudaOptions | None = None
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -101,6 +109,10 @@ class ModuleBackend(ModelBackend):
         return "module"
 
     @property
+    def device(self) -> torch.device:
+        return self.module.norm.weight.device
+
+    @property
     def weights(self) -> WeightsSummary:
         return describe_weights(self.module)
 
@@ -111,6 +123,8 @@ class ModuleBackend(ModelBackend):
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
     ) -> CellExecutor:
+        if self.cuda is not None:
+            return CudaExecutor(self.module, self.config, shape, self.cuda, constraints)
         return ModuleExecutor(self.module, self.config, shape, constraints)
 
     @classmethod
@@ -122,12 +136,18 @@ class ModuleBackend(ModelBackend):
         quantize: str,
         progress: LoadProgress | None,
         activations: str = "auto",
+        device: torch.device | None = None,
+        cuda: CudaOptions | None = None,
     ) -> ModuleBackend:
         """A Hugging Face folder or a GGUF file, loaded in a thread of its own (its
-        native pools die with it: `in_short_lived_thread`)."""
+        native pools die with it: `in_short_lived_thread`), onto `device`; off the CPU it
+        runs through a CudaExecutor with `cuda` (default options when None). None: the CPU."""
+        device = device or torch.device("cpu")
         config, module = in_short_lived_thread(
-            lambda: load_model(path, dtype, kernels, quantize, progress, activations)
+            lambda: load_model(path, dtype, kernels, quantize, progress, activations, device)
         )
+        if device.type != "cpu":
+            return cls(module, config, cuda or CudaOptions())
         return cls(module, config)
 
 

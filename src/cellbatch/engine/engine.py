@@ -34,9 +34,11 @@ from cellbatch.engine.limits import (
 )
 from cellbatch.engine.prefix import feed_shared_prefix
 from cellbatch.executor.cell_executor import ExecutorShape
+from cellbatch.executor.cuda_executor import CudaOptions
 from cellbatch.export import is_program
 from cellbatch.metrics import EngineMetrics
 from cellbatch.model.default import default_model_path
+from cellbatch.model.device import device_quantize, resolve_device
 from cellbatch.model.loading import LoadProgress, PhaseClock
 from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.quantized import WeightsSummary, check_activations, resolve_quantize
@@ -95,6 +97,7 @@ class Engine:
                 max_cells=self.shape.max_cells,
                 max_batch_tokens=self.shape.max_batch_tokens,
                 kv_dtype=self.kv_dtype,
+                max_decode_sequences=self.shape.max_decode_sequences,
             ),
             self.constraints,
         )
@@ -128,6 +131,9 @@ class Engine:
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
+        device: str | torch.device = "auto",
+        cuda_graph: bool = True,
+        weight_sharing: bool = True,
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder, a GGUF file (default: the embedded
@@ -141,11 +147,27 @@ class Engine:
         kernels have a vector int8 path, AVX512-VNNI or AVX2, and the model runs in the
         dtype `auto` picks, else float), "float" (the model's dtype) or "int8" (quantised
         per group of 32: see quantized.resolve_activations). `progress` hears
-        of each phase of the load as it ends (what it did, and its seconds). The options
-        are checked before anything loads."""
+        of each phase of the load as it ends (what it did, and its seconds). `device`:
+        "auto" (a CUDA GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N";
+        on a GPU the weights are float (bf16 by default: `quantize` "auto" means float
+        there) and a CudaExecutor runs them, with `cuda_graph` (one captured graph per
+        decode width, replayed; off: eager, vLLM's --enforce-eager) and `weight_sharing`
+        (one copy of the weights for every method and graph). The options are checked
+        before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
         check_activations(activations)
-        if model is not None and is_program(model):
+        for name, flag in (("cuda_graph", cuda_graph), ("weight_sharing", weight_sharing)):
+            if not isinstance(flag, bool):
+                raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")
+        is_program_file = model is not None and is_program(model)
+        target = resolve_device("cpu" if is_program_file and device == "auto" else device)
+        if is_program_file and target.type != "cpu":
+            raise InvalidArgumentError(
+                f"program {model} runs on the CPU (its methods are compiled for it); load "
+                "the model folder or GGUF file to run on a GPU, or pass device 'cpu'"
+            )
+        quantize = device_quantize(quantize, target)
+        if model is not None and is_program_file:
             return cls.from_program(
                 model,
                 dtype=dtype,
@@ -161,10 +183,13 @@ class Engine:
             )
         _set_threads(threads)
         path = Path(model) if model is not None else default_model_path()
-        weight_dtype = resolve_dtype(dtype)
+        weight_dtype = resolve_dtype(dtype, target)
         resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
-        resolve_ops(kernels, "cpu")  # refuses "compiled" where the kernels are missing
-        backend = ModuleBackend.load(path, weight_dtype, kernels, quantize, progress, activations)
+        resolve_ops(kernels, target)  # refuses "compiled" where the kernels are missing
+        cuda = CudaOptions(cuda_graph=cuda_graph, weight_sharing=weight_sharing)
+        backend = ModuleBackend.load(
+            path, weight_dtype, kernels, quantize, progress, activations, target, cuda
+        )
         clock = PhaseClock(progress)
         try:
             tokenizer = load_tokenizer(path)
@@ -377,6 +402,11 @@ class Engine:
     @property
     def kernels(self) -> str:
         return self.backend.kernels
+
+    @property
+    def device(self) -> torch.device:
+        """Where the forwards run (the model, its KV pool and the cells' tensors)."""
+        return self.backend.device
 
     @property
     def executor_kind(self) -> str:

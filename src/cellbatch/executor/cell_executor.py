@@ -48,6 +48,7 @@ class ExecutorShape:
     max_cells: int = 65536
     max_batch_tokens: int = 544
     kv_dtype: torch.dtype = torch.float32
+    max_decode_sequences: int | None = None  # decodes per step (None: max_sessions)
 
 
 # One placed forward: (tokens, positions, cells, attention plan, the rows whose logits
@@ -84,17 +85,21 @@ class CellExecutor(ABC):
 
     def initialize(self) -> None:
         cache = CellCache(self.shape.max_cells)
-        pool = KVPool(
+        pool = self.new_pool()
+        table = SessionTable(
+            cache, self.shape.max_sessions, self.shape.max_session_tokens, self.constraints
+        )
+        self._cells = _Cells(cache, pool, table)
+
+    def new_pool(self) -> KVPool:
+        """The KV pool `initialize` builds (a subclass may place it on a device)."""
+        return KVPool(
             self.geometry.num_layers,
             self.geometry.num_kv_heads,
             self.geometry.head_dim,
             self.shape.max_cells,
             dtype=self.shape.kv_dtype,
         )
-        table = SessionTable(
-            cache, self.shape.max_sessions, self.shape.max_session_tokens, self.constraints
-        )
-        self._cells = _Cells(cache, pool, table)
 
     def _initialized(self) -> _Cells:
         if self._cells is None:

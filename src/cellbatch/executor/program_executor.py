@@ -29,7 +29,7 @@ import torch
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
-from cellbatch.executor.step_plan import pick_width, plan_slices
+from cellbatch.executor.step_plan import plan_calls
 from cellbatch.export.manifest import MethodSpec
 from cellbatch.export.program import Program
 from cellbatch.types import BatchInput, BatchOutput, InvalidArgumentError, Output
@@ -95,28 +95,15 @@ class ProgramExecutor(CellExecutor):
 
     def calls(self, total: int) -> Iterator[tuple[int, int, MethodSpec]]:
         """(offset, length, method) of each call covering a step of `total` tokens, in
-        order: wide slices run prefill; each run of one-token slices runs as decode rows."""
+        order (`plan_calls`): wide slices run prefill; each run of one-token slices runs
+        as decode rows."""
         manifest = self.program.manifest
-        pending = None  # the run of one-token slices not yet given to a decode call: [from, to)
-        for piece in plan_slices(total, manifest.max_step_tokens, manifest.min_prefill_tokens):
-            if not piece.wide:
-                start = piece.offset if pending is None else pending[0]
-                pending = (start, piece.offset + piece.length)
-                continue
-            if pending is not None:
-                yield from self._decode_calls(*pending)
-                pending = None
-            yield piece.offset, piece.length, self._prefill
-        if pending is not None:
-            yield from self._decode_calls(*pending)
-
-    def _decode_calls(self, start: int, end: int) -> Iterator[tuple[int, int, MethodSpec]]:
-        widest = self._decodes[-1].max_tokens
-        while start < end:
-            length = min(end - start, widest)
-            width = pick_width(length, [method.max_tokens for method in self._decodes])
-            yield start, length, next(m for m in self._decodes if m.max_tokens == width)
-            start += length
+        by_width = {method.max_tokens: method for method in self._decodes}
+        for call in plan_calls(
+            total, manifest.max_step_tokens, manifest.min_prefill_tokens, by_width
+        ):
+            method = self._prefill if call.width is None else by_width[call.width]
+            yield call.offset, call.length, method
 
     def forward(
         self,

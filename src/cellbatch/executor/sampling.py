@@ -12,7 +12,9 @@ then restricted by top-k (when top_k > 0, which wins over top-p) or else by top-
 (when top_p < 1) among what is left, by inverse CDF with the row's coin over the
 kept tokens *in token order*. A row's token, penalised logits and logprobs depend
 only on its own logits and its own params, so a seeded session gets the same
-tokens whatever else shares the batch.
+tokens whatever else shares the batch. It runs where the logits are (a GPU's too):
+which rows take which draw is read from `params` where they are (the host), so no
+choice waits for the device, and a step whose every row is greedy runs one argmax.
 Never: draws randomness itself (coins are inputs), loops over rows in Python
 (except to build the reported logprob values).
 """
@@ -64,19 +66,23 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
             f"params must be [{logits.shape[0]}, {NUM_PARAMS}] (temperature, top_p, top_k, min_p, "
             f"coin) for {logits.shape[0]} logits rows, got shape {tuple(params.shape)}"
         )
+    # Which rows take which draw is decided where `params` are (the host's, normally), so
+    # logits on a GPU are never waited for to choose; every row greedy is one argmax.
+    chooser = params.float()
+    tokens = logits.argmax(dim=-1)
+    stochastic = chooser[:, PARAM_TEMPERATURE] > 0.0
+    if not bool(stochastic.any()):
+        return tokens
     logits = logits.float()
     params = params.to(device=logits.device, dtype=torch.float32)
-    tokens = logits.argmax(dim=-1)
-
     vocab = logits.shape[1]
-    top_k = params[:, PARAM_TOP_K]
-    stochastic = params[:, PARAM_TEMPERATURE] > 0.0
+    top_k = chooser[:, PARAM_TOP_K]
     # top_k >= vocab keeps everything, and still wins over top-p.
     by_top_k = stochastic & (top_k > 0) & (top_k < vocab)
-    by_top_p = stochastic & (top_k == 0) & (params[:, PARAM_TOP_P] < 1.0)
+    by_top_p = stochastic & (top_k == 0) & (chooser[:, PARAM_TOP_P] < 1.0)
     by_full = stochastic & ~by_top_k & ~by_top_p
     for selected, draw in ((by_full, _draw_full), (by_top_k, _draw_top_k), (by_top_p, _draw_top_p)):
-        rows = torch.nonzero(selected).squeeze(1)
+        rows = torch.nonzero(selected).squeeze(1).to(logits.device)
         if rows.numel() > 0:
             row_params = params.index_select(0, rows)
             tokens[rows] = draw(_scaled(logits.index_select(0, rows), row_params), row_params)

@@ -2,10 +2,14 @@
 
 Owns: `plan_slices`, which cuts a step's token axis into slices of at most
 `max_batch_tokens`, each run by the wide (multi-token) method or as one-token
-decode forwards, and `pick_width`, the narrowest static method width for a slice.
+decode forwards; `pick_width`, the narrowest static method width for a slice; and
+`plan_calls`, the calls of an executor with static decode widths (a program's
+methods, a CUDA executor's graphs): each wide slice one call, each run of one-token
+slices the rows of the narrowest width that holds them.
 Promises: slices cover [0, total) in order, without overlap; a wide slice is at
 least `min_prefill_tokens` long and longer than one token; a non-wide slice is
-exactly one token.
+exactly one token; calls cover [0, total) in order, a decode call no longer than
+its width, and runs longer than the widest width cut at it.
 Never: looks at the tokens themselves; which cells they take is the caller's.
 """
 
@@ -63,6 +67,48 @@ def plan_slices(total: int, max_batch_tokens: int, min_prefill_tokens: int) -> l
             slices.extend(Slice(offset + i, 1, wide=False) for i in range(length))
         offset += length
     return slices
+
+
+@dataclass(frozen=True)
+class Call:
+    """Tokens [offset, offset + length) run as one call: the wide method (width None)
+    or the rows of the static decode width `width` (>= length; the rest is padding)."""
+
+    offset: int
+    length: int
+    width: int | None
+
+
+def plan_calls(
+    total: int, max_batch_tokens: int, min_prefill_tokens: int, widths: Iterable[int]
+) -> list[Call]:
+    """The calls covering a step of `total` tokens, in order: `plan_slices`' wide slices
+    run wide; each run of its one-token slices runs as rows of the narrowest of `widths`
+    that holds it (runs longer than the widest are cut at the widest)."""
+    available = sorted(widths)
+    if not available:
+        raise InvalidArgumentError("plan_calls needs at least one static decode width")
+    calls: list[Call] = []
+    pending: list[int] = []  # the run of one-token slices not yet in a call: [from, to)
+
+    def flush() -> None:
+        start, end = pending
+        while start < end:
+            length = min(end - start, available[-1])
+            calls.append(Call(start, length, pick_width(length, available)))
+            start += length
+        pending.clear()
+
+    for piece in plan_slices(total, max_batch_tokens, min_prefill_tokens):
+        if not piece.wide:
+            pending[:] = [pending[0] if pending else piece.offset, piece.offset + piece.length]
+            continue
+        if pending:
+            flush()
+        calls.append(Call(piece.offset, piece.length, None))
+    if pending:
+        flush()
+    return calls
 
 
 def pick_width(length: int, widths: Iterable[int]) -> int:

@@ -33,6 +33,8 @@ import torch
 
 from cellbatch.model import gguf_blocks, quantized
 from cellbatch.model.config import ModelConfig, UnsupportedModelError
+from cellbatch.model.device import device_quantize, resolve_device
+from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype
 
 # Checkpoint tensors that carry nothing the model needs.
@@ -104,19 +106,32 @@ def load_model(
     quantize: str = "auto",
     progress: LoadProgress | None = None,
     activations: str = "auto",
+    device: str | torch.device = "cpu",
 ) -> tuple[ModelConfig, PackedTransformer]:
     """Loads the model at `path` with weights in `dtype` ("auto", "float32", ...),
     `kernels` ("auto", "compiled", "torch": see PackedTransformer), `quantize` ("auto":
     a GGUF file's precision class, else float; "none"; "int8"; "int4": see
     quantized.target_format) and `activations` for the int4 products ("auto", "float",
-    "int8": see quantized.resolve_activations). `progress` hears of each phase as it
+    "int8": see quantized.resolve_activations), onto `device` (a CUDA GPU: float weights,
+    the torch ops; see cellbatch.model.device). `progress` hears of each phase as it
     ends."""
-    quantize = quantized.resolve_quantize(quantize)
+    target = resolve_device(device)
+    quantize = device_quantize(quantized.resolve_quantize(quantize), target)
     quantized.check_activations(activations)
     files = locate_model(path)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, target)
     clock = PhaseClock(progress)
+    if target.type != "cpu":
+        resolve_ops(kernels, target)  # refuses "compiled" off the CPU, naming the fix
+        kernels = "torch"
     config, model = _load(files, torch_dtype, kernels, quantize, activations, clock)
+    if target.type == "cpu":
+        model.pack_linears()
+        model.fuse_layers()
+    else:
+        model.to(target)
+        model.reset_rope(target)
+        clock.done(f"moved the weights to {target}")
     # Only now is the checkpoint (the GGUF reader's parsed metadata) and every scratch
     # tensor of the conversion gone.
     _return_freed_memory()
@@ -146,8 +161,6 @@ def _load(
     )
     model.reset_rope("cpu")
     model.requires_grad_(False)
-    model.pack_linears()
-    model.fuse_layers()
     return config, model.eval()
 
 

@@ -135,6 +135,8 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """[rows, 2I] (gate | up) -> [rows, I]: silu(gate) * up, a row's result independent
     of the other rows and of the thread count (blocks of ELEMENTWISE_GRAIN)."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if gate_up.device.type != "cpu":  # no thread split there: one kernel for every row
+        return F.silu(gate) * up
     out = torch.empty_like(up, memory_format=torch.contiguous_format)
     block = max(1, ELEMENTWISE_GRAIN // gate.shape[-1])
     for start in range(0, gate.shape[0], block):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,10 @@ from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.cpu import cpu_dtype, cpu_has_fast_bf16
+from cellbatch.model.device_attention import CellRows
 from cellbatch.model.gemm import in_fixed_calls, rows_per_call
 from cellbatch.model.ops import PRODUCT_OPS, Ops, resolve
-from cellbatch.types import InvalidArgumentError
+from cellbatch.types import InvalidArgumentError, ModelGeometry
 
 if TYPE_CHECKING:
     from cellbatch.model.quantized import QuantizedEmbedding
@@ -51,6 +52,26 @@ _DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16":
 PACKED_MIN_GEMM_ROWS = 2
 # A DecoderLayer's weight-matrix products, by attribute name.
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+# What a step's attention is handed: the CPU op's flat plan (CellAttention), or the cell
+# rows of a model on a device (cellbatch.model.device_attention.DeviceAttention).
+StepAttention = FlatAttentionPlan | CellRows
+
+
+class LayerAttention(Protocol):
+    """What a layer attends with: CellAttention, or a DeviceAttention on a device."""
+
+    geometry: ModelGeometry
+
+    def prepare(self, plan: AttentionPlan) -> Any: ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        prepared: Any,
+        window: int | None,
+    ) -> torch.Tensor: ...
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
@@ -170,7 +191,7 @@ class DecoderLayer(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype,
         device: str | torch.device,
-        attention: CellAttention,
+        attention: LayerAttention,
         ops: Ops,
     ) -> None:
         super().__init__()
@@ -242,10 +263,11 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cells: torch.Tensor,
-        prepared: FlatAttentionPlan,
+        prepared: StepAttention,
         window: int | None,
     ) -> torch.Tensor:
-        if self.fused is not None:
+        if self.fused is not None:  # compiled ops, hence CellAttention and its flat plan
+            prepared = cast(FlatAttentionPlan, prepared)
             out: torch.Tensor = self.ops.decoder_layer(
                 hidden,
                 cos,
@@ -310,7 +332,7 @@ class PackedTransformer(nn.Module):
         self._min_rows_given = min_rows is not None
         self.ops = resolve(kernels, device)
         self.geometry = dataclasses.replace(config.geometry, max_positions=self.max_positions)
-        self.attention = CellAttention(self.geometry, self.ops.cell_attention)
+        self.attention: LayerAttention = CellAttention(self.geometry, self.ops.cell_attention)
         # quantized.install may replace the embedding and the head.
         self.embed: nn.Embedding | QuantizedEmbedding = nn.Embedding(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
@@ -338,6 +360,13 @@ class PackedTransformer(nn.Module):
         angles = torch.arange(self.max_positions, device=device).float()[:, None] * inv[None, :]
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    def set_attention(self, attention: LayerAttention) -> None:
+        """Every layer attends with `attention` from now on (a model on a device takes a
+        DeviceAttention and is then run through `forward_flat` with `CellRows`)."""
+        self.attention = attention
+        for layer in self.layers:
+            cast(DecoderLayer, layer).attention = attention
 
     def pack_linears(self) -> None:
         """Swaps every projection and the LM head for a PackedLinear where that is faster
@@ -409,7 +438,7 @@ class PackedTransformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         cells: torch.Tensor,
-        attention: FlatAttentionPlan,
+        attention: StepAttention,
         k: list[torch.Tensor],
         v: list[torch.Tensor],
         logit_rows: torch.Tensor,
