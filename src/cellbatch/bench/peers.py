@@ -73,6 +73,11 @@ def load_transformers_model(path: Path, dtype: torch.dtype) -> HFModel:
     return model.eval()  # type: ignore[no-untyped-call]  # transformers: untyped
 
 
+def _device(model: HFModel) -> torch.device:
+    """Where a transformers model's weights are (the CPU for a module without them)."""
+    return torch.device(getattr(model, "device", "cpu"))
+
+
 def greedy_config(max_new_tokens: int, stop_tokens: frozenset[Token], pad: Token) -> Any:
     from transformers import GenerationConfig
 
@@ -105,7 +110,7 @@ def transformers_single(
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt], dtype=torch.long)
+            ids = torch.tensor([prompt], dtype=torch.long, device=_device(model))
             generated = model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
             )
@@ -118,6 +123,7 @@ def transformers_padded(
 ) -> list[list[Token]]:
     """All prompts as one left-padded batch."""
     ids, mask = left_padded(prompts, config.pad_token_id)
+    ids, mask = ids.to(_device(model)), mask.to(_device(model))
     with torch.inference_mode():
         generated = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return [until_stop(row, stop) for row in generated[:, ids.shape[1] :].tolist()]
@@ -239,7 +245,8 @@ def probe_divergences(
             context = list(prompts[divergence.prompt]) + list(
                 reference[divergence.prompt][: divergence.index]
             )
-            logits = model(torch.tensor([context], dtype=torch.long)).logits[0, -1].float()
+            ids = torch.tensor([context], dtype=torch.long, device=_device(model))
+            logits = model(ids).logits[0, -1].float()
             top = torch.topk(logits, 2)
             divergence.top2_gap = float(top.values[0] - top.values[1])
             divergence.ours_in_top2 = divergence.ours in top.indices.tolist()

@@ -10,8 +10,8 @@ against transformers' one-prompt-at-a-time tokens (its padded batch's when that 
 skipped). Prints a table, writes benchmarks/results/throughput-<dtype>[-quick].json and
 a PNG beside it (matplotlib: the `cellbatch[bench]` extra).
 
-Usage: cellbatch bench [--dtype float32|bfloat16] [--threads N] [--quick] [--model PATH]
-       [--output-json PATH]   (--help for the rest); in a checkout also
+Usage: cellbatch bench [--dtype float32|bfloat16] [--device auto|cpu|cuda] [--threads N] [--quick]
+       [--model PATH] [--output-json PATH]   (--help for the rest); in a checkout also
        `python benchmarks/throughput.py [options]`.
 
 Owns: one benchmark run (which peers run, in what order, on which engine) and its exit
@@ -88,7 +88,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
 
         def run_transformers() -> HFModel:
             progress(f"loading {path} in transformers")
-            fp32_model = load_transformers_model(path, torch.float32)
+            fp32_model = load_transformers_model(path, torch.float32).to(options.device)
             reference = fp32_model
             if options.dtype != "float32":
                 reference = copy.deepcopy(fp32_model).to(getattr(torch, options.dtype))
@@ -113,6 +113,7 @@ def run_benchmark(options: BenchOptions) -> BenchReport:
             quantize=options.quantize,  # "none" (the default): float, as the peers have them
             activations=options.activations,
             threads=options.threads,
+            device=options.device,
             max_sessions=max((count, *options.sessions)),
             max_batch_tokens=options.max_batch_tokens,
         ) as engine:
@@ -187,6 +188,8 @@ def _environment(path: Path, options: BenchOptions) -> dict[str, Any]:
         "model": str(path),
         "machine": machine(options.threads),
         "transformers": transformers.__version__,
+        "device": options.device,
+        "gpu": torch.cuda.get_device_name(options.device) if options.device != "cpu" else None,
         # The machine may be shared: a load above the cores' count makes every figure low.
         "cores": os.cpu_count(),
         "load_average_1min_at_start": _load_average(),

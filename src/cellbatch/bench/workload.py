@@ -184,6 +184,7 @@ class BenchOptions:
     quantize: str = "none"  # cellbatch's weights: float as the peers', or as `run` takes it
     activations: str = "auto"  # what cellbatch's int4 products do with their inputs, as `run`
     ignore_eos: bool = False  # every prompt generates exactly max_new_tokens (no stop tokens)
+    device: str = "cpu"  # where cellbatch and transformers run, resolved from "auto"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -213,6 +214,12 @@ def _parser() -> argparse.ArgumentParser:
         help="inputs of cellbatch's int4 products, as `cellbatch run --activations` takes it",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where cellbatch and transformers run: auto (a CUDA GPU when torch sees one, "
+        "else the CPU), cpu, cuda or cuda:N",
+    )
     parser.add_argument(
         "--prompts", type=int, help=f"how many of the {len(CHAT_PROMPTS)} prompts (default all)"
     )
@@ -291,7 +298,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
     """Options with every default resolved; bad values exit with a usage error."""
+    from cellbatch.model.device import resolve_device
     from cellbatch.model.transformer import resolve_dtype
+    from cellbatch.types import InvalidArgumentError
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -326,7 +335,11 @@ def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
             "the plot needs matplotlib, which is not installed: install cellbatch's bench "
             "extra (pip install -e '.[bench]' in the checkout), or pass --no-plot"
         )
-    dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
+    try:
+        device = resolve_device(args.device)
+    except InvalidArgumentError as error:
+        parser.error(f"--device {args.device}: {error}")
+    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     output = args.output_json or Path("benchmarks/results") / (
         f"throughput-{dtype}{'-quick' if args.quick else ''}.json"
     )
@@ -349,4 +362,5 @@ def parse_options(argv: Sequence[str] | None = None) -> BenchOptions:
         quantize=args.quantize,
         activations=args.activations,
         ignore_eos=args.ignore_eos,
+        device=str(device),
     )

@@ -52,6 +52,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    from cellbatch.model.device import device_quantize, resolve_device
     from cellbatch.model.transformer import resolve_dtype
     from cellbatch.types import InvalidArgumentError
 
@@ -61,6 +62,14 @@ def check_engine_options(args: argparse.Namespace) -> None:
                 resolve_dtype(value)
         except InvalidArgumentError as error:
             raise UsageError(f"{flag}: {error}") from error
+    try:
+        device = resolve_device(args.device)
+    except InvalidArgumentError as error:
+        raise UsageError(f"--device {args.device}: {error}") from error
+    try:
+        device_quantize(args.quantize, device)
+    except InvalidArgumentError as error:
+        raise UsageError(f"--quantize {args.quantize}: {error}") from error
 
 
 @contextmanager
@@ -131,6 +140,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "installed), pure torch, or auto (compiled where they were built)",
     )
     parser.add_argument("--threads", type=int, help="torch threads")
+    add_device_options(parser)
     add_weight_options(parser)
     parser.add_argument(
         "--admission",
@@ -138,6 +148,33 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         choices=("optimistic", "reserve"),
         help="optimistic: start what fits now, preempt under KV pressure; reserve: start "
         "only what fits at its worst case",
+    )
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """Where the model runs, and how a GPU runs it (`run`, `serve`)."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N; on a "
+        "GPU the weights are float (bf16 by default)",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU: capture each decode width once as a CUDA graph and replay it (default "
+        "on; --no-cuda-graph runs every forward eagerly)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="vLLM's spelling of --no-cuda-graph"
+    )
+    parser.add_argument(
+        "--weight-sharing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU: one copy of the weights for every method and graph (default on; "
+        "--no-weight-sharing gives each its own)",
     )
 
 
@@ -167,6 +204,9 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
         "quantize": args.quantize,
         "activations": args.activations,
         "admission": args.admission,
+        "device": args.device,
+        "cuda_graph": args.cuda_graph and not args.enforce_eager,
+        "weight_sharing": args.weight_sharing,
     }
 
 

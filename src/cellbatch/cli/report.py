@@ -4,7 +4,9 @@ Owns: `rss_bytes`, `memory_snapshot`, `RunRecord` (what a run hands the report),
 `build_report` (the JSON report, whose schema docs/running.md documents) and
 `print_report`.
 Promises: one entry per prompt line, in input order, failed lines included with their
-problem.
+problem; where torch sees a CUDA GPU, each memory snapshot holds its allocated and
+reserved bytes (torch's caching allocator), and a run on a GPU reports its executor
+(graphs captured and replayed, decode widths, weight copies).
 Never: runs generations.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from cellbatch.cli.prompts import PromptLine
+from cellbatch.executor.cuda_executor import CudaExecutor
 from cellbatch.types import GenConfig, Token
 
 if TYPE_CHECKING:
@@ -40,6 +43,7 @@ def memory_snapshot() -> dict[str, int]:
     snapshot = {"rss_bytes": rss_bytes()}
     if torch.cuda.is_available():
         snapshot["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+        snapshot["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
     return snapshot
 
 
@@ -76,6 +80,7 @@ def build_report(run: RunRecord, engine: Engine, metrics: EngineMetrics) -> dict
             error,
         )
     generated = sum(len(entry["tokens"]) for entry in generations)
+    executor = engine.executor
     return {
         "generations": generations,
         "memory": run.memory,
@@ -87,6 +92,7 @@ def build_report(run: RunRecord, engine: Engine, metrics: EngineMetrics) -> dict
             "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "kernels": engine.kernels,
             "executor": engine.executor_kind,
+            "device": str(engine.device),
             "weight_format": engine.weights.format,
             "weight_formats": engine.weights.formats,
             "weight_kernel": engine.weights.kernel,
@@ -111,6 +117,7 @@ def build_report(run: RunRecord, engine: Engine, metrics: EngineMetrics) -> dict
             else 0.0,
         },
         "engine": metrics.as_dict(),
+        **({"cuda": executor.stats()} if isinstance(executor, CudaExecutor) else {}),
     }
 
 
@@ -168,7 +175,8 @@ def print_report(report: dict[str, Any], engine_text: str) -> None:
     for stage in ("before_load", "after_load", "after_generate"):
         snapshot = report["memory"][stage]
         extra = (
-            f", CUDA {_mib(snapshot['cuda_allocated_bytes'])}"
+            f", CUDA allocated {_mib(snapshot['cuda_allocated_bytes'])}, reserved "
+            f"{_mib(snapshot['cuda_reserved_bytes'])}"
             if "cuda_allocated_bytes" in snapshot
             else ""
         )
@@ -179,6 +187,18 @@ def print_report(report: dict[str, Any], engine_text: str) -> None:
         f"{'weights':>15}: {_mib(report['weights_bytes'])} ({parts}; "
         f"{report['config']['weight_format']})"
     )
+    cuda = report.get("cuda")
+    if cuda is not None:
+        graphs = cuda["graphs"]
+        print(f"=== {cuda['device']} ===")
+        print(
+            f"CUDA graphs {'on' if cuda['cuda_graph'] else 'off'}: {graphs['captures']} "
+            f"captured ({graphs['recaptures']} again after {cuda['pool_growths']} pool "
+            f"growths), {graphs['replays']} replays, {graphs['eager_runs']} eager decode "
+            f"calls; decode widths {cuda['decode_widths']}, prefill from "
+            f"{cuda['min_prefill_tokens']} tokens; {cuda['attention']} attention; "
+            f"{cuda['weight_copies']} copy(ies) of the weights"
+        )
     timing = report["timing"]
     print("=== throughput ===")
     print(
