@@ -216,8 +216,9 @@ def mask_rows(
     for index, matcher in enumerate(matchers):
         matcher.fill(bitmask, index)
     allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].float()
+    allowed = allowed.to(logits.device)  # the logits' device (a GPU's too)
     every_row = len(rows) == logits.shape[0] and list(rows) == list(range(len(rows)))
-    picked = None if every_row else torch.tensor(rows, dtype=torch.long)
+    picked = None if every_row else torch.tensor(rows, dtype=torch.long, device=logits.device)
 
     def limit(source: torch.Tensor) -> torch.Tensor:
         """`source`'s constrained rows, masked."""

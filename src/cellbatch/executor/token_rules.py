@@ -49,17 +49,20 @@ class TokenRules:
         )
 
     def apply(self, line: torch.Tensor, produced: np.ndarray) -> None:
-        """Changes one logits row in place; `produced`: the generation's tokens so far."""
+        """Changes one logits row in place (on its device); `produced`: the generation's
+        tokens so far."""
+        device = line.device
         if self.bias_ids is not None and self.biases is not None:
-            line.index_add_(0, self.bias_ids, self.biases.to(line.dtype))
+            line.index_add_(0, self.bias_ids.to(device), self.biases.to(device, line.dtype))
         if self.allowed is not None:
-            kept = line[self.allowed]
+            allowed = self.allowed.to(device)
+            kept = line[allowed]
             line.fill_(float("-inf"))
-            line[self.allowed] = kept
+            line[allowed] = kept
         if self.always_banned is not None:
-            line[self.always_banned] = float("-inf")
+            line[self.always_banned.to(device)] = float("-inf")
         if self.held is not None and len(produced) < self.min_tokens:
-            line[self.held] = float("-inf")
+            line[self.held.to(device)] = float("-inf")
         completing = [
             sequence[-1]
             for sequence in self.sequences
@@ -67,7 +70,7 @@ class TokenRules:
             and tuple(produced[len(produced) - len(sequence) + 1 :].tolist()) == sequence[:-1]
         ]
         if completing:
-            line[torch.tensor(completing)] = float("-inf")
+            line[torch.tensor(completing, device=device)] = float("-inf")
 
 
 def apply_token_rules(
