@@ -299,15 +299,25 @@ def memory_part(check: Check, work: Workload, device: str, scratch: Path, sizes:
 
 def greedy(engine: Engine, prompts: Sequence[Sequence[Token]], tokens: int, stop: frozenset[Token],
            logprobs: bool = False) -> list[Any]:  # fmt: skip
+    """Every prompt on a session of its own, all at once: tokens (with their logprobs)."""
     sampling = SamplingParams(logprobs=0) if logprobs else SamplingParams()
     config = GenConfig(max_new_tokens=tokens, stop_tokens=stop, sampling=sampling)
-    results = engine.generate(prompts, config, share_prefix=False)
-    bad = [r.error for r in results if not r.ok]
+    sessions = [engine.open_session() for _ in prompts]
+    try:
+        handles = [
+            s.generate_async(list(p), config) for s, p in zip(sessions, prompts, strict=True)
+        ]
+        for handle in handles:
+            handle.wait()
+    finally:
+        for session in sessions:
+            session.close()
+    bad = [h.error() for h in handles if h.error()]
     if bad:
         raise RuntimeError(f"{len(bad)} generations failed: {bad[0]}")
     if logprobs:
-        return [(list(r.tokens), [entry.logprob for entry in r.logprobs]) for r in results]
-    return [list(r.tokens) for r in results]
+        return [(h.tokens(), [entry.logprob for entry in h.logprobs()]) for h in handles]
+    return [h.tokens() for h in handles]
 
 
 def parity_part(check: Check, work: Workload, device: str, sizes: Sizes) -> None:

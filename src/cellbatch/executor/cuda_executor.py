@@ -144,7 +144,7 @@ class CudaExecutor(CellExecutor):
                 f"unknown attention {options.attention!r}; use one of {', '.join(ATTENTION_KINDS)}"
             )
         if capture is None and options.cuda_graph and self.device.type == "cuda":
-            capture = CudaGraphCapture()
+            capture = CudaGraphCapture(self.device)
         self.graphs = StepGraphs(capture if options.cuda_graph else None)
         self.attention = DeviceAttention(model.geometry, self.device, options.attention)
         # Products on a device run on the rows they are given (no padding to a GEMM's

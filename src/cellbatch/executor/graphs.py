@@ -101,12 +101,14 @@ class StepGraphs:
 
 
 class _CudaReplay:
-    def __init__(self, graph: Any, output: torch.Tensor) -> None:
+    def __init__(self, graph: Any, output: torch.Tensor, device: torch.device | None) -> None:
         self.graph = graph
         self.output = output
+        self.device = device
 
     def replay(self) -> torch.Tensor:
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         return self.output
 
 
@@ -116,20 +118,22 @@ class CudaGraphCapture:
 
     WARMUPS = 2  # eager runs on a side stream first: lazy initialisation stays out
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device  # the GPU the forwards run on (None: the current one)
         self.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, forward: Forward) -> Replay:
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch: untyped
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.WARMUPS):
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = forward()
-        return _CudaReplay(graph, output)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch: untyped
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(self.WARMUPS):
+                    forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = forward()
+        return _CudaReplay(graph, output, self.device)
 
 
 class _RecordedReplay:
