@@ -91,7 +91,7 @@ class CellExecutor(ABC):
         )
         self._cells = _Cells(cache, pool, table)
 
-    def new_pool(self) -> KVPool:
+    def new_pool(self, device: torch.device | None = None, initial_cells: int = 256) -> KVPool:
         """The KV pool `initialize` builds (a subclass may place it on a device)."""
         return KVPool(
             self.geometry.num_layers,
@@ -99,6 +99,8 @@ class CellExecutor(ABC):
             self.geometry.head_dim,
             self.shape.max_cells,
             dtype=self.shape.kv_dtype,
+            device=device or torch.device("cpu"),
+            initial_cells=initial_cells,
         )
 
     def _initialized(self) -> _Cells:

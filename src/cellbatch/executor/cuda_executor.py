@@ -168,16 +168,11 @@ class CudaExecutor(CellExecutor):
 
     # -- lifecycle -------------------------------------------------------------
 
-    def new_pool(self) -> KVPool:
-        return KVPool(
-            self.geometry.num_layers,
-            self.geometry.num_kv_heads,
-            self.geometry.head_dim,
-            self.shape.max_cells,
-            dtype=self.shape.kv_dtype,
-            device=self.device,
-            initial_cells=CUDA_INITIAL_CELLS if self.device.type == "cuda" else 256,
-        )
+    def new_pool(self, device: torch.device | None = None, initial_cells: int = 256) -> KVPool:
+        """On the model's device; larger to start on a GPU."""
+        if self.device.type == "cuda":
+            initial_cells = CUDA_INITIAL_CELLS
+        return super().new_pool(self.device, initial_cells)
 
     def initialize(self) -> None:
         super().initialize()
