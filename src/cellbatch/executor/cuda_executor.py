@@ -150,6 +150,7 @@ class CudaExecutor(CellExecutor):
         # Products on a device run on the rows they are given (no padding to a GEMM's
         # row-invariant size: that is a CPU promise, see PackedTransformer).
         model.min_rows = 1
+        model.fuse_layers(False)  # a one-op layer takes the CPU op's flat plan, not CellRows
         model.set_attention(self.attention)
         self._methods: dict[str, PackedTransformer] = {}
         self._buffers: dict[tuple[int, int], DecodeBuffers] = {}
