@@ -269,8 +269,9 @@ def write_gguf(
     kinds: Callable[[str], str | None] | None = None,
 ) -> None:
     """A GGUF laid out the way llama.cpp's converter writes it (llama arch: Q/K rows of
-    each head interleaved). Tensors are float32, except where `kinds(gguf name)` names a
-    kind that gguf can quantise ("Q4_1", "Q8_0", ...)."""
+        each head interleaved). Tensors are float32, except where `kinds(gguf name)` names a
+        kind that gguf can quantise ("Q4_1", "Q8_0", ...) or that `K_QUANT_ENCODERS` encodes
+    ("Q4_K", "Q5_K", "Q6_K")."""
     import gguf
     import numpy as np
 
@@ -328,9 +329,89 @@ def write_gguf(
             writer.add_tensor(target, array)
         else:
             qtype = gguf.GGMLQuantizationType[kind]
-            blocks = gguf.quants.quantize(array, qtype)
+            if kind in K_QUANT_ENCODERS:
+                blocks = K_QUANT_ENCODERS[kind](array)
+            else:
+                blocks = gguf.quants.quantize(array, qtype)
             writer.add_tensor(target, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# -- K-quant blocks (gguf's Python cannot quantise to them) ----------------------------------
+# Round-to-nearest encoders, simpler than llama.cpp's (no search for the best scales), that
+# write well-formed blocks: what a test needs is a file whose tensors are K-quant blocks
+# close to the model's own weights.
+
+
+def _f16(values):  # -> float16 values of a float32 array, and them as float32
+    import numpy as np
+
+    half = values.astype(np.float16)
+    return half, half.astype(np.float32)
+
+
+def _q45_k_blocks(weight, levels: int):  # -> uint8 [rows, blocks * bytes] of Q4_K or Q5_K
+    import numpy as np
+
+    rows = weight.shape[0]
+    w = weight.astype(np.float32).reshape(rows, -1, 8, 32)  # [rows, blocks, sub, 32]
+    low = np.minimum(w.min(-1), 0.0)
+    step = np.maximum(w.max(-1) - low, 1e-12) / levels
+    d_half, d = _f16(step.max(-1) / 63)
+    dmin_half, dmin = _f16(np.maximum((-low).max(-1) / 63, 1e-12))
+    sc = np.clip(np.round(step / np.maximum(d[..., None], 1e-12)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / dmin[..., None]), 0, 63).astype(np.uint8)
+    scale = d[..., None] * sc
+    q = np.clip(np.round((w + (dmin[..., None] * mn)[..., None]) / scale[..., None]), 0, levels)
+    q = q.astype(np.uint8)
+    packed = np.empty((*sc.shape[:-1], 12), np.uint8)
+    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    pairs = q.reshape(*q.shape[:2], 4, 2, 32) & 15  # sub-blocks 2j (low) and 2j + 1 (high)
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:2], 128)
+    parts = [d_half[..., None].view(np.uint8), dmin_half[..., None].view(np.uint8), packed]
+    if levels == 31:
+        bits = (q >> 4) & 1  # [rows, blocks, sub, 32]: bit `sub` of byte l
+        parts.append((bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=2, dtype=np.uint8))
+    parts.append(qs)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def q4_k_blocks(weight):
+    """Q4_K blocks of a float [rows, K] weight (K a multiple of 256)."""
+    return _q45_k_blocks(weight, 15)
+
+
+def q5_k_blocks(weight):
+    """Q5_K blocks of a float [rows, K] weight (K a multiple of 256)."""
+    return _q45_k_blocks(weight, 31)
+
+
+def q6_k_blocks(weight):
+    """Q6_K blocks of a float [rows, K] weight (K a multiple of 256)."""
+    import numpy as np
+
+    rows = weight.shape[0]
+    w = weight.astype(np.float32).reshape(rows, -1, 16, 16)  # [rows, blocks, sub, 16]
+    step = np.maximum(np.abs(w).max(-1), 1e-12) / 31
+    d_half, d = _f16(step.max(-1) / 127)
+    sc = np.clip(np.round(step / np.maximum(d[..., None], 1e-12)), 1, 127).astype(np.int8)
+    scale = d[..., None] * sc
+    q = np.clip(np.round(w / scale[..., None]) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(rows, -1, 2, 4, 32)  # [rows, blocks, half of 128, quarter, 32]
+    ql = (q[..., :2, :] & 15) | ((q[..., 2:, :] & 15) << 4)  # quarters (0, 2) and (1, 3)
+    qh = sum((q[..., k, :] >> 4) << (2 * k) for k in range(4)).astype(np.uint8)
+    parts = [
+        ql.reshape(rows, -1, 128),
+        qh.reshape(rows, -1, 64),
+        sc.view(np.uint8),
+        d_half[..., None].view(np.uint8),
+    ]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+K_QUANT_ENCODERS = {"Q4_K": q4_k_blocks, "Q5_K": q5_k_blocks, "Q6_K": q6_k_blocks}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache, FlatAttentionPlan
-from cellbatch.model import kernels, quantized
+from cellbatch.model import kernels, kquants, quantized
 from cellbatch.model import ops as model_ops
 from cellbatch.model.attention import CellAttention
 from cellbatch.model.loading import load_model
@@ -222,6 +222,7 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "int4_matmul_a8": quantized_inputs("int4", dtype, generator),
         "int8_matmul": quantized_inputs("int8", dtype, generator),
         "int8_matmul_a8": quantized_inputs("int8", dtype, generator, a8=True),
+        "kquant_matmul_a8": kquant_inputs(dtype, generator),
         "decoder_layer": layer_inputs(dtype),
     }
 
@@ -233,6 +234,19 @@ def quantized_inputs(
     weight = quantized.from_float(torch.randn(20, 64, generator=generator), fmt)
     packed = quantized.pack_a8(weight) if a8 else quantized.pack(weight)
     return (torch.randn(3, 5, 64, generator=generator).to(dtype), *packed, 20)
+
+
+def kquant_inputs(dtype: torch.dtype, generator: torch.Generator) -> tuple:
+    """x [3, 5, 256] and a 20 x 256 weight of Q4_K rows, then Q6_K ones (`kquants`)."""
+    from tiny_models import K_QUANT_ENCODERS
+
+    weight = torch.randn(20, 256, generator=generator).numpy() * 0.05
+    parts = [
+        kquants.from_blocks(K_QUANT_ENCODERS[kind](rows), kind)
+        for kind, rows in (("Q4_K", weight[:16]), ("Q6_K", weight[16:]))
+    ]
+    packed = kquants.pack(kquants.KQuantWeight.cat(parts))
+    return (torch.randn(3, 5, 256, generator=generator).to(dtype), *packed, 20)
 
 
 @pytest.mark.parametrize("name", list(model_ops.SCHEMAS))

@@ -19,6 +19,7 @@ TESTS = (
     "tests/model/test_kernels.py",
     "tests/model/test_quantized.py",
     "tests/model/test_quantized_a8.py",
+    "tests/model/test_kquants.py",
     "tests/model/test_attention.py",
 )
 PROBE = (

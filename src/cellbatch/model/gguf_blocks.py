@@ -1,5 +1,6 @@
-"""GGUF tensors as quantised weights: Q4_0, Q4_1, Q4_K and Q8_0 blocks read as they are,
-any other kind dequantised and requantised (`from_gguf`).
+"""GGUF tensors as quantised weights: Q4_0, Q4_1, Q4_K and Q8_0 blocks read as they are
+into int4/int8, the kinds of `kquants` kept in their own blocks, any other kind
+dequantised and requantised (`from_gguf`).
 
 Owns: reading GGUF block layouts (scales, offsets and codes out of each block's bytes) and
 converting a tensor in row chunks.
@@ -17,6 +18,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from cellbatch.model import kquants
+from cellbatch.model.kquants import KQuantWeight
 from cellbatch.model.quantized import (
     GGUF_INT4_KINDS,
     GGUF_INT8_KINDS,
@@ -30,17 +33,24 @@ from cellbatch.model.quantized import (
 _CHUNK_ROWS = 4096  # rows converted at a time: bounds the float32 scratch of a conversion
 
 
-def from_gguf(data: np.ndarray, kind: str, fmt: str) -> QuantizedWeight:
+def from_gguf(data: np.ndarray, kind: str, fmt: str) -> QuantizedWeight | KQuantWeight:
     """One GGUF tensor's data (rows in torch's order: [rows, bytes] for block kinds,
     [rows, cols] for float kinds) in format `fmt`, converted `_CHUNK_ROWS` rows at a time.
-    Q4_0/Q4_1/Q4_K to int4 and Q8_0 to int8 take the blocks as they are; anything else is
-    dequantised (gguf's own dequantiser) chunk by chunk and quantised by `from_float`."""
+    Q4_0/Q4_1/Q4_K to int4 and Q8_0 to int8 take the blocks as they are, and so does
+    "kquant" (`kquants.from_blocks`, any of GGUF_KEPT_KINDS); anything else is dequantised
+    (gguf's own dequantiser) chunk by chunk and quantised by `from_float`."""
     chunks = _row_chunks(data)
+    if fmt == "kquant":
+        return KQuantWeight.cat([kquants.from_blocks(chunk, kind) for chunk in chunks])
+    parts: list[QuantizedWeight]
     if fmt == "int4" and kind in GGUF_INT4_KINDS:
-        return cat([_int4_from_blocks(chunk, kind) for chunk in chunks])
-    if fmt == "int8" and kind in GGUF_INT8_KINDS:
-        return cat([_int8_from_blocks(chunk) for chunk in chunks])
-    return cat([from_float(_dequantize(chunk, kind), fmt) for chunk in chunks])
+        parts = [_int4_from_blocks(chunk, kind) for chunk in chunks]
+    elif fmt == "int8" and kind in GGUF_INT8_KINDS:
+        parts = [_int8_from_blocks(chunk) for chunk in chunks]
+    else:
+        parts = [from_float(_dequantize(chunk, kind), fmt) for chunk in chunks]
+    weight: QuantizedWeight = cat(parts)  # one part as it is, else its class's `cat`
+    return weight
 
 
 def _row_chunks(data: np.ndarray) -> Iterator[np.ndarray]:

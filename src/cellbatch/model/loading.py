@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from cellbatch.model import gguf_blocks, quantized
+from cellbatch.model import gguf_blocks, kquants, quantized
 from cellbatch.model.config import ModelConfig, UnsupportedModelError
 from cellbatch.model.device import device_quantize, resolve_device
 from cellbatch.model.ops import resolve as resolve_ops
@@ -135,7 +135,8 @@ def load_model(
     # Only now is the checkpoint (the GGUF reader's parsed metadata) and every scratch
     # tensor of the conversion gone.
     _return_freed_memory()
-    clock.done(f"prepared the model ({model.ops.kind} kernels)")
+    kept = kquants.describe_kept(model)
+    clock.done(f"prepared the model ({model.ops.kind} kernels{'; ' + kept if kept else ''})")
     return config, model
 
 
@@ -149,16 +150,20 @@ def _load(
 ) -> tuple[ModelConfig, PackedTransformer]:
     checkpoint = _HFCheckpoint(files.path) if files.kind == "hf" else _GGUFCheckpoint(files.path)
     config = checkpoint.config
-    formats = _formats(checkpoint, quantize)
+    formats = _formats(checkpoint, quantize, activations)
     state, weights = _assemble(checkpoint, config, dtype, formats)
     clock.done(f"read the weights of {files.path.name} ({config.num_layers} layers)")
     model = PackedTransformer(config, dtype=dtype, device="meta", kernels=kernels)
     loaded = model.load_state_dict(state, strict=False, assign=True)
     if loaded.unexpected_keys or set(loaded.missing_keys) != set(weights):
         raise CheckpointMismatchError(f"internal: model and assembled weights differ: {loaded}")
+    kept = {t: w for t, w in weights.items() if isinstance(w, kquants.KQuantWeight)}
     quantized.install(
-        model, weights, quantized.resolve_activations(activations, model.ops.kind, dtype)
+        model,
+        {t: w for t, w in weights.items() if not isinstance(w, kquants.KQuantWeight)},
+        quantized.resolve_activations(activations, model.ops.kind, dtype),
     )
+    kquants.install(model, kept)
     model.reset_rope("cpu")
     model.requires_grad_(False)
     return config, model.eval()
@@ -175,7 +180,9 @@ def _return_freed_memory() -> None:
     trim(0)
 
 
-def _formats(checkpoint: _HFCheckpoint | _GGUFCheckpoint, quantize: str) -> dict[str, str]:
+def _formats(
+    checkpoint: _HFCheckpoint | _GGUFCheckpoint, quantize: str, activations: str
+) -> dict[str, str]:
     """Each quantisable weight's format (quantized.target_format); one note names the GGUF
     kinds that "auto" had to load as float."""
     roles = {"embed.weight": "embedding", "lm_head.weight": "lm_head"}
@@ -185,7 +192,7 @@ def _formats(checkpoint: _HFCheckpoint | _GGUFCheckpoint, quantize: str) -> dict
         if target not in roles and not re.search(r"\.(qkv|o_proj|gate_up|down)\.weight$", target):
             continue
         kinds = checkpoint.kinds([name for name, _ in parts])
-        formats[target] = quantized.target_format(quantize, role, kinds)
+        formats[target] = quantized.target_format(quantize, role, kinds, activations)
         if quantize == "auto" and formats[target] == "none" and kinds is not None:
             unkept |= set(kinds) - quantized.GGUF_FLOAT_KINDS
     if unkept:
@@ -320,7 +327,9 @@ class _GGUFCheckpoint:
         array = np.ascontiguousarray(array).reshape(shape)
         return torch.from_numpy(array if array.flags.writeable else array.copy())
 
-    def load_quantized(self, name: str, fmt: str) -> quantized.QuantizedWeight:
+    def load_quantized(
+        self, name: str, fmt: str
+    ) -> quantized.QuantizedWeight | kquants.KQuantWeight:
         """The tensor's blocks (rows in torch's order) converted to `fmt`."""
         tensor = self._tensors[name]
         data = self._torch_rows(name, np.asarray(tensor.data))
@@ -430,7 +439,7 @@ def _assemble(
     config: ModelConfig,
     dtype: torch.dtype,
     formats: dict[str, str],
-) -> tuple[dict[str, torch.Tensor], dict[str, quantized.QuantizedWeight]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, quantized.QuantizedWeight | kquants.KQuantWeight]]:
     """Checks every name and shape first (one error listing all problems), then loads:
     (float tensors by parameter name, quantised weights of the targets in `formats`)."""
     shapes = checkpoint.shapes()

@@ -1,5 +1,6 @@
 """The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store`,
-`silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul` and `int8_matmul_a8`, the
+`silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul`, `int8_matmul_a8` and
+`kquant_matmul_a8` (GGUF block kinds kept as they are, `cellbatch.model.kquants`), the
 whole-layer `decoder_layer` over them, and the table of them a model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
@@ -36,6 +37,7 @@ from cellbatch.model.quantized_torch import (
     int4_matmul_torch,
     int8_matmul_a8_torch,
     int8_matmul_torch,
+    kquant_matmul_a8_torch,
 )
 from cellbatch.types import InvalidArgumentError
 
@@ -68,6 +70,9 @@ SCHEMAS: dict[str, str] = {
     "int8_matmul_a8": (
         "int8_matmul_a8(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
     ),
+    "kquant_matmul_a8": (
+        "kquant_matmul_a8(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
+    ),
     "decoder_layer": (
         "decoder_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor cells, Tensor plan_cells, Tensor plan_rows, "
@@ -81,7 +86,13 @@ SCHEMAS: dict[str, str] = {
 }
 # decoder_layer's product kinds: a product's kind is the index of its op here (the same
 # order as PRODUCT_OPS in kernels/decoder_layer.cpp).
-PRODUCT_OPS = ("int4_matmul", "int4_matmul_a8", "int8_matmul", "int8_matmul_a8")
+PRODUCT_OPS = (
+    "int4_matmul",
+    "int4_matmul_a8",
+    "int8_matmul",
+    "int8_matmul_a8",
+    "kquant_matmul_a8",
+)
 
 
 # -- the pure-torch implementations -----------------------------------------------------
@@ -226,6 +237,7 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "int4_matmul_a8": int4_matmul_a8_torch,
     "int8_matmul": int8_matmul_torch,
     "int8_matmul_a8": int8_matmul_a8_torch,
+    "kquant_matmul_a8": kquant_matmul_a8_torch,
     "decoder_layer": decoder_layer_torch,
 }
 
@@ -264,6 +276,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "int4_matmul_a8": _matmul_fake,
     "int8_matmul": _matmul_fake,
     "int8_matmul_a8": _matmul_fake,
+    "kquant_matmul_a8": _matmul_fake,
     "decoder_layer": _decoder_layer_fake,
 }
 
@@ -303,6 +316,7 @@ class Ops:
     int4_matmul_a8: Callable[..., torch.Tensor]
     int8_matmul: Callable[..., torch.Tensor]
     int8_matmul_a8: Callable[..., torch.Tensor]
+    kquant_matmul_a8: Callable[..., torch.Tensor]
     decoder_layer: Callable[..., torch.Tensor]
 
 

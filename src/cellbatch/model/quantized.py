@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -106,6 +106,9 @@ GROUP_SIZE = 32
 GGUF_INT4_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 GGUF_INT8_KINDS = frozenset({"Q8_0"})
 GGUF_FLOAT_KINDS = frozenset({"F32", "F16", "BF16", "F64"})
+# GGUF kinds kept as they are, in their own blocks (`cellbatch.model.kquants`; a kind's
+# place here is its id in that layout), with int8 inputs.
+GGUF_KEPT_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 PANEL = 16  # output features per panel of the kernels' layouts
 # The products that take int8 activations when those are chosen, by the model's dtype: int4
 # projections and the int8 LM head (see the module's docstring for the perplexity that
@@ -157,20 +160,31 @@ def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:
     return "int8" if fast else "float"
 
 
-def target_format(quantize: str, role: str, gguf_kinds: list[str] | None) -> str:
-    """The format ("none", "int8" or "int4") of one of the model's weights.
+def target_format(
+    quantize: str, role: str, gguf_kinds: list[str] | None, activations: str = "auto"
+) -> str:
+    """The format ("none", "int8", "int4" or "kquant") of one of the model's weights.
 
     `role`: "projection", "lm_head" or "embedding"; `gguf_kinds`: the GGUF kinds of the
     tensors concatenated into it (None for a checkpoint that is not GGUF). "auto" keeps a
-    GGUF file's class (Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, float kinds and kinds it
-    cannot keep -> float); a float checkpoint stays float. The embedding is never int4 (its
-    rows are gathered, not multiplied), and with "int4" asked for, the LM head takes int8,
-    as llama.cpp's 4-bit files keep their output tensor at 6-8 bits.
+    GGUF file's class: Q4_0/Q4_1 -> int4; any mix of GGUF_KEPT_KINDS beyond those (Q4_K,
+    Q5_K, Q6_K, Q5_0, Q5_1: Q4_K_M files) -> "kquant", the blocks kept as they are
+    (`cellbatch.model.kquants`, always with int8 inputs); Q8_0 -> int8; float kinds and
+    kinds it cannot keep -> float. With `activations` "float" asked for, nothing is kept
+    as "kquant" (its products quantise their inputs): Q4_K -> int4 and the other kinds
+    load as float, as before they were kept. A float checkpoint stays float. The embedding
+    is never int4 (its rows are gathered, not multiplied), and with "int4" asked for, the
+    LM head takes int8, as llama.cpp's 4-bit files keep their output tensor at 6-8 bits.
     """
     if quantize == "auto":
         if gguf_kinds is None:
             return "none"
-        if all(kind in GGUF_INT4_KINDS for kind in gguf_kinds):
+        plain_int4 = GGUF_INT4_KINDS - {"Q4_K"}
+        if all(kind in plain_int4 for kind in gguf_kinds):
+            chosen = "int4"
+        elif activations != "float" and all(kind in GGUF_KEPT_KINDS for kind in gguf_kinds):
+            return "kquant"
+        elif all(kind in GGUF_INT4_KINDS for kind in gguf_kinds):
             chosen = "int4"
         elif all(kind in GGUF_INT4_KINDS | GGUF_INT8_KINDS for kind in gguf_kinds):
             chosen = "int8"
@@ -251,14 +265,12 @@ class Int4Weight:
 QuantizedWeight = Int8Weight | Int4Weight
 
 
-def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Weights of one format concatenated along their output rows (q/k/v into qkv)."""
+def cat(parts: list[Any]) -> Any:
+    """Weights of one format (Int8Weight, Int4Weight, kquants.KQuantWeight) concatenated
+    along their output rows (q/k/v into qkv), by their class's `cat`."""
     if len(parts) <= 1:
         return parts[0]
-    # One format: every part is of the first one's class.
-    if isinstance(parts[0], Int8Weight):
-        return Int8Weight.cat(cast("list[Int8Weight]", parts))
-    return Int4Weight.cat(cast("list[Int4Weight]", parts))
+    return type(parts[0]).cat(parts)
 
 
 # -- conversion --------------------------------------------------------------------
@@ -499,15 +511,23 @@ def describe(model: DecoderModel) -> WeightsSummary:
     with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
     if with_a8:
         words += f" ({', '.join(with_a8)} with int8 activations)"
-    kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
+    # Quantised products, and kept GGUF blocks (kquants.KQuantLinear, whose bytes count
+    # per GGUF kind: `bytes_by_kind`).
+    kernels = {str(m.kernel) for m in model.modules() if hasattr(m, "kernel")}
     counted: set[int] = set()
     by_format: dict[str, int] = {}
     for module in model.modules():
+        kinds: dict[str, int] | None = getattr(module, "bytes_by_kind", None)
         for name, param in module.named_parameters(recurse=False):
             if id(param) in counted:
                 continue
             counted.add(id(param))
             quantized = name != "bias" and hasattr(module, "format")
+            if quantized and kinds is not None:
+                if name == "codes":  # its codes and scales, counted once per kind
+                    for kind, size in kinds.items():
+                        by_format[kind] = by_format.get(kind, 0) + size
+                continue
             # A quantised module's format is its weight's name for it, a str.
             fmt = str(module.format) if quantized else str(param.dtype).removeprefix("torch.")
             by_format[fmt] = by_format.get(fmt, 0) + param.numel() * param.element_size()

@@ -1,7 +1,7 @@
 """The torch implementations of the quantised products, `int4_matmul`, `int4_matmul_a8`,
-`int8_matmul` and `int8_matmul_a8` (cellbatch.model.ops registers them; the compiled
-kernels compute the same products, kernels/quantized_*.cpp), and the activation
-quantisation of the `_a8` products.
+`int8_matmul`, `int8_matmul_a8` and `kquant_matmul_a8` (cellbatch.model.ops registers them;
+the compiled kernels compute the same products, kernels/quantized_*.cpp), and the
+activation quantisation of the `_a8` products.
 
 Owns: rebuilding a float weight from the kernels' panel layouts (cellbatch.model.quantized
 `pack`) for each call, and `quantize_activations`.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cellbatch.model import kquants
 from cellbatch.model.gemm import in_fixed_calls, rows_per_call
 from cellbatch.model.quantized import GROUP_SIZE, PANEL
 
@@ -137,3 +138,32 @@ def int8_matmul_torch(
     """The op `int8_matmul` in torch: x [..., K] times the int8 panels' weight, transposed,
     rebuilt for the call."""
     return _padded_linear(x, _int8_dense(codes, scales, out_features))
+
+
+def kquant_matmul_a8_torch(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The op `kquant_matmul_a8` in torch: x [..., K] times a weight kept in its GGUF kinds
+    (`kquants.pack`), with int8 activations: each segment's groups as `_a8_product` sums
+    them (Q6_K: per sub-group of 16, its codes counted from 32, no offset)."""
+    weight = kquants.unpack(codes, scales)
+    if weight.shape != (out_features, x.shape[-1]):
+        raise ValueError(
+            f"a {weight.shape} weight cannot give {out_features} outputs of x {x.shape}"
+        )
+    parts = []
+    for segment in weight.segments:
+        q, s, o = kquants.segment_terms(segment)
+        q, s = q[: segment.rows], s[: segment.rows]
+        grouped = q.view(segment.rows, -1, GROUP_SIZE)
+        if o is not None:
+            parts.append(_a8_product(x, grouped, s, o[: segment.rows]))
+            continue
+        rows = x.reshape(-1, x.shape[-1])
+        x_codes, x_scales, _ = quantize_activations(rows)
+        halves = x_codes.unflatten(-1, (2, 16))  # type: ignore[no-untyped-call]
+        dots = torch.einsum("mghk,nghk->mngh", halves, grouped.unflatten(-1, (2, 16)))  # type: ignore[no-untyped-call]
+        terms = dots * (s.view(segment.rows, -1, 2)[None] * x_scales[:, None, :, None])
+        out = terms.sum((-2, -1)).to(x.dtype)
+        parts.append(out.reshape(*x.shape[:-1], segment.rows))
+    return torch.cat(parts, dim=-1)

@@ -41,6 +41,7 @@ constexpr char kInt4Matmul[] = "cellbatch::int4_matmul";
 constexpr char kInt8Matmul[] = "cellbatch::int8_matmul";
 constexpr char kInt4MatmulA8[] = "cellbatch::int4_matmul_a8";
 constexpr char kInt8MatmulA8[] = "cellbatch::int8_matmul_a8";
+constexpr char kKquantMatmulA8[] = "cellbatch::kquant_matmul_a8";
 
 template <const char* kName>
 AOTITorchError quantized_matmul(AtenTensorHandle x, AtenTensorHandle codes,
@@ -93,6 +94,12 @@ AOTITorchError aoti_torch_cpu_int8_matmul_a8(AtenTensorHandle x, AtenTensorHandl
                                              AtenTensorHandle scales, int64_t out_features,
                                              AtenTensorHandle* ret0) {
   return quantized_matmul<kInt8MatmulA8>(x, codes, scales, out_features, ret0);
+}
+
+AOTITorchError aoti_torch_cpu_kquant_matmul_a8(AtenTensorHandle x, AtenTensorHandle codes,
+                                               AtenTensorHandle scales, int64_t out_features,
+                                               AtenTensorHandle* ret0) {
+  return quantized_matmul<kKquantMatmulA8>(x, codes, scales, out_features, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_rope_store(AtenTensorHandle q, AtenTensorHandle k,

@@ -26,9 +26,9 @@ namespace {
 
 using cellbatch::find_op;
 
-constexpr std::array<const char*, 4> PRODUCT_OPS = {
+constexpr std::array<const char*, 5> PRODUCT_OPS = {
     "cellbatch::int4_matmul", "cellbatch::int4_matmul_a8", "cellbatch::int8_matmul",
-    "cellbatch::int8_matmul_a8"};
+    "cellbatch::int8_matmul_a8", "cellbatch::kquant_matmul_a8"};
 
 struct Steps {
   using Product = c10::TypedOperatorHandle<cellbatch::QuantizedMatmulOp>;
@@ -54,7 +54,8 @@ const Steps& steps() {
     return Steps{{find_op<QuantizedMatmulOp>(PRODUCT_OPS[0]),
                   find_op<QuantizedMatmulOp>(PRODUCT_OPS[1]),
                   find_op<QuantizedMatmulOp>(PRODUCT_OPS[2]),
-                  find_op<QuantizedMatmulOp>(PRODUCT_OPS[3])},
+                  find_op<QuantizedMatmulOp>(PRODUCT_OPS[3]),
+                  find_op<QuantizedMatmulOp>(PRODUCT_OPS[4])},
                  find_op<cellbatch::RmsNormOp>("cellbatch::rms_norm"),
                  find_op<cellbatch::RopeStoreOp>("cellbatch::rope_store"),
                  find_op<cellbatch::CellAttentionOp>("cellbatch::cell_attention"),

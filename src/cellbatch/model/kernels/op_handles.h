@@ -16,7 +16,8 @@ namespace cellbatch {
 
 using RmsNormOp = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using SiluMulOp = at::Tensor(const at::Tensor&);
-// int4_matmul, int4_matmul_a8, int8_matmul and int8_matmul_a8 take the same arguments.
+// int4_matmul, int4_matmul_a8, int8_matmul, int8_matmul_a8 and kquant_matmul_a8 take the
+// same arguments.
 using QuantizedMatmulOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      int64_t);
 using RopeStoreOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

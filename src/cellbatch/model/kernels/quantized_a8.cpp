@@ -485,6 +485,23 @@ at::Tensor int8_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at
 }
 
 }  // namespace
+
+namespace a8 {
+
+Path products_path() {
+  if (portable_asked()) return Path::kPortable;
+  if (a8_products_available()) return Path::kVnni;
+  return avx2_products_available() ? Path::kAvx2 : Path::kPortable;
+}
+
+Quantised quantise_rows(const at::Tensor& rows, Path path) {
+  const int64_t count = rows.size(0), in_features = rows.size(1);
+  if (rows.scalar_type() == at::kBFloat16)
+    return quantise<false>(rows.data_ptr<c10::BFloat16>(), count, in_features, path == Path::kVnni);
+  return quantise<false>(rows.data_ptr<float>(), count, in_features, path == Path::kVnni);
+}
+
+}  // namespace a8
 }  // namespace cellbatch
 
 // The schema is defined in Python (cellbatch/model/ops.py), with the torch implementation.

@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -57,6 +58,17 @@ struct Int8Layout {
     return scales + (p * in_features / kGroup + g) * kPanel;
   }
 };
+
+// Which arithmetic the int8-input products take here: VPDPBUSD (AVX512-VNNI at torch's
+// AVX512 width), VPMADDUBSW (AVX2), or the portable loop (neither, or
+// CELLBATCH_A8_PORTABLE=1, read at each call).
+enum class Path { kVnni, kAvx2, kPortable };
+Path products_path();
+
+// rows [M, K] (contiguous float32 or bf16, K a multiple of 32) quantised per group of 32
+// as the int8 weights' products take them (the inputs in their own order), by the vector
+// code where `path` is kVnni, else the portable loop: the same values either way.
+Quantised quantise_rows(const at::Tensor& rows, Path path);
 
 // True when this library holds the AVX2 products and this CPU runs them (AVX2, FMA, F16C,
 // detected when first asked) with torch at the AVX2 width or wider.

@@ -1,0 +1,449 @@
+// `cellbatch::kquant_matmul_a8`: x [M, K] (float32 or bf16) times a weight kept in its GGUF
+// block kinds (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; layout: quantized_kq.h), the
+// inputs quantised to int8 per group of 32 as the int8 weights' `_a8` products quantise
+// them (quantized_a8.cpp: d, sx and the codes xq of each group).
+//
+// Owns: the products' arithmetic on AVX512-VNNI CPUs and in portable code, and the op (the
+// header's checks, one product per segment into its columns; AVX2 CPUs run
+// quantized_kq_avx2.cpp). Per row, output n with codes q and group g's terms
+// (quantized_kq.h, `Panels::terms`):
+//   4/5-bit kinds, w = s q + o per group of 32:
+//     t = fma(float(dot), s * d, t); t = fma(o, sx, t),   dot = sum(q xq) over the group
+//   Q6_K, w = s (q - 32) per sub-group h of 16:
+//     t = fma(float(dot_h - 32 qs_h), s_h * d, t),        dot_h = sum(q xq), qs_h = sum(xq)
+// over the groups in input order (sub-groups in order), the dots exact in int32 (and the
+// Q6_K term exact in float32: |dot_h - 32 qs_h| <= 16 x 32 x 127). VPDPBUSD takes the
+// codes as they are (unsigned) and four inputs per lane: operand s of a group is inputs
+// 4s .. 4s + 3 of the 16 outputs, one mask or shift of the nibbles and, for 5- and 6-bit
+// kinds, one shift and mask of the high bits. Calls of up to 3 rows make the operands in
+// registers; larger ones make a chunk of 256 inputs' operands and terms of three panels
+// once, into a buffer that stays in L1, and run the rows over it, 4 at a time.
+// Promises: y[m, n] is the same chain over the same values whatever the other rows of x,
+// the path their count takes and the thread count; the VNNI path, the AVX2 one and the
+// portable loop (CELLBATCH_A8_PORTABLE=1 runs it anywhere) give the same bits. Results are
+// in x's dtype, bf16 rounded to nearest even.
+// Never: changes the weights' numbers (only the activations are rounded), reads outside
+// the segments the header names (the op checks every offset and size against the
+// tensors), or allocates per row.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "common.h"
+#include "quantized_a8.h"
+#include "quantized_kq.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CELLBATCH_KQ_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace cellbatch::kq {
+namespace {
+
+// The portable loop over rows [0, count) and panels [p0, p1) of one segment.
+template <typename T>
+void product_portable(const Inputs& in, const Panels& panels, int64_t p0, int64_t p1,
+                      int64_t out_features, T* y) {
+  const a8::Quantised& xs = in.xs;
+  const int64_t groups = panels.groups, in_features = xs.in_features, count = in.count();
+  for (int64_t m = 0; m < count; ++m)
+    for (int64_t p = p0; p < p1; ++p)
+      for (int c = 0; c < kPanel && p * kPanel + c < panels.rows; ++c) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float d = xs.d[m * groups + g];
+          for (int sub = 0; sub < subs(panels.kind); ++sub) {
+            const int width = static_cast<int>(kGroup / subs(panels.kind));
+            int32_t dot = 0;
+            for (int k = sub * width; k < (sub + 1) * width; ++k)
+              dot += panels.code(p, g, c, k) * xs.q[m * in_features + g * kGroup + k];
+            float scale, offset;
+            panels.terms(p, g, sub, c, &scale, &offset);
+            if (panels.kind == kQ6_K) {
+              const int32_t exact = dot - 32 * in.qs16[m * (in_features / 16) + 2 * g + sub];
+              total = std::fma(static_cast<float>(exact), scale * d, total);
+            } else {
+              total = std::fma(static_cast<float>(dot), scale * d, total);
+              total = std::fma(offset, xs.sx[m * groups + g], total);
+            }
+          }
+        }
+        y[m * out_features + panels.column + p * kPanel + c] = static_cast<T>(total);
+      }
+}
+
+#ifdef CELLBATCH_KQ_VNNI
+
+bool vnni_available() { return a8::products_path() == a8::Path::kVnni; }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
+
+constexpr int64_t kBlock = 3;      // panels per block
+constexpr int64_t kChunk = 256;    // inputs per buffer fill
+constexpr int64_t kChunkGroups = kChunk / kGroup;
+constexpr int64_t kRows = 4;       // rows per run over a buffer
+constexpr int64_t kFusedRows = 3;  // calls of up to this many rows make operands in registers
+constexpr int64_t kRowChunk = 64;  // rows per pass over a block
+constexpr int64_t kAhead = 8;      // few-row path: codes asked for this many groups ahead
+constexpr int64_t kBlockWidth = kBlock * kPanel;
+
+// Operand s of a group (inputs 4s .. 4s + 3 of its 16 outputs) from its codes `at`.
+template <int kBits, int kS>
+inline __m512i operand(const uint8_t* at) {
+  const __m512i word = _mm512_loadu_si512(at + (kS / 2) * 64);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i q = kS % 2 == 0 ? _mm512_and_si512(word, low)
+                          : _mm512_and_si512(_mm512_srli_epi32(word, 4), low);
+  if constexpr (kBits == 5) {
+    const __m512i high = _mm512_loadu_si512(at + 256);
+    const __m512i moved = kS <= 4 ? _mm512_slli_epi32(high, 4 - kS) : _mm512_srli_epi32(high, kS - 4);
+    q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x10)));
+  } else if constexpr (kBits == 6) {
+    const __m512i high = _mm512_loadu_si512(at + 256 + (kS / 4) * 64);
+    constexpr int kShift = 2 * (kS % 4);
+    const __m512i moved =
+        kShift <= 4 ? _mm512_slli_epi32(high, 4 - kShift) : _mm512_srli_epi32(high, kShift - 4);
+    q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
+  }
+  return q;
+}
+
+// Sub-group `sub` of group g's 16 scales and offsets (the vector form of Panels::terms).
+inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, __m512* scale,
+                  __m512* offset) {
+  const uint8_t* h = panels.halves(p, g);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  if (panels.kind == kQ6_K) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
+    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    return;
+  }
+  const __m512 second =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+  if (in_blocks(panels.kind)) {
+    const uint8_t* sm = panels.small(p, g, 0);
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
+    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanel));
+    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    const __m512 minimum = _mm512_mul_ps(second, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+    *offset = _mm512_sub_ps(_mm512_setzero_ps(), minimum);
+  } else {
+    *scale = d;
+    *offset = _mm512_sub_ps(second, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
+  }
+}
+
+// A chunk of a block's operands and terms, for the rows to run over.
+struct alignas(64) Buffer {
+  __m512i operands[kChunkGroups][8][kBlock];
+  __m512 scales[kChunkGroups][2][kBlock];
+  __m512 offsets[kChunkGroups][2][kBlock];
+};
+
+// Operands and terms straight from the panels (the few-row path), asking for the codes
+// kAhead groups on.
+template <int kBits>
+struct Direct {
+  const Panels& panels;
+  int64_t p0;
+  template <int kS>
+  __m512i get(int p, int64_t g) const {
+    const uint8_t* at = panels.group_codes(p0 + p, g);
+    if constexpr (kS == 0) {
+      const char* ahead = reinterpret_cast<const char*>(panels.group_codes(p0 + p, g + kAhead));
+      for (int line = 0; line < 4 + (kBits - 4); ++line)  // the group's 256, 320 or 384 bytes
+        _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
+    return operand<kBits, kS>(at);
+  }
+  void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
+    terms(panels, p0 + p, g, sub, scale, offset);
+  }
+};
+
+// Operands and terms from a filled Buffer (groups from g0).
+struct Buffered {
+  const Buffer& buffer;
+  int64_t g0;
+  template <int kS>
+  __m512i get(int p, int64_t g) const {
+    return _mm512_load_si512(&buffer.operands[g - g0][kS][p]);
+  }
+  void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
+    *scale = buffer.scales[g - g0][sub][p];
+    *offset = buffer.offsets[g - g0][sub][p];
+  }
+};
+
+template <int kBits>
+void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, Buffer* buffer) {
+  for (int p = 0; p < count; ++p)
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* at = panels.group_codes(p0 + p, g);
+      auto& ops = buffer->operands[g - g0];
+      ops[0][p] = operand<kBits, 0>(at);
+      ops[1][p] = operand<kBits, 1>(at);
+      ops[2][p] = operand<kBits, 2>(at);
+      ops[3][p] = operand<kBits, 3>(at);
+      ops[4][p] = operand<kBits, 4>(at);
+      ops[5][p] = operand<kBits, 5>(at);
+      ops[6][p] = operand<kBits, 6>(at);
+      ops[7][p] = operand<kBits, 7>(at);
+      for (int sub = 0; sub < subs(panels.kind); ++sub)
+        terms(panels, p0 + p, g, sub, &buffer->scales[g - g0][sub][p],
+              &buffer->offsets[g - g0][sub][p]);
+    }
+}
+
+// dot[r][p] += operand kS of each panel times rows m + r's inputs 4 kS .. of group g.
+template <int R, int P, int kS, typename Source>
+inline void step(const Source& source, const a8::Quantised& xs, int64_t m, int64_t g,
+                 __m512i (&dot)[R][P]) {
+  __m512i codes[P];
+#pragma GCC unroll 3
+  for (int p = 0; p < P; ++p) codes[p] = source.template get<kS>(p, g);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    std::memcpy(&four, xs.q.data() + (m + r) * xs.in_features + g * kGroup + 4 * kS, sizeof four);
+    const __m512i inputs = _mm512_set1_epi32(four);
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p) dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], codes[p], inputs);
+  }
+}
+
+template <int R, int P, int kFirst, typename Source>
+inline void steps4(const Source& source, const a8::Quantised& xs, int64_t m, int64_t g,
+                   __m512i (&dot)[R][P]) {
+  step<R, P, kFirst>(source, xs, m, g, dot);
+  step<R, P, kFirst + 1>(source, xs, m, g, dot);
+  step<R, P, kFirst + 2>(source, xs, m, g, dot);
+  step<R, P, kFirst + 3>(source, xs, m, g, dot);
+}
+
+// The sub-group's dots folded into the totals (the chain of the file's comment).
+template <int R, int P, bool kSix, typename Source>
+inline void fold(const Source& source, const Inputs& in, int64_t m, int64_t g, int sub,
+                 __m512i (&dot)[R][P], __m512 (&total)[R][P]) {
+  const a8::Quantised& xs = in.xs;
+  const int64_t groups = xs.in_features / kGroup;
+#pragma GCC unroll 3
+  for (int p = 0; p < P; ++p) {
+    __m512 scale, offset;
+    source.terms_of(p, g, sub, &scale, &offset);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m + r) * groups + g;
+      const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xs.d[i]));
+      if constexpr (kSix) {
+        const int32_t sum = in.qs16[(m + r) * groups * 2 + 2 * g + sub];
+        const __m512i exact = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(32 * sum));
+        total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), row_scale, total[r][p]);
+      } else {
+        total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), row_scale, total[r][p]);
+        total[r][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs.sx[i]), total[r][p]);
+      }
+    }
+  }
+}
+
+// R rows from m over P panels, groups [g0, g1): sums[r][16 P] continue from group g0.
+template <int R, int P, int kBits, typename Source>
+void rows_over_groups(const Source& source, const Inputs& in, int64_t m, int64_t g0, int64_t g1,
+                      float* sums) {
+  constexpr bool kSix = kBits == 6;
+  __m512 total[R][P];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p)
+      total[r][p] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kBlockWidth + p * kPanel);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512i dot[R][P];
+    auto clear = [&] {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) dot[r][p] = _mm512_setzero_si512();
+    };
+    clear();
+    steps4<R, P, 0>(source, in.xs, m, g, dot);
+    if constexpr (kSix) {  // the first 16 inputs are a sub-group of their own
+      fold<R, P, true>(source, in, m, g, 0, dot, total);
+      clear();
+    }
+    steps4<R, P, 4>(source, in.xs, m, g, dot);
+    fold<R, P, kSix>(source, in, m, g, kSix ? 1 : 0, dot, total);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kBlockWidth + p * kPanel, total[r][p]);
+}
+
+// One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
+template <int P, int kBits>
+void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int64_t p0,
+           Buffer* buffer, float* sums) {
+  const int64_t groups = panels.groups;
+  if (count <= kFusedRows) {
+    with_count<kFusedRows>(count, [&](auto rows) {
+      rows_over_groups<decltype(rows)::value, P, kBits>(Direct<kBits>{panels, p0}, in, m, 0,
+                                                        groups, sums);
+    });
+    return;
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+    const int64_t g1 = std::min(groups, g0 + kChunkGroups);
+    fill<kBits>(panels, p0, P, g0, g1, buffer);
+    const Buffered source{*buffer, g0};
+    for (int64_t r = 0; r < count; r += kRows)
+      with_count<kRows>(std::min(kRows, count - r), [&](auto rows) {
+        rows_over_groups<decltype(rows)::value, P, kBits>(source, in, m + r, g0, g1,
+                                                          sums + r * kBlockWidth);
+      });
+  }
+}
+
+template <int kBits, typename T>
+void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  for_each_block<Buffer, kBlock, kRowChunk, kFusedRows>(
+      in.count(), panels.panel_count,
+      [&](auto width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
+        block<decltype(width)::value, kBits>(panels, in, m0, n, p0, buffer, sums);
+      },
+      [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < panels.rows; ++p) {
+            const int64_t start = (p0 + p) * kPanel;
+            const int64_t width = std::min(kPanel, panels.rows - start);
+            T* row = y + (m0 + r) * out_features + panels.column + start;
+            const float* from = sums + r * kBlockWidth + p * kPanel;
+            for (int64_t c = 0; c < width; ++c) row[c] = static_cast<T>(from[c]);
+          }
+      });
+}
+
+#pragma GCC pop_options
+
+template <typename T>
+void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  switch (bits(panels.kind)) {
+    case 4: return product_vnni<4>(in, panels, out_features, y);
+    case 5: return product_vnni<5>(in, panels, out_features, y);
+    default: return product_vnni<6>(in, panels, out_features, y);
+  }
+}
+
+#else
+
+bool vnni_available() { return false; }
+template <typename T>
+void product_vnni(const Inputs&, const Panels&, int64_t, T*) {}
+
+#endif
+
+// The weight's segments, each checked against the tensors' sizes.
+std::vector<Panels> segments(const at::Tensor& codes, const at::Tensor& scales,
+                             int64_t in_features, int64_t out_features) {
+  constexpr const char* op = "kquant_matmul_a8";
+  TORCH_CHECK(codes.dim() == 1 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  scales.dim() == 1 && scales.scalar_type() == at::kByte && scales.is_contiguous(),
+              op, ": codes and scales must be contiguous uint8 vectors (kquants.pack)");
+  const auto* header = codes.data_ptr<uint8_t>();
+  auto word = [&](int64_t i) {
+    TORCH_CHECK((i + 1) * 4 <= codes.numel(), op, ": codes end inside the header");
+    int32_t value;
+    std::memcpy(&value, header + 4 * i, 4);
+    return static_cast<int64_t>(value);
+  };
+  TORCH_CHECK(word(0) == kMagic, op, ": codes do not start with a kquant header");
+  const int64_t count = word(1);
+  TORCH_CHECK(word(2) == in_features, op, ": the weight has ", word(2), " inputs, x has ",
+              in_features);
+  TORCH_CHECK(count > 0 && in_features % kGroup == 0, op, ": no segments, or K not a multiple of 32");
+  std::vector<Panels> out;
+  int64_t column = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t kind = word(4 + 4 * i), rows = word(5 + 4 * i);
+    const int64_t at = word(6 + 4 * i), scales_at = word(7 + 4 * i);
+    TORCH_CHECK(kind >= 0 && kind < kKinds && rows > 0, op, ": segment ", i, " has kind ", kind,
+                " and ", rows, " rows");
+    const auto k = static_cast<Kind>(kind);
+    TORCH_CHECK(!in_blocks(k) || in_features % kBlockInputs == 0, op, ": K-quant blocks need K a multiple of 256");
+    const int64_t panel_count = (rows + kPanel - 1) / kPanel, groups = in_features / kGroup;
+    TORCH_CHECK(at >= 0 && at + panel_count * groups * code_bytes(k) <= codes.numel() &&
+                    scales_at >= 0 &&
+                    scales_at + panel_count * scale_bytes(k, in_features) <= scales.numel(),
+                op, ": segment ", i, " lies outside the codes or scales");
+    out.push_back(Panels{k, rows, column, panel_count, groups, header + at,
+                         scales.data_ptr<uint8_t>() + scales_at});
+    column += rows;
+  }
+  TORCH_CHECK(column == out_features, op, ": the segments hold ", column, " outputs, not ",
+              out_features);
+  return out;
+}
+
+at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            int64_t out_features) {
+  TORCH_CHECK(x.dim() >= 1, "kquant_matmul_a8: x must have a last dimension");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "kquant_matmul_a8: x must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t in_features = x.size(-1);
+  const std::vector<Panels> parts = segments(codes, scales, in_features, out_features);
+  const at::Tensor rows = x.reshape({-1, in_features}).contiguous();
+  const int64_t count = rows.size(0);
+  at::Tensor out = at::empty({count, out_features}, rows.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(out_features);
+  if (count == 0) return out.view(shape);
+  const a8::Path path = a8::products_path();
+  const a8::Quantised xs = a8::quantise_rows(rows, path);
+  Inputs in{xs, {}};
+  if (std::any_of(parts.begin(), parts.end(), [](const Panels& p) { return p.kind == kQ6_K; })) {
+    in.qs16.resize(count * in_features / 16);
+    for (size_t h = 0; h < in.qs16.size(); ++h) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < 16; ++k) sum += xs.q[h * 16 + k];
+      in.qs16[h] = sum;
+    }
+  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    T* y = out.data_ptr<T>();
+    for (const Panels& panels : parts) {
+      if (path == a8::Path::kVnni && vnni_available()) {
+        product_vnni(in, panels, out_features, y);
+      } else if (path == a8::Path::kAvx2) {
+        products_avx2(in, panels, out_features, y);
+      } else {
+        at::parallel_for(0, panels.panel_count, 1, [&](int64_t begin, int64_t end) {
+          product_portable(in, panels, begin, end, out_features, y);
+        });
+      }
+    }
+  };
+  if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
+  else run(float{});
+  return out.view(shape);
+}
+
+}  // namespace
+}  // namespace cellbatch::kq
+
+// The schema is defined in Python (cellbatch/model/ops.py), with the torch implementation.
+TORCH_LIBRARY_IMPL(cellbatch, CPU, m) {
+  m.impl("kquant_matmul_a8", &cellbatch::kq::kquant_matmul_a8);
+}

@@ -1,0 +1,126 @@
+// The kept GGUF block formats (cellbatch/model/kquants.py writes them) as the products of
+// quantized_kq.cpp (VNNI, portable) and quantized_kq_avx2.cpp (AVX2) read them: the kinds,
+// the header of a weight's segments, each segment's panels, and the scalar reading of one
+// code and one sub-group's scale and offset (the portable loop's, which the vector paths
+// must equal).
+//
+// Per panel of 16 outputs and group g of 32 inputs the codes take 256 bytes of nibbles
+// (word (b, c): byte j's low nibble is input 8b + j, its high one input 8b + 4 + j), then
+// for 5-bit kinds 64 bytes (word c: bit 8j + s is bit 4 of input 4s + j) and for Q6_K 128
+// (words (w, c): bits 8j + 2t .. + 1 are bits 4-5 of input 16w + 4t + j). So operand s
+// (inputs 4s .. 4s + 3 of the 16 outputs, one 32-bit lane each, the inputs in order) is
+// one mask or shift of a nibble word, plus one shift and mask of a high-bit word.
+// Scales per panel: group kinds per group d[16], m[16] float16; Q4_K/Q5_K per block of 256
+// d[16], dmin[16] float16 then per group sc[16], mn[16] uint8; Q6_K per block of 256 d[16]
+// float16 then per group of 16 sc[16] int8.
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "quantized_a8.h"
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace cellbatch::kq {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockInputs = 256;  // inputs per K-quant block
+constexpr int32_t kMagic = 0x3130514B;  // "KQ01"
+
+enum Kind : int32_t { kQ4_0 = 0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K, kKinds };
+
+constexpr int bits(Kind kind) {
+  return kind == kQ6_K ? 6 : (kind == kQ5_0 || kind == kQ5_1 || kind == kQ5_K) ? 5 : 4;
+}
+constexpr bool in_blocks(Kind kind) { return kind >= kQ4_K; }
+constexpr int64_t code_bytes(Kind kind) { return bits(kind) == 4 ? 256 : bits(kind) == 5 ? 320 : 384; }
+// Sub-groups of a group of 32 inputs, each with its own scale: Q6_K's 16-input ones.
+constexpr int subs(Kind kind) { return kind == kQ6_K ? 2 : 1; }
+// w = d (q - zero) for Q4_0 and Q5_0.
+constexpr float zero(Kind kind) { return kind == kQ4_0 ? 8.0f : kind == kQ5_0 ? 16.0f : 0.0f; }
+inline int64_t scale_bytes(Kind kind, int64_t in_features) {
+  if (kind == kQ6_K) return in_features / kBlockInputs * (32 + 256);
+  if (in_blocks(kind)) return in_features / kBlockInputs * (64 + 256);
+  return in_features / kGroup * 64;
+}
+
+// One segment of a weight's rows: `rows` outputs of one kind from output `column`.
+struct Panels {
+  Kind kind;
+  int64_t rows, column, panel_count, groups;
+  const uint8_t* codes;
+  const uint8_t* scales;
+
+  const uint8_t* group_codes(int64_t p, int64_t g) const {
+    return codes + (p * groups + g) * code_bytes(kind);
+  }
+  const uint8_t* panel_scales(int64_t p) const {
+    return scales + p * scale_bytes(kind, groups * kGroup);
+  }
+  // The bytes of group g's scales: its d (group kinds: and m), or its block's d (and dmin).
+  const uint8_t* halves(int64_t p, int64_t g) const {
+    if (!in_blocks(kind)) return panel_scales(p) + g * 64;
+    return panel_scales(p) + g / 8 * (kind == kQ6_K ? 288 : 320);
+  }
+  // Group g's integer scales (and mins): sc[16] (then mn[16]); Q6_K: sub-group `sub`'s sc.
+  const uint8_t* small(int64_t p, int64_t g, int sub) const {
+    if (kind == kQ6_K) return halves(p, g) + 32 + ((g % 8) * 2 + sub) * kPanel;
+    return halves(p, g) + 64 + (g % 8) * 2 * kPanel;
+  }
+
+  // Output c's code of input k (0..31) of group g.
+  int code(int64_t p, int64_t g, int c, int k) const {
+    const uint8_t* at = group_codes(p, g);
+    const int s = k / 4, j = k % 4;
+    const uint8_t byte = at[(s / 2) * 64 + c * 4 + j];
+    int q = s % 2 == 0 ? byte & 15 : byte >> 4;
+    if (bits(kind) == 5) q |= ((at[256 + c * 4 + j] >> s) & 1) << 4;
+    if (bits(kind) == 6) q |= ((at[256 + (s / 4) * 64 + c * 4 + j] >> (2 * (s % 4))) & 3) << 4;
+    return q;
+  }
+
+  // Output c's scale and offset for sub-group `sub` of group g (Q6_K: no offset; its codes
+  // count from 32, which the products take off with the inputs' sums).
+  void terms(int64_t p, int64_t g, int sub, int c, float* scale, float* offset) const {
+    const uint8_t* h = halves(p, g);
+    const float d = static_cast<float>(half_at(h, c));
+    if (kind == kQ6_K) {
+      *scale = d * static_cast<float>(static_cast<int8_t>(small(p, g, sub)[c]));
+      *offset = 0.0f;
+    } else if (in_blocks(kind)) {
+      const uint8_t* sm = small(p, g, 0);
+      *scale = d * static_cast<float>(sm[c]);
+      *offset = -(static_cast<float>(half_at(h + 32, c)) * static_cast<float>(sm[kPanel + c]));
+    } else {
+      *scale = d;
+      *offset = static_cast<float>(half_at(h + 32, c)) - zero(kind) * d;
+    }
+  }
+
+  static c10::Half half_at(const uint8_t* at, int c) {
+    c10::Half value;
+    std::memcpy(&value, at + 2 * c, 2);
+    return value;
+  }
+};
+
+// Each row's quantised inputs beside the sums Q6_K needs: per row and 16 inputs, the sum
+// of their codes (qs16 [M, K / 16]).
+struct Inputs {
+  const a8::Quantised& xs;
+  std::vector<int32_t> qs16;
+  int64_t count() const { return static_cast<int64_t>(xs.d.size()) / (xs.in_features / kGroup); }
+};
+
+// True when this library holds the AVX2 products and this CPU runs them (a8's question).
+// y [count, out_features] (T float or c10::BFloat16): the segment's columns, each output
+// the portable loop's chain (quantized_kq.cpp), bit for bit.
+template <typename T>
+void products_avx2(const Inputs& in, const Panels& panels, int64_t out_features, T* y);
+
+}  // namespace cellbatch::kq

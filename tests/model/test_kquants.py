@@ -1,0 +1,274 @@
+"""GGUF block kinds kept as they are (cellbatch.model.kquants, `kquant_matmul_a8`,
+kernels/quantized_kq*.cpp): the layout holds gguf's own values bit for bit, the compiled
+products are the product of those values with the inputs quantised to int8 (the VNNI path,
+the AVX2 one and the portable loop alike, bit for bit), a row's result depends on neither the
+other rows nor the thread count, and a file of K-quant tensors loads each in its own kind and
+computes what its dequantised model computes."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from cellbatch.model import kquants, ops, quantized, quantized_torch
+from cellbatch.model.gguf_blocks import from_gguf
+from cellbatch.model.loading import load_model
+from cellbatch.model.quantized import QuantizedLinear
+from tiny_models import K_QUANT_ENCODERS, write_gguf
+
+KINDS = kquants.KINDS
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def kernel(request) -> str:
+    """The ops choice a test loads its models with (the compiled kernels required)."""
+    if request.param == "compiled":
+        request.getfixturevalue("compiled_ops")
+    return request.param
+
+
+@pytest.fixture
+def table(request, kernel) -> ops.Ops:
+    """The ops table of `kernel`."""
+    return request.getfixturevalue(f"{kernel}_ops")
+
+
+def _blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A weight's GGUF blocks of `kind`: encoded from a normal weight with per-row sizes."""
+    import gguf
+
+    generator = np.random.default_rng(seed)
+    weight = generator.normal(0, 0.05, (rows, cols)) * generator.uniform(0.2, 2, (rows, 1))
+    weight = weight.astype(np.float32)
+    if kind in K_QUANT_ENCODERS:
+        return K_QUANT_ENCODERS[kind](weight)
+    return gguf.quants.quantize(weight, gguf.GGMLQuantizationType[kind])
+
+
+def _expected(blocks: np.ndarray, kind: str, rows: int) -> torch.Tensor:
+    import gguf
+
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(values.reshape(rows, -1))
+
+
+def _weight(kinds: tuple[str, ...], rows: tuple[int, ...], cols: int) -> kquants.KQuantWeight:
+    parts = [
+        kquants.from_blocks(_blocks(kind, n, cols, seed), kind)
+        for seed, (kind, n) in enumerate(zip(kinds, rows, strict=True))
+    ]
+    return kquants.KQuantWeight.cat(parts)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_layout_holds_gguf_s_own_values(kind) -> None:
+    """Blocks read into the layout, packed and read back give gguf's dequantised values
+    bit for bit, for rows that do not fill the last panel; the layout is about as large as
+    the file."""
+    rows, cols = 37, 512
+    blocks = _blocks(kind, rows, cols)
+    weight = from_gguf(blocks, kind, "kquant")
+    assert isinstance(weight, kquants.KQuantWeight) and weight.shape == (rows, cols)
+    assert torch.equal(weight.dequantize(), _expected(blocks, kind, rows))
+    back = kquants.unpack(*kquants.pack(weight))
+    assert torch.equal(back.dequantize(), _expected(blocks, kind, rows))
+    full = from_gguf(_blocks(kind, 64, cols), kind, "kquant")
+    held = sum(s.nbytes for s in full.segments)
+    assert held <= 1.125 * 64 * blocks.shape[1], (held, 64 * blocks.shape[1])
+
+
+def test_a_weight_of_mixed_kinds_is_segments_in_row_order() -> None:
+    kinds, rows = ("Q4_K", "Q4_K", "Q6_K", "Q5_0"), (48, 16, 20, 33)
+    weight = _weight(kinds, rows, 256)
+    assert [s.kind for s in weight.segments] == ["Q4_K", "Q6_K", "Q5_0"]  # 48 + 16 merged
+    expected = torch.cat(
+        [
+            _expected(_blocks(kind, n, 256, seed), kind, n)
+            for seed, (kind, n) in enumerate(zip(kinds, rows, strict=True))
+        ]
+    )
+    assert torch.equal(kquants.unpack(*kquants.pack(weight)).dequantize(), expected)
+
+
+def _inputs(count: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(count, cols, generator=torch.Generator().manual_seed(1))
+    x[min(1, count - 1), :32] = 0.0  # an all-zero group
+    x[0, 5] = 30.0  # an outlier
+    return x.to(dtype)
+
+
+MIXED = (("Q4_K", "Q6_K", "Q5_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"), (40, 24, 16, 16, 32, 8, 20))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_products_are_the_weight_s_with_int8_inputs(compiled_ops, torch_ops, dtype) -> None:
+    """The compiled op and the torch implementation agree to float rounding, and both are
+    within the inputs' int8 rounding of the product with gguf's values, for the few-row
+    path, the buffered one and their remainders, over segments of every kind."""
+    weight = _weight(*MIXED, 512)
+    codes, scales = kquants.pack(weight)
+    out = weight.shape[0]
+    dense = weight.dequantize().double()
+    x = _inputs(70, 512, dtype)
+    groups = x.double().view(70, -1, 32)
+    # The inputs' rounding: half a step (max|x| / 127 / 2) per input, times |w|.
+    step = (groups.abs().amax(-1, keepdim=True) / 254).expand_as(groups).reshape(70, 512)
+    bound = step @ dense.abs().t() + 1e-5 * (x.double().abs() @ dense.abs().t()) + 1e-6
+    reference = x.double() @ dense.t()
+    for count in (1, 2, 3, 4, 5, 9, 33, 64, 70):
+        got = compiled_ops.kquant_matmul_a8(x[:count], codes, scales, out)
+        assert got.shape == (count, out) and got.dtype == dtype
+        fallback = torch_ops.kquant_matmul_a8(x[:count], codes, scales, out)
+        rounding = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        close = (
+            got.double() - fallback.double()
+        ).abs() <= rounding * fallback.double().abs() + 1e-4
+        assert close.all(), count
+        slack = reference[:count].abs() * (2**-8 if dtype == torch.bfloat16 else 0)
+        assert ((got.double() - reference[:count]).abs() <= bound[:count] + slack).all(), count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_portable_loop_gives_the_vector_path_s_bits(compiled_ops, dtype) -> None:
+    """CELLBATCH_A8_PORTABLE=1 runs the portable loop: the same chain, the same bits as the
+    path this CPU takes (VNNI here; the AVX2 run of this file holds the AVX2 path to it)."""
+    weight = _weight(*MIXED, 512)
+    codes, scales = kquants.pack(weight)
+    x = _inputs(9, 512, dtype)
+    vector = [compiled_ops.kquant_matmul_a8(x[:n], codes, scales, weight.shape[0]) for n in (1, 9)]
+    os.environ["CELLBATCH_A8_PORTABLE"] = "1"
+    try:
+        portable = [
+            compiled_ops.kquant_matmul_a8(x[:n], codes, scales, weight.shape[0]) for n in (1, 9)
+        ]
+    finally:
+        del os.environ["CELLBATCH_A8_PORTABLE"]
+    assert all(torch.equal(a, b) for a, b in zip(vector, portable, strict=True))
+
+
+def test_a_row_depends_on_neither_the_other_rows_nor_the_threads(compiled_ops) -> None:
+    weight = _weight(("Q4_K", "Q6_K", "Q5_0"), (500, 250, 250), 768)  # 63 panels
+    codes, scales = kquants.pack(weight)
+    x = torch.randn(150, 768, generator=torch.Generator().manual_seed(3))
+    op = compiled_ops.kquant_matmul_a8
+    threads = torch.get_num_threads()  # tests/conftest.py puts it back after the test
+    torch.set_num_threads(1)
+    alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
+    for count in (2, 3, 4, 5, 7, 13, 64, 65, 150):
+        assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+    torch.set_num_threads(max(2, threads))
+    for count in (1, 7, 70, 150):
+        assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
+    assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
+
+
+def test_a_bad_header_or_shape_is_refused(compiled_ops) -> None:
+    codes, scales = kquants.pack(_weight(("Q4_K",), (20,), 256))
+    op = compiled_ops.kquant_matmul_a8
+    with pytest.raises(RuntimeError, match="segments hold 20 outputs, not 21"):
+        op(torch.randn(2, 256), codes, scales, 21)
+    with pytest.raises(RuntimeError, match="256 inputs, x has 512"):
+        op(torch.randn(2, 512), codes, scales, 20)
+    with pytest.raises(RuntimeError, match="outside the codes or scales"):
+        op(torch.randn(2, 256), codes[:-64].clone(), scales, 20)
+    with pytest.raises(RuntimeError, match="kquant header"):
+        op(torch.randn(2, 256), torch.zeros_like(codes), scales, 20)
+
+
+def test_a_kept_embedding_gathers_its_head_s_rows(table) -> None:
+    weight = _weight(("Q6_K",), (100,), 256)
+    head = kquants.KQuantLinear(weight, None, table)
+    embedding = kquants.KQuantEmbedding(head, torch.float32)
+    tokens = torch.tensor([[0, 99, 16], [15, 17, 50]])
+    assert torch.equal(embedding(tokens), weight.dequantize()[tokens])
+
+
+def test_torch_export_traces_a_kept_product(table) -> None:
+    linear = kquants.KQuantLinear(_weight(("Q4_K", "Q6_K"), (32, 16), 256), None, table)
+    x = torch.randn(5, 256)
+    exported = torch.export.export(linear, (x,))
+    namespace = ops.NAMESPACE if table.kind == "compiled" else ops.TORCH_NAMESPACE
+    assert f"{namespace}.kquant_matmul_a8" in str(exported.graph)
+    assert torch.equal(exported.module()(x), linear(x))
+
+
+def _q4_k_m(name: str) -> str | None:
+    """Q4_K_M's mix: Q4_K projections, Q6_K for v, down of layer 1 and the embedding."""
+    if "norm" in name or not name.endswith(".weight"):
+        return None
+    if name in ("token_embd.weight", "output.weight", "blk.1.ffn_down.weight"):
+        return "Q6_K"
+    return "Q6_K" if "attn_v" in name else "Q4_K"
+
+
+SHAPE = dict(
+    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, std=0.05
+)
+STEPS = [[(0, list(range(1, 30))), (1, [5, 9, 3])], [(0, [4]), (1, list(range(40, 60)))]]
+
+
+def test_a_q4_k_m_file_keeps_every_tensor_in_its_kind(
+    tiny_checkpoint, packed_steps, tmp_path, caplog, kernel
+) -> None:
+    """Every projection, the embedding and the head stay in their kinds; the load line
+    says what runs them; the model computes what the file's dequantised model computes,
+    within the int8 inputs' rounding; with float inputs asked for, nothing is kept."""
+    hf_model, _ = tiny_checkpoint("llama", **SHAPE)
+    file = tmp_path / "q4_k_m.gguf"
+    write_gguf(hf_model, file, "llama", kinds=_q4_k_m)
+    said: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        _, model = load_model(file, "float32", kernel, progress=lambda what, _: said.append(what))
+    assert not [r for r in caplog.records if "cannot stay quantised" in r.getMessage()]
+    assert model.layers[0].qkv.format == "Q4_K+Q6_K" and model.layers[1].down.format == "Q6_K"
+    assert model.layers[0].down.format == "Q4_K" and model.embed.format == "Q6_K"
+    assert model.lm_head is not None and model.lm_head.format == "Q6_K"
+    assert "Q4_K x" in said[-1] and "Q6_K x" in said[-1] and "kept as they are" in said[-1]
+    summary = quantized.describe(model)
+    assert set(summary.bytes_by_format) == {"Q4_K", "Q6_K", "float32"}
+    assert sum(summary.bytes_by_format.values()) == sum(
+        p.numel() * p.element_size() for p in model.parameters()
+    )
+    _, dequantised = load_model(file, "float32", kernel, "none")
+    got = torch.cat(packed_steps(model, STEPS, 2))
+    expected = torch.cat(packed_steps(dequantised, STEPS, 2))
+    # Every product's inputs rounded to int8 (a random model amplifies it: 4% here, and
+    # 0.9% on the float products of the Q4_1 file of this model, whose embedding and head
+    # are requantised to int8); a layout read wrong would be wrong by about 100%.
+    assert (got - expected).norm() < 0.08 * expected.norm()
+    _, floats = load_model(file, "float32", kernel, activations="float")
+    assert not any(isinstance(m, kquants.KQuantLinear) for m in floats.modules())
+    assert isinstance(floats.layers[0].gate_up, QuantizedLinear)  # Q4_K as int4
+    assert floats.layers[0].gate_up.format == "int4"
+
+
+def test_kept_layers_run_as_the_one_op_layer_and_as_the_torch_ops_do(
+    compiled_ops, tiny_checkpoint, packed_steps, tmp_path
+) -> None:
+    """The one-op layer gives the Python steps' bits; the torch implementations give the
+    compiled kernels' results to the inputs' rounding (each product agrees to float
+    rounding, test_the_products_..., but a float rounding apart can move an input's int8
+    code by one, which this random model amplifies)."""
+    hf_model, _ = tiny_checkpoint("llama", **SHAPE)
+    file = tmp_path / "q.gguf"
+    write_gguf(hf_model, file, "llama", kinds=_q4_k_m)
+    _, model = load_model(file, "float32", "compiled")
+    assert model.fuse_layers() == 2
+    fused = torch.cat(packed_steps(model, STEPS, 2))
+    model.fuse_layers(False)
+    assert torch.equal(torch.cat(packed_steps(model, STEPS, 2)), fused)
+    _, slow = load_model(file, "float32", "torch")
+    expected = torch.cat(packed_steps(slow, STEPS, 2))
+    assert (fused - expected).norm() < 0.05 * expected.norm()
+
+
+def test_the_torch_implementation_reads_the_layout(torch_ops) -> None:
+    """quantized_torch's implementation is the reference: its product over one-hot rows
+    is the weight (within the int8 inputs: a one-hot group quantises exactly)."""
+    weight = _weight(*MIXED, 256)
+    got = quantized_torch.kquant_matmul_a8_torch(torch.eye(256), *kquants.pack(weight), 156)
+    assert torch.allclose(got.t(), weight.dequantize(), rtol=1e-6, atol=1e-7)
