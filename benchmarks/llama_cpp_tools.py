@@ -39,10 +39,17 @@ TOOLS = (
 )
 # The converter's imports; torch is the CPU build pip finds on disk (cellbatch's own pin).
 CONVERTER_DEPS = ("torch==2.13.0", "transformers", "sentencepiece", "safetensors", "numpy")
-# No network at build or run time: no HTTPS client, no prebuilt web UI download.
+# No network at build or run time: no HTTPS client, no prebuilt web UI download. Native
+# flags less AMX: this llama.cpp's AMX matrix products (ggml-cpu/amx, which -march=native
+# turns on where the CPU has AMX) crash with SIGSEGV in ggml_backend_amx_mul_mat on the
+# development machine (a Xeon with AMX, Q4_K_M and Q4_0 files alike); explicit -mno-*
+# flags win over -march=native's in GCC, and change nothing on CPUs without AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_UI=OFF",
@@ -138,8 +145,8 @@ llama.cpp/            the llama.cpp sources vendored in the llama-cpp-python=={v
                       (pip download --no-binary :all: --no-deps llama-cpp-python=={version})
 llama.cpp/build/bin/  {tools}
                       built with cmake {flags}
-                      (GGML_NATIVE: -march=native, this machine's instructions, AMX included
-                      where the CPU has it)
+                      (GGML_NATIVE: -march=native, this machine's instructions, less AMX,
+                      whose llama.cpp path crashed here: see llama_cpp_tools.py)
 llama-venv/           Python for llama.cpp/convert_hf_to_gguf.py: {deps} and the vendored gguf-py
 
 Rebuild: delete llama.cpp/build (or llama-venv) and run

@@ -301,25 +301,43 @@ def _entries(header: list[int]) -> Iterator[tuple[int, int, int, int]]:
 
 def unpack(codes: torch.Tensor, scales: torch.Tensor) -> KQuantWeight:
     """`pack`'s tensors read back (views of them)."""
+    return KQuantWeight([segment_view(codes, scales, where) for where in segments_of(codes)])
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a segment lies in `pack`'s tensors."""
+
+    kind: str
+    rows: int
+    in_features: int
+    codes_at: int
+    scales_at: int
+
+
+def segments_of(codes: torch.Tensor) -> list[Where]:
+    """The header of `pack`'s codes."""
     words = codes[: 4 * _HEADER_WORDS].view(torch.int32).tolist()
     if words[0] != MAGIC:
         raise ValueError("not a kquant weight's codes (no header)")
     header = codes[: 4 * (_HEADER_WORDS + _SEGMENT_WORDS * words[1])].view(torch.int32).tolist()
-    in_features, segments = header[2], []
-    for kind_id, rows, at, scales_at in _entries(header):
-        kind = KINDS[kind_id]
-        panels, groups = -(-rows // PANEL), in_features // GROUP_SIZE
-        size = panels * groups * CODE_BYTES[_BITS[kind]]
-        scale_size = panels * scale_bytes(kind, in_features)
-        segments.append(
-            Segment(
-                kind,
-                rows,
-                codes[at : at + size].view(panels, groups, -1),
-                scales[scales_at : scales_at + scale_size].view(panels, -1),
-            )
-        )
-    return KQuantWeight(segments)
+    return [
+        Where(KINDS[kind_id], rows, header[2], at, scales_at)
+        for kind_id, rows, at, scales_at in _entries(header)
+    ]
+
+
+def segment_view(codes: torch.Tensor, scales: torch.Tensor, where: Where) -> Segment:
+    """The segment `where` names, as views of `pack`'s tensors."""
+    panels, groups = -(-where.rows // PANEL), where.in_features // GROUP_SIZE
+    size = panels * groups * CODE_BYTES[_BITS[where.kind]]
+    scale_size = panels * scale_bytes(where.kind, where.in_features)
+    return Segment(
+        where.kind,
+        where.rows,
+        codes[where.codes_at : where.codes_at + size].view(panels, groups, -1),
+        scales[where.scales_at : where.scales_at + scale_size].view(panels, -1),
+    )
 
 
 # -- reading the layout back (the torch implementation, the embedding and the tests) --------
@@ -462,13 +480,10 @@ class KQuantEmbedding(nn.Module):
         self.format = linear.format
         self.bytes_by_kind = linear.bytes_by_kind
         self.dtype = dtype
-        weight = unpack(linear.codes.data, linear.scales.data)
-        if len(weight.segments) != 1:
-            raise ValueError("a kept embedding is one tensor of one kind")
-        self._kind = weight.segments[0].kind
+        (self.where,) = segments_of(linear.codes.data)  # one tensor: one kind
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        segment = unpack(self.codes, self.scales).segments[0]
+        segment = segment_view(self.codes, self.scales, self.where)
         flat = tokens.reshape(-1)
         rows = dense_segment(segment, flat // PANEL, flat % PANEL)
         return rows.view(*tokens.shape, -1).to(self.dtype)

@@ -1,0 +1,287 @@
+"""cellbatch at the sizes people batch on CPUs (the scale models of benchmarks/scale_models.py:
+random weights, so the text is meaningless and the speed honest), beside llama.cpp on the
+same file, and against the rate at which this machine's memory bandwidth streams the
+weights one token reads.
+
+    python benchmarks/scale.py [--models /work/models/llama-1b/llama-1b-Q4_K_M.gguf,...]
+        [--threads 2] [--no-llama] [--output-json benchmarks/results/scale-....json]
+
+Per model file, in a fresh process each (so peak RSS is the load's own): cellbatch's
+default (`Engine.from_pretrained(path)`, every option left to `auto`)
+- load: seconds and peak RSS (VmHWM) after loading;
+- single: one 64-token prompt, 128 new tokens (no stop tokens), tokens / wall time,
+  prefill included (and its decode-only rate, from the first token on);
+- P32: the throughput benchmark's 32 chat prompts at once, 64 new tokens each;
+- D32: the 32 prompts, 128 new tokens each, prefill included;
+- prefill: one 1,000-token prompt, 1 new token: 1,000 / wall time.
+llama.cpp (llama-batched-bench from /work/peers, built by benchmarks/llama_cpp_tools.py):
+`-npp 64 -ntg 128 -npl 1,32 -t T`: single = 128 / (T_PP + T_TG) at 1 sequence (and its
+decode rate S_TG), D32 = 32 x 128 / (T_PP + T_TG) at 32; `-npp 1000 -ntg 1 -npl 1`: its
+prompt rate S_PP. The bandwidth: the best of 5 `sum`s of 1 GiB of float32 with T threads;
+the rate it streams a token's weights: bandwidth / bytes read per token (the file's
+tensors, less an untied embedding, which a token reads one row of; cellbatch's layout of
+the same weights is a few per cent larger, `weights read` says its own).
+
+Owns: the runs and the table. Never: judges the figures (it prints them and ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp_tools
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODELS = (
+    "/work/models/llama-1b/llama-1b-Q4_K_M.gguf",
+    "/work/models/llama-1b/llama-1b-Q4_0.gguf",
+)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status", encoding="utf-8") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(path: str, threads: int) -> dict[str, Any]:
+    """cellbatch's figures for one model (the child side)."""
+    import torch
+
+    from cellbatch.bench.workload import CHAT_PROMPTS
+    from cellbatch.engine import Engine
+    from cellbatch.types import GenConfig
+
+    torch.set_num_threads(threads)
+    said: list[str] = []
+    started = time.perf_counter()
+    engine = Engine.from_pretrained(
+        path,
+        threads=threads,
+        max_sessions=32,
+        progress=lambda what, seconds: said.append(f"{what} in {seconds:.1f} s"),
+    )
+    out: dict[str, Any] = {
+        "load_seconds": time.perf_counter() - started,
+        "peak_rss": _status("VmHWM"),
+        "rss_after_load": _status("VmRSS"),
+        "load_lines": said,
+        "weights": engine.weights.format,
+        "weights_bytes": engine.weights_bytes,
+        "weights_bytes_by_format": engine.weights.bytes_by_format,
+    }
+    generator = torch.Generator().manual_seed(0)
+    vocab = engine.tokenizer.vocab_size
+
+    def ids(count: int) -> list[int]:
+        return torch.randint(3, vocab, (count,), generator=generator).tolist()
+
+    def run(prompts: list[list[int]], new: int) -> tuple[float, int]:
+        config = GenConfig(max_new_tokens=new, stop_tokens=frozenset())
+        began = time.perf_counter()
+        results = engine.generate(prompts, config, share_prefix=False)
+        seconds = time.perf_counter() - began
+        bad = [r.error for r in results if not r.ok]
+        if bad:
+            raise RuntimeError(bad[0])
+        return seconds, sum(len(r.tokens) for r in results)
+
+    with engine:
+        run([ids(16)], 4)  # warm-up
+        prompt = ids(64)
+        first, _ = run([prompt], 1)
+        seconds, tokens = run([prompt], 128)
+        out["single"] = tokens / seconds
+        out["single_decode"] = (tokens - 1) / max(seconds - first, 1e-9)
+        chats = [
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            for text in CHAT_PROMPTS[:32]
+        ]
+        seconds, tokens = run(chats, 64)
+        out["p32"] = tokens / seconds
+        seconds, tokens = run(chats, 128)
+        out["d32"] = tokens / seconds
+        long_prompt = ids(1000)
+        seconds, _ = run([long_prompt], 1)
+        out["prefill"] = 1000 / seconds
+    return out
+
+
+def bandwidth(threads: int) -> float:
+    """GB/s of the best of 5 sums of 1 GiB of float32."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(2**28)
+    data.sum()
+    best = min(_timed(data.sum) for _ in range(5))
+    return data.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def bytes_per_token(path: str) -> tuple[int, int]:
+    """(bytes of weights one token reads, all the file's tensor bytes): an untied
+    embedding is read one row a token, so it is left out."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    total = sum(sizes.values())
+    read = total - (sizes["token_embd.weight"] if "output.weight" in sizes else 0)
+    return read, total
+
+
+def llama_cpp(path: str, threads: int) -> dict[str, float]:
+    """llama-batched-bench's figures on the file."""
+    bench = str(llama_cpp_tools.binary("llama-batched-bench"))
+    common = ["-m", path, "-t", str(threads), "-tb", str(threads), "-c", "8192"]
+    rows = _batched_rows([bench, *common, "-npp", "64", "-ntg", "128", "-npl", "1,32"])
+    one, many = rows[1], rows[32]
+    prompt = _batched_rows([bench, *common, "-npp", "1000", "-ntg", "1", "-npl", "1", "-b", "2048"])
+    return {
+        "single": 128 / (one["T_PP"] + one["T_TG"]),
+        "single_decode": one["S_TG"],
+        "d32": 32 * 128 / (many["T_PP"] + many["T_TG"]),
+        "d32_decode": many["S_TG"],
+        "prefill": prompt[1]["S_PP"],
+    }
+
+
+def _batched_rows(command: list[str]) -> dict[int, dict[str, float]]:
+    """llama-batched-bench's table: B -> {T_PP, S_PP, T_TG, S_TG}."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+    rows: dict[int, dict[str, float]] = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"\d+", cells[0]):
+            values = [float(c) for c in cells]
+            rows[int(values[2])] = {
+                "T_PP": values[4],
+                "S_PP": values[5],
+                "T_TG": values[6],
+                "S_TG": values[7],
+            }
+    if not rows:
+        raise RuntimeError(f"no table in llama-batched-bench's output: {done.stdout[-2000:]}")
+    return rows
+
+
+def _child(path: str, threads: int) -> dict[str, Any]:
+    command = [sys.executable, str(HERE / "scale.py"), "--child", path, "--threads", str(threads)]
+    print(f"scale bench: {Path(path).name} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{path} failed: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"machine: {results['cpu']} ({results['cpu_kind']}), {results['threads']} threads; "
+        f"memory read bandwidth {results['bandwidth_gbs']:.1f} GB/s (1 GiB sum). "
+        "Random weights: meaningless text, honest speed.",
+        "",
+        "| model | engine | weights read / token | bandwidth rate | load s | peak RSS | "
+        "single | (decode) | P32 | D32 | prefill 1000 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in results["models"].items():
+        cb, rate = run["cellbatch"], run["bandwidth_rate"]
+        lines.append(
+            f"| {name} | cellbatch default | {run['cellbatch_bytes_per_token'] / 1e9:.2f} GB | "
+            f"{rate:.1f} tok/s | {cb['load_seconds']:.1f} | {cb['peak_rss'] / 2**30:.2f} GiB | "
+            f"{cb['single']:.1f} ({cb['single'] / rate:.0%} of rate) | {cb['single_decode']:.1f} | "
+            f"{cb['p32']:.1f} | {cb['d32']:.1f} | {cb['prefill']:.1f} |"
+        )
+        peer = run.get("llama_cpp")
+        if peer:
+            ratio = {part: cb[part] / peer[part] for part in ("single", "single_decode", "d32")}
+            lines += [
+                f"| {name} | llama.cpp (batched-bench) | "
+                f"{run['file_bytes_per_token'] / 1e9:.2f} GB | "
+                f"{run['file_bandwidth_rate']:.1f} tok/s | | | {peer['single']:.1f} | "
+                f"{peer['single_decode']:.1f} | | "
+                f"{peer['d32']:.1f} (decode {peer['d32_decode']:.1f}) | {peer['prefill']:.1f} |",
+                f"| {name} | cellbatch / llama.cpp | | | | | {ratio['single']:.2f}x | "
+                f"{ratio['single_decode']:.2f}x | | {ratio['d32']:.2f}x | "
+                f"{cb['prefill'] / peer['prefill']:.2f}x |",
+            ]
+        lines.append(f"| {name} | weights | {cb['weights']} | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--output-json", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.threads)))
+        return 0
+    from cellbatch.model.cpu import cpu_dtype, torch_runs_avx512
+
+    if not args.no_llama:
+        llama_cpp_tools.ensure()
+    rate = bandwidth(args.threads)
+    results: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "cpu_kind": ("AVX512" if torch_runs_avx512() else "AVX2") + f", auto dtype {cpu_dtype()}",
+        "threads": args.threads,
+        "bandwidth_gbs": rate,
+        "command": " ".join(sys.argv),
+        "random_weights": True,
+        "models": {},
+    }
+    for path in args.models.split(","):
+        read, total = bytes_per_token(path)
+        run: dict[str, Any] = {"cellbatch": _child(path, args.threads)}
+        ours = run["cellbatch"]["weights_bytes"] * read / total
+        run |= {
+            "file_bytes_per_token": read,
+            "cellbatch_bytes_per_token": ours,
+            "bandwidth_rate": rate * 1e9 / ours,
+            "file_bandwidth_rate": rate * 1e9 / read,
+        }
+        if not args.no_llama:
+            print(f"scale bench: llama.cpp on {Path(path).name} ...", file=sys.stderr, flush=True)
+            run["llama_cpp"] = llama_cpp(path, args.threads)
+        results["models"][Path(path).name] = run
+    print(table(results))
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
