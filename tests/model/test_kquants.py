@@ -227,8 +227,10 @@ def test_a_q4_k_m_file_keeps_every_tensor_in_its_kind(
     assert model.layers[0].qkv.format == "Q4_K+Q6_K" and model.layers[1].down.format == "Q6_K"
     assert model.layers[0].down.format == "Q4_K" and model.embed.format == "Q6_K"
     assert model.lm_head is not None and model.lm_head.format == "Q6_K"
-    assert "Q4_K x" in said[-1] and "Q6_K x" in said[-1] and "kept as they are" in said[-1]
+    assert "Q4_K in 7 products" in said[-1] and "Q6_K in 4 products" in said[-1]
+    assert "kept as they are: kquant_matmul_a8, int8 inputs" in said[-1]
     summary = quantized.describe(model)
+    assert summary.format.endswith(said[-1].partition("; ")[2].removesuffix(")"))
     assert set(summary.bytes_by_format) == {"Q4_K", "Q6_K", "float32"}
     assert sum(summary.bytes_by_format.values()) == sum(
         p.numel() * p.element_size() for p in model.parameters()

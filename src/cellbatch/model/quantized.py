@@ -511,6 +511,12 @@ def describe(model: DecoderModel) -> WeightsSummary:
     with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
     if with_a8:
         words += f" ({', '.join(with_a8)} with int8 activations)"
+    # Imported here: kquants builds on this module.
+    from cellbatch.model.kquants import describe_kept
+
+    kept = describe_kept(model)
+    if kept:
+        words += f"; {kept}"
     # Quantised products, and kept GGUF blocks (kquants.KQuantLinear, whose bytes count
     # per GGUF kind: `bytes_by_kind`).
     kernels = {str(m.kernel) for m in model.modules() if hasattr(m, "kernel")}
