@@ -104,6 +104,7 @@ def measure(path: str, threads: int) -> dict[str, Any]:
         seconds, tokens = run([prompt], 128)
         out["single"] = tokens / seconds
         out["single_decode"] = (tokens - 1) / max(seconds - first, 1e-9)
+        print(f"single {out['single']:.1f} tok/s", file=sys.stderr, flush=True)
         chats = [
             engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
             for text in CHAT_PROMPTS[:32]
@@ -275,10 +276,11 @@ def main() -> int:
             print(f"scale bench: llama.cpp on {Path(path).name} ...", file=sys.stderr, flush=True)
             run["llama_cpp"] = llama_cpp(path, args.threads)
         results["models"][Path(path).name] = run
+        print(table(results), file=sys.stderr, flush=True)  # so far: nothing lost to a stop
+        if args.output_json:
+            args.output_json.parent.mkdir(parents=True, exist_ok=True)
+            args.output_json.write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
-    if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -119,28 +119,42 @@ inline __m512i operand(const uint8_t* at) {
   return q;
 }
 
-// Sub-group `sub` of group g's 16 scales and offsets (the vector form of Panels::terms).
-inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, __m512* scale,
-                  __m512* offset) {
-  const uint8_t* h = panels.halves(p, g);
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+// A panel's float16 terms as floats: group kinds' d and m (each group), K-quants' d and
+// -dmin (Q6_K: d) of the block of 256 they are from, kept while the groups run through it.
+struct Halves {
+  __m512 d, second;
+  int64_t block = -1;
+};
+
+// Sub-group `sub` of group g's 16 scales and offsets (the vector form of Panels::terms:
+// the same products, so the same values).
+inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, Halves& halves,
+                  __m512* scale, __m512* offset) {
+  const bool blocks = in_blocks(panels.kind);
+  if (!blocks || halves.block != g / 8) {
+    const uint8_t* h = panels.halves(p, g);
+    halves.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    if (panels.kind != kQ6_K) {
+      const __m512 second =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+      // K-quants: -dmin, so that o = (-dmin) mn, which is -(dmin mn) exactly.
+      halves.second = blocks ? _mm512_sub_ps(_mm512_setzero_ps(), second) : second;
+    }
+    halves.block = blocks ? g / 8 : -1;
+  }
+  const __m512 d = halves.d;
   if (panels.kind == kQ6_K) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
     *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-    return;
-  }
-  const __m512 second =
-      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
-  if (in_blocks(panels.kind)) {
+  } else if (blocks) {
     const uint8_t* sm = panels.small(p, g, 0);
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
     const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanel));
     *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-    const __m512 minimum = _mm512_mul_ps(second, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
-    *offset = _mm512_sub_ps(_mm512_setzero_ps(), minimum);
+    *offset = _mm512_mul_ps(halves.second, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
   } else {
     *scale = d;
-    *offset = _mm512_sub_ps(second, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
+    *offset = _mm512_sub_ps(halves.second, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
   }
 }
 
@@ -157,6 +171,7 @@ template <int kBits>
 struct Direct {
   const Panels& panels;
   int64_t p0;
+  mutable Halves halves[kBlock];
   template <int kS>
   __m512i get(int p, int64_t g) const {
     const uint8_t* at = panels.group_codes(p0 + p, g);
@@ -168,7 +183,7 @@ struct Direct {
     return operand<kBits, kS>(at);
   }
   void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
-    terms(panels, p0 + p, g, sub, scale, offset);
+    terms(panels, p0 + p, g, sub, halves[p], scale, offset);
   }
 };
 
@@ -188,7 +203,8 @@ struct Buffered {
 
 template <int kBits>
 void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, Buffer* buffer) {
-  for (int p = 0; p < count; ++p)
+  for (int p = 0; p < count; ++p) {
+    Halves halves;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* at = panels.group_codes(p0 + p, g);
       auto& ops = buffer->operands[g - g0];
@@ -201,9 +217,10 @@ void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, B
       ops[6][p] = operand<kBits, 6>(at);
       ops[7][p] = operand<kBits, 7>(at);
       for (int sub = 0; sub < subs(panels.kind); ++sub)
-        terms(panels, p0 + p, g, sub, &buffer->scales[g - g0][sub][p],
+        terms(panels, p0 + p, g, sub, halves, &buffer->scales[g - g0][sub][p],
               &buffer->offsets[g - g0][sub][p]);
     }
+  }
 }
 
 // dot[r][p] += operand kS of each panel times rows m + r's inputs 4 kS .. of group g.
@@ -299,7 +316,7 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
   const int64_t groups = panels.groups;
   if (count <= kFusedRows) {
     with_count<kFusedRows>(count, [&](auto rows) {
-      rows_over_groups<decltype(rows)::value, P, kBits>(Direct<kBits>{panels, p0}, in, m, 0,
+      rows_over_groups<decltype(rows)::value, P, kBits>(Direct<kBits>{panels, p0, {}}, in, m, 0,
                                                         groups, sums);
     });
     return;
