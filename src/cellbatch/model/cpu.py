@@ -1,8 +1,9 @@
 """What this CPU offers the model's products: the feature questions that the `auto` choices
 (dtype, activations, oneDNN packing) ask, in one place.
 
-Owns: `cpu_has_fast_bf16`, `cpu_dtype` (what `auto` computes in), `cpu_has_int8_products`
-and `cpu_has_amx`, and the rule they share: a feature counts only when the CPU has
+Owns: `cpu_has_fast_bf16`, `cpu_dtype` (what `auto` computes in), `cpu_has_int8_products`,
+`int8_products_path` (which instruction runs those) and `cpu_has_amx`, and the rule they
+share: a feature counts only when the CPU has
 it (detected, never assumed) and torch runs at a vector width that includes it
 (`torch.backends.cpu.get_cpu_capability()`).
 Promises: with torch's own switch `ATEN_CPU_CAPABILITY=avx2`, cellbatch chooses as on an
@@ -17,6 +18,8 @@ per process; so do these questions' callers).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -56,3 +59,15 @@ def cpu_has_amx() -> bool:
     """True when the CPU has AMX tiles and torch runs at the AVX512 width, so that
     oneDNN's bf16 products may take the tile kernels (unless ONEDNN_MAX_CPU_ISA caps them)."""
     return _cpu_has("_is_amx_tile_supported") and torch_runs_avx512()
+
+
+def int8_products_path() -> str:
+    """Which arithmetic the compiled int8-input products take here, in words, as
+    kernels/quantized_a8.cpp's `products_path` picks it: VPDPBUSD on AVX512-VNNI at the
+    AVX512 width, VPMADDUBSW on AVX2, else (or with CELLBATCH_A8_PORTABLE=1) the portable
+    loop."""
+    if os.environ.get("CELLBATCH_A8_PORTABLE") == "1" or not cpu_has_int8_products():
+        return "portable loop"
+    if _cpu_has("_is_vnni_supported") and torch_runs_avx512():
+        return "VPDPBUSD, AVX512-VNNI"
+    return "VPMADDUBSW, AVX2"

@@ -38,7 +38,6 @@ and its scales
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,7 +46,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from cellbatch.model.cpu import cpu_has_int8_products, torch_runs_avx512
 from cellbatch.model.quantized import GGUF_KEPT_KINDS, GROUP_SIZE, PANEL
 
 MAGIC = 0x3130514B  # "KQ01"
@@ -425,17 +423,6 @@ class KQuantOps(Protocol):
     def kquant_matmul_a8(self) -> Callable[..., torch.Tensor]: ...
 
 
-def arithmetic(ops_kind: str) -> str:
-    """What multiplies kept weights here, in words: the compiled kernels' path (as
-    kernels/quantized_a8.cpp's `products_path` picks it) or the torch implementation."""
-    if ops_kind != "compiled":
-        return "torch implementation"
-    if os.environ.get("CELLBATCH_A8_PORTABLE") == "1" or not cpu_has_int8_products():
-        return "portable loop"
-    vnni = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
-    return "VPDPBUSD, AVX512-VNNI" if vnni and torch_runs_avx512() else "VPMADDUBSW, AVX2"
-
-
 def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
@@ -506,32 +493,3 @@ def install(model: Any, weights: dict[str, KQuantWeight]) -> None:
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, name)
         setattr(parent, name, KQuantLinear(weight, getattr(old, "bias", None), model.ops))
-
-
-class HasModules(Protocol):
-    def modules(self) -> Iterator[nn.Module]: ...
-
-
-def describe_kept(model: HasModules) -> str:
-    """What runs the kept weights of a model, per kind ("" when none): "Q4_K in 64
-    products (560.1 MiB), Q6_K in 34 (215.0 MiB) kept as they are: kquant_matmul_a8, int8
-    inputs (VPDPBUSD, AVX512-VNNI)"."""
-    counts: dict[str, int] = {}
-    sizes: dict[str, int] = {}
-    kernel = ""
-    for module in model.modules():
-        if isinstance(module, KQuantLinear):
-            kernel = module.kernel
-            for kind, size in module.bytes_by_kind.items():
-                counts[kind] = counts.get(kind, 0) + 1
-                sizes[kind] = sizes.get(kind, 0) + size
-    if not counts:
-        return ""
-    parts = [
-        f"{kind} in {counts[kind]} products ({sizes[kind] / 2**20:.1f} MiB)"
-        for kind in sorted(counts)
-    ]
-    return (
-        f"{', '.join(parts)} kept as they are: kquant_matmul_a8, int8 inputs "
-        f"({arithmetic(kernel if kernel == 'compiled' else 'torch')})"
-    )

@@ -135,7 +135,7 @@ def load_model(
     # Only now is the checkpoint (the GGUF reader's parsed metadata) and every scratch
     # tensor of the conversion gone.
     _return_freed_memory()
-    kept = kquants.describe_kept(model)
+    kept = quantized.describe_kept(model)
     clock.done(f"prepared the model ({model.ops.kind} kernels{'; ' + kept if kept else ''})")
     return config, model
 

@@ -8,7 +8,8 @@ multiple of 32: w = q * s, q int8) and `Int4Weight` (groups of 32 inputs: w = q 
 `cellbatch.model.gguf_blocks`); the kernels' panel layouts (`pack`; the ops' torch
 implementations, which read them, are in `cellbatch.model.quantized_torch`); the
 `activations` choice (`resolve_activations`); `QuantizedLinear`, `QuantizedEmbedding` and
-`install`, which puts them into a PackedTransformer; `describe`, what a model's weights are.
+`install`, which puts them into a PackedTransformer; `describe`, what a model's weights are,
+and `describe_kept`, what runs the GGUF blocks kept as they are (`cellbatch.model.kquants`).
 Promises:
 - (gguf_blocks) Q4_0, Q4_1 and Q4_K blocks map onto Int4Weight exactly: scale d (Q4_K:
   d * sc), offset m (Q4_0: -8d; Q4_K: -dmin * mn), all exact in float32, so the dequantised
@@ -56,7 +57,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from cellbatch.model.cpu import cpu_dtype, cpu_has_int8_products
+from cellbatch.model.cpu import cpu_dtype, cpu_has_int8_products, int8_products_path
 from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES, InvalidArgumentError
 
 
@@ -511,9 +512,6 @@ def describe(model: DecoderModel) -> WeightsSummary:
     with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
     if with_a8:
         words += f" ({', '.join(with_a8)} with int8 activations)"
-    # Imported here: kquants builds on this module.
-    from cellbatch.model.kquants import describe_kept
-
     kept = describe_kept(model)
     if kept:
         words += f"; {kept}"
@@ -538,3 +536,29 @@ def describe(model: DecoderModel) -> WeightsSummary:
             fmt = str(module.format) if quantized else str(param.dtype).removeprefix("torch.")
             by_format[fmt] = by_format.get(fmt, 0) + param.numel() * param.element_size()
     return WeightsSummary(words, formats, "+".join(sorted(kernels)) or "none", by_format)
+
+
+def describe_kept(model: DecoderModel) -> str:
+    """What runs a model's GGUF blocks kept as they are (`kquants.KQuantLinear`: a
+    `bytes_by_kind` per kind), per kind ("" when none): "Q4_K in 56 products (457.9 MiB),
+    Q6_K in 17 products (317.1 MiB) kept as they are: kquant_matmul_a8, int8 inputs
+    (VPDPBUSD, AVX512-VNNI)"."""
+    counts: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    compiled = False
+    for module in model.modules():
+        kinds: dict[str, int] | None = getattr(module, "bytes_by_kind", None)
+        if kinds is None or not hasattr(module, "kernel"):  # the embedding shares its head's
+            continue
+        compiled = module.kernel == "compiled"
+        for kind, size in kinds.items():
+            counts[kind] = counts.get(kind, 0) + 1
+            sizes[kind] = sizes.get(kind, 0) + size
+    if not counts:
+        return ""
+    parts = [
+        f"{kind} in {counts[kind]} products ({sizes[kind] / 2**20:.1f} MiB)"
+        for kind in sorted(counts)
+    ]
+    how = int8_products_path() if compiled else "torch implementation"
+    return f"{', '.join(parts)} kept as they are: kquant_matmul_a8, int8 inputs ({how})"
