@@ -14,6 +14,13 @@ from hypothesis import strategies as st
 
 from cellbatch import cache as cache_module
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, CellCache, KVPool
+from cellbatch.kv_format import (
+    dequantize_heads,
+    kv_bytes_per_cell,
+    quantize_heads,
+    read_heads,
+    store_heads,
+)
 from cellbatch.types import InvalidArgumentError, OutOfResourcesError
 
 # -- helpers -----------------------------------------------------------------------
@@ -437,11 +444,11 @@ def test_the_pool_grows_geometrically_up_to_capacity() -> None:
         pool.ensure(22)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_the_pool_keeps_live_kv_bit_identical_across_growth(dtype: torch.dtype) -> None:
     pool = KVPool(2, 3, 8, capacity=100, dtype=dtype, initial_cells=5)
     generator = torch.Generator().manual_seed(0)
-    written = [torch.randn(5, 3, 8, generator=generator).to(dtype) for _ in range(4)]
+    written = [store_heads(torch.randn(5, 3, 8, generator=generator), dtype) for _ in range(4)]
     for tensor, values in zip(pool.k + pool.v, written, strict=True):
         tensor.copy_(values)
     pool.ensure(50)
@@ -481,6 +488,35 @@ def test_the_pool_refuses_bad_arguments() -> None:
     with pytest.raises(InvalidArgumentError, match="head_dim"):
         KVPool(1, 1, 0, capacity=8)
     assert KVPool(1, 2, 4, capacity=8, dtype=torch.bfloat16).bytes_per_cell == 2 * 2 * 4 * 2
+
+
+def test_an_int8_pool_holds_each_head_with_its_scale_in_about_half_of_bf16s_bytes() -> None:
+    """int8 rows: head_dim codes and a float32 scale per (cell, head); at head_dim 64,
+    68 bytes against bf16's 128 (0.53x), at 128, 0.52x."""
+    pool = KVPool(3, 2, 64, capacity=8, dtype=torch.int8, initial_cells=4)
+    assert pool.k[0].shape == (4, 2, 68) and pool.k[0].dtype == torch.int8
+    assert pool.bytes_per_cell == 2 * 3 * 2 * 68
+    bf16 = KVPool(3, 2, 64, capacity=8, dtype=torch.bfloat16).bytes_per_cell
+    assert pool.bytes_per_cell / bf16 == 68 / 128
+    assert kv_bytes_per_cell(32, 8, 128, torch.int8) / kv_bytes_per_cell(
+        32, 8, 128, torch.bfloat16
+    ) == pytest.approx(0.516, abs=1e-3)
+    # An unwritten row reads as zeros, never NaN.
+    assert torch.equal(read_heads(pool.k[1], torch.float32), torch.zeros(4, 2, 64))
+
+
+def test_int8_heads_round_trip_within_half_a_step_of_their_own_scale() -> None:
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(50, 4, 32, generator=generator) * torch.rand(50, 4, 1, generator=generator)
+    values[7, 2] = 0  # an all-zero head: scale 0, codes 0
+    rows = quantize_heads(values)
+    assert rows.shape == (50, 4, 36) and rows.dtype == torch.int8
+    back = dequantize_heads(rows, torch.float32)
+    step = values.abs().amax(dim=-1, keepdim=True) / 127
+    assert ((back - values).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(back[7, 2], torch.zeros(32))
+    # The largest value of each head is held exactly at code +-127.
+    assert rows[..., :32].abs().amax(dim=-1)[values.abs().amax(dim=-1) > 0].eq(127).all()
 
 
 def test_a_plan_gathers_real_and_scratch_cells_from_a_small_pool() -> None:
@@ -666,12 +702,15 @@ def test_random_histories_match_a_naive_reference(ops: list[tuple]) -> None:
 
 class ContiguousAttention(HistoryObserver):
     """Writes random K/V into a KVPool at the placed cells and checks attention through
-    the plan against attention over a contiguous K/V list per sequence."""
+    the plan against attention over a contiguous K/V list per sequence (of the values the
+    pool holds: an int8 pool's dequantised ones)."""
 
     heads, head_dim, layers = 2, 4, 2
 
-    def __init__(self, capacity: int, seed: int) -> None:
-        self.pool = KVPool(self.layers, self.heads, self.head_dim, capacity, initial_cells=2)
+    def __init__(self, capacity: int, seed: int, dtype: torch.dtype = torch.float32) -> None:
+        self.pool = KVPool(
+            self.layers, self.heads, self.head_dim, capacity, dtype=dtype, initial_cells=2
+        )
         self.generator = torch.Generator().manual_seed(seed)
         self.kv: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
@@ -697,10 +736,15 @@ class ContiguousAttention(HistoryObserver):
         self.pool.ensure(cache.high_water())
         queries = torch.randn(shape, generator=self.generator)
         for layer in range(self.layers):
-            keys = torch.randn(shape, generator=self.generator)
-            values = torch.randn(shape, generator=self.generator)
-            self.pool.k[layer][torch.from_numpy(cells)] = keys
-            self.pool.v[layer][torch.from_numpy(cells)] = values
+            keys, values = (
+                read_heads(
+                    store_heads(torch.randn(shape, generator=self.generator), self.pool.dtype),
+                    torch.float32,
+                )
+                for _ in range(2)
+            )
+            self.pool.k[layer][torch.from_numpy(cells)] = store_heads(keys, self.pool.dtype)
+            self.pool.v[layer][torch.from_numpy(cells)] = store_heads(values, self.pool.dtype)
             for i, (seq, position) in enumerate(zip(ids.tolist(), positions.tolist(), strict=True)):
                 assert len(self.kv[seq][layer]) == position
                 self.kv[seq][layer].append((keys[i], values[i]))
@@ -721,8 +765,8 @@ class ContiguousAttention(HistoryObserver):
     ) -> torch.Tensor:
         out = torch.full_like(queries, float("nan"))
         for group in plan.groups:
-            keys = self.pool.k[layer][group.cells]  # [G, Tk, H, D]
-            values = self.pool.v[layer][group.cells]
+            keys = read_heads(self.pool.k[layer][group.cells], torch.float32)  # [G, Tk, H, D]
+            values = read_heads(self.pool.v[layer][group.cells], torch.float32)
             scores = torch.einsum("gqhd,gkhd->ghqk", queries[group.rows], keys)
             scores = scores / math.sqrt(self.head_dim)
             scores = scores.masked_fill(~group.mask(window), float("-inf"))
@@ -739,9 +783,10 @@ class ContiguousAttention(HistoryObserver):
         return torch.einsum("ht,thd->hd", weights, values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=history_ops(max_seq_tokens=5), seed=st.integers(0, 2**16))
 def test_attention_over_cells_equals_attention_over_a_contiguous_cache(
-    ops: list[tuple], seed: int
+    dtype: torch.dtype, ops: list[tuple], seed: int
 ) -> None:
-    run_history(ops, capacity=32, observer=ContiguousAttention(32, seed))
+    run_history(ops, capacity=32, observer=ContiguousAttention(32, seed, dtype))

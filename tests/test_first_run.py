@@ -114,7 +114,7 @@ def test_loading_says_what_it_does_phase_by_phase_and_quiet_keeps_still(tiny, tm
         (["--max-sessions", "0"], "--max-sessions must be >= 1, got 0"),
         (["--max-decode-sequences", "-2"], "--max-decode-sequences must be >= 1, got -2"),
         (["--threads", "0"], "--threads must be >= 1, got 0"),
-        (["--kv-dtype", "int8"], "--kv-dtype: unknown dtype 'int8'"),
+        (["--kv-dtype", "int4"], "--kv-dtype: unknown KV dtype 'int4'"),
         (["--dtype", "float64"], "--dtype: unknown dtype 'float64'"),
         (["--model", "/nonexistent/model.gguf"], "model /nonexistent/model.gguf does not exist"),
     ],

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cellbatch.kv_format import KV_DTYPES, head_width, kv_bytes_per_cell
 from cellbatch.types import InvalidArgumentError, OutOfResourcesError
 
 SCRATCH_CELL = 0
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _INITIAL_SEQ_CELLS = 16
 
@@ -484,14 +484,9 @@ class CellCache:
         self._lengths[seq] = pos
 
 
-def kv_bytes_per_cell(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V that one cell holds across every layer."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * num_layers * num_kv_heads * head_dim * element
-
-
 class KVPool:
-    """Per-layer K and V tensors [rows, kv_heads, head_dim] over cells.
+    """Per-layer K and V tensors [rows, kv_heads, head_width] over cells: head_width is
+    head_dim, or for int8 head_dim codes and a float32 scale (`cellbatch.kv_format`).
 
     Row 0 is the scratch cell; rows grow ×2 on demand up to capacity + 1. Growth copies
     the live rows bit for bit and replaces the tensors in the `k` / `v` lists in place,
@@ -519,7 +514,7 @@ class KVPool:
                 raise InvalidArgumentError(f"KVPool {name} must be a positive int, got {value}")
         if dtype not in KV_DTYPES:
             raise InvalidArgumentError(
-                f"KV dtype must be one of float32, bfloat16, float16, got {dtype}"
+                f"KV dtype must be one of float32, bfloat16, float16, int8, got {dtype}"
             )
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -564,10 +559,10 @@ class KVPool:
         self.growth_count += 1
 
     def _allocate(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        shape = (rows, self.num_kv_heads, self.head_dim)
+        shape = (rows, self.num_kv_heads, head_width(self.head_dim, self.dtype))
         try:
             # Zeroed so that a masked read of the scratch row (or an unwritten row)
-            # multiplies a finite value by 0, never NaN.
+            # multiplies a finite value by 0, never NaN (an int8 row: codes and scale 0).
             k = [
                 torch.zeros(shape, dtype=self.dtype, device=self.device)
                 for _ in range(self.num_layers)

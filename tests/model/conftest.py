@@ -123,12 +123,13 @@ def schedule(
 
 @pytest.fixture
 def first_sequence_logits() -> Callable[..., torch.Tensor]:
-    """(model, prompts, decodes, order, chunk) -> logits of every token of sequence 0,
-    in position order, when the sequences of `order` are scheduled together."""
+    """(model, prompts, decodes, order, chunk, kv_dtype=float32) -> logits of every token
+    of sequence 0, in position order, when the sequences of `order` are scheduled
+    together."""
 
-    def run(model, prompts, decodes, order, chunk) -> torch.Tensor:
+    def run(model, prompts, decodes, order, chunk, kv_dtype=torch.float32) -> torch.Tensor:
         steps, rows = schedule(prompts, decodes, order, chunk)
-        results = run_steps(model, steps, len(prompts))
+        results = run_steps(model, steps, len(prompts), kv_dtype)
         return torch.cat([r[rows_of] for r, rows_of in zip(results, rows, strict=True)])
 
     return run

@@ -1,5 +1,5 @@
 """Attention over cells: the compiled kernel against a float64 reference and the torch
-implementation, and the batch invariance of both."""
+implementation, and the batch invariance of both, over float and int8 caches."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache
+from cellbatch.kv_format import head_width, read_heads, store_heads
 from cellbatch.model import ops
 from cellbatch.model.attention import CellAttention
 from tiny_models import head_geometry
@@ -33,7 +34,8 @@ def attention(request) -> CellAttention:
 
 class Cells:
     """A CellCache fed steps of (sequence, token count). The K/V of (sequence, position)
-    are fixed random values, whichever cell that position lands in."""
+    are fixed random values (int8: quantised per head), whichever cell that position lands
+    in."""
 
     def __init__(
         self, num_sequences: int, kv_dtype: torch.dtype, seed: int = 0, length: int = 512
@@ -42,14 +44,15 @@ class Cells:
         self.seqs = [self.cache.seq_alloc() for _ in range(num_sequences)]
         generator = torch.Generator().manual_seed(seed)
         shape = (num_sequences, length, HEADS.num_kv_heads, HEADS.head_dim)
-        self.k_of = torch.randn(shape, generator=generator).to(kv_dtype)
-        self.v_of = torch.randn(shape, generator=generator).to(kv_dtype)
-        # Cells never written hold NaN, so reading one shows in the result; the scratch
-        # cell 0, which the torch implementation reads as masked padding, holds zeros as in
-        # a pool.
-        self.k = torch.full((4097, *shape[2:]), float("nan"), dtype=kv_dtype)
+        self.k_of = store_heads(torch.randn(shape, generator=generator), kv_dtype)
+        self.v_of = store_heads(torch.randn(shape, generator=generator), kv_dtype)
+        # Cells never written hold NaN (int8: a NaN scale), so reading one shows in the
+        # result; the scratch cell 0, which the torch implementation reads as masked
+        # padding, holds zeros as in a pool.
+        self.k = store_heads(torch.full((4097, *shape[2:]), float("nan")), kv_dtype)
         self.k[0] = 0
         self.v = self.k.clone()
+        assert self.k.shape[-1] == head_width(HEADS.head_dim, kv_dtype)
 
     def step(self, parts: list[tuple[int, int]]):
         """Places a step; returns (plan, seq index per token, position per token)."""
@@ -73,8 +76,8 @@ def reference(cells: Cells, q: torch.Tensor, owners, positions, window, dtype) -
     for row, (index, pos) in enumerate(zip(owners, positions, strict=True)):
         seq_cells = torch.from_numpy(cells.cache.seq_cells(cells.seqs[index])[: pos + 1])
         low = 0 if window is None else max(0, pos - window + 1)
-        keys = cells.k[seq_cells[low:]].to(dtype).double()  # [n, kv_heads, D]
-        values = cells.v[seq_cells[low:]].to(dtype).double()
+        keys = read_heads(cells.k[seq_cells[low:]], dtype).double()  # [n, kv_heads, D]
+        values = read_heads(cells.v[seq_cells[low:]], dtype).double()
         for head in range(HEADS.num_heads):
             kv = head // HEADS.heads_per_kv_head
             scores = keys[:, kv] @ q[row, head].double() * HEADS.attention_scale
@@ -99,6 +102,8 @@ MIXED_STEPS = [
         (torch.bfloat16, torch.float32, 3e-2),
         (torch.float32, torch.bfloat16, 1e-5),
         (torch.float16, torch.float16, 3e-3),
+        (torch.float32, torch.int8, 1e-5),
+        (torch.bfloat16, torch.int8, 3e-2),
     ],
 )
 def test_kernel_matches_a_float64_reference_and_the_torch_implementation(
@@ -121,9 +126,19 @@ def test_kernel_matches_a_float64_reference_and_the_torch_implementation(
         assert (got.float() - gathered.float()).abs().max() < tolerance
 
 
+# (compute dtype, KV dtype) of the batch-invariance tests.
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.int8),
+]
+
+
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_query_gives_the_same_bits_whatever_shares_its_step(attention, window, dtype) -> None:
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPE_PAIRS)
+def test_a_query_gives_the_same_bits_whatever_shares_its_step(
+    attention, window, dtype, kv_dtype
+) -> None:
     """Sequence 0 (a 37-token prompt, then decodes) alone, chunked in different sizes, and
     beside other sequences in either order: each of its rows is bit-identical."""
     generator = torch.Generator().manual_seed(2)
@@ -131,7 +146,7 @@ def test_a_query_gives_the_same_bits_whatever_shares_its_step(attention, window,
     extra = torch.randn(200, HEADS.num_heads, HEADS.head_dim, generator=generator).to(dtype)
 
     def run(schedule: list[list[tuple[int, int]]]) -> torch.Tensor:
-        cells = Cells(3, dtype, seed=7)
+        cells = Cells(3, kv_dtype, seed=7)
         rows = []
         fed = 0
         for parts in schedule:
@@ -158,8 +173,8 @@ def test_a_query_gives_the_same_bits_whatever_shares_its_step(attention, window,
         assert torch.equal(run(schedule), alone), schedule
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_step_gives_the_same_bits_at_any_thread_count(attention, dtype) -> None:
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPE_PAIRS)
+def test_a_step_gives_the_same_bits_at_any_thread_count(attention, dtype, kv_dtype) -> None:
     """Fewer sequences than threads (a single stream's decode) split each sequence's KV
     heads between the threads in the compiled kernel; more take a sequence each. Neither
     changes a bit, and nothing is left unwritten."""
@@ -174,7 +189,7 @@ def test_a_step_gives_the_same_bits_at_any_thread_count(attention, dtype) -> Non
 
     def run(threads: int) -> list[torch.Tensor]:
         torch.set_num_threads(threads)
-        cells = Cells(2, dtype, seed=9)
+        cells = Cells(2, kv_dtype, seed=9)
         outputs = []
         for parts, q in zip(schedule, queries, strict=True):
             plan, _, _ = cells.step(parts)
@@ -198,7 +213,7 @@ LONG_STEPS = [
 
 
 @pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_long_contexts_match_a_float64_reference(attention, window, kv_dtype) -> None:
     cells = Cells(2, kv_dtype, length=1024)
     generator = torch.Generator().manual_seed(3)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache, FlatAttentionPlan
+from cellbatch.kv_format import head_width, store_heads
 from cellbatch.model import kernels, kquants, quantized
 from cellbatch.model import ops as model_ops
 from cellbatch.model.attention import CellAttention
@@ -67,23 +68,25 @@ def rope_inputs(dtype: torch.dtype, cache_dtype: torch.dtype):
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = (t.view(tokens, -1, dim) for t in (q, k, v))
     angles = torch.rand(tokens, dim // 2, generator=generator) * 50
-    k_cache = torch.full((10, kv_heads, dim), -7.0, dtype=cache_dtype)
+    k_cache = torch.full((10, kv_heads, head_width(dim, cache_dtype)), -7, dtype=cache_dtype)
     cells = torch.tensor([7, 3, 9, 1])
     return q, k, v, angles.cos(), angles.sin(), cells, k_cache, k_cache.clone()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_rope_store_rotates_q_and_stores_k_v_like_the_torch_chain(
     table, dtype, cache_dtype
 ) -> None:
+    """The rotated K and V as the cache holds them: an int8 cache quantises each head,
+    with the bits of kv_format.quantize_heads in the compiled kernel too."""
     q, k, v, cos, sin, cells, k_cache, v_cache = rope_inputs(dtype, cache_dtype)
     expected_q = rotate(q, cos.to(dtype)[:, None], sin.to(dtype)[:, None])
     expected_k = rotate(k, cos.to(dtype)[:, None], sin.to(dtype)[:, None])
     table.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
     assert torch.equal(q, expected_q)  # rotated in place, through the strided view
-    assert torch.equal(k_cache[cells], expected_k[:4].to(cache_dtype))
-    assert torch.equal(v_cache[cells], v[:4].to(cache_dtype))
+    assert torch.equal(k_cache[cells], store_heads(expected_k[:4], cache_dtype))
+    assert torch.equal(v_cache[cells], store_heads(v[:4], cache_dtype))
     untouched = torch.tensor([0, 2, 4, 5, 6, 8])
     assert (k_cache[untouched] == -7).all() and (v_cache[untouched] == -7).all()
 

@@ -143,28 +143,30 @@ def test_a_window_layer_skips_key_blocks_outside_its_window(tiny_checkpoint, ker
 
 
 @pytest.mark.parametrize(
-    ("kind", "dtype", "overrides"),
+    ("kind", "dtype", "overrides", "kv_dtype"),
     [
-        ("llama", "float32", {}),
-        ("llama", "bfloat16", {}),
-        ("mistral", "float32", {"sliding_window": 8}),
+        ("llama", "float32", {}, torch.float32),
+        ("llama", "bfloat16", {}, torch.float32),
+        ("mistral", "float32", {"sliding_window": 8}, torch.float32),
+        ("llama", "bfloat16", {}, torch.int8),
     ],
 )
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_a_sequence_is_batch_invariant(
-    tiny_checkpoint, first_sequence_logits, kind, dtype, overrides, kernels
+    tiny_checkpoint, first_sequence_logits, kind, dtype, overrides, kv_dtype, kernels
 ) -> None:
-    """Sequence 0's logits are bit-identical alone, chunked, beside others, first or last."""
+    """Sequence 0's logits are bit-identical alone, chunked, beside others, first or last
+    (with an int8 cache too: a head's quantisation reads that head alone)."""
     _, folder = tiny_checkpoint(kind, **overrides)
     _, model = load_model(folder, dtype, kernels)
     generator = torch.Generator().manual_seed(5)
     lengths = [70, 3, 100, 17, 40, 9]
     prompts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in lengths]
     decodes = [7, 31, 64]
-    alone = first_sequence_logits(model, prompts, decodes, [0], 256)
+    alone = first_sequence_logits(model, prompts, decodes, [0], 256, kv_dtype)
     assert alone.shape[0] == lengths[0] + len(decodes)
     for order, chunk in (([0], 16), ([0, 1, 2, 3, 4, 5], 256), ([5, 4, 3, 2, 1, 0], 16)):
-        got = first_sequence_logits(model, prompts, decodes, order, chunk)
+        got = first_sequence_logits(model, prompts, decodes, order, chunk, kv_dtype)
         assert torch.equal(got, alone), (order, chunk)
 
 
@@ -202,6 +204,18 @@ def test_bf16_weights_and_kv_stay_close_to_fp32(tiny_checkpoint, packed_steps) -
     # fp32 weights with a bf16 KV pool: only the cached K/V are rounded.
     got = packed_steps(model32, STEPS, 2, kv_dtype=torch.bfloat16)
     assert 0 < (got[2] - reference[2]).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_an_int8_cache_stays_close_to_the_float_one(tiny_checkpoint, packed_steps, kernels) -> None:
+    """bf16 weights with an int8 KV pool against the bf16 pool: within bf16's own distance
+    from fp32 (the test above), and not the same (the K/V are quantised)."""
+    _, folder = tiny_checkpoint("llama")
+    _, model = load_model(folder, "bfloat16", kernels)
+    reference = packed_steps(model, STEPS, 2, kv_dtype=torch.bfloat16)
+    got = packed_steps(model, STEPS, 2, kv_dtype=torch.int8)
+    worst = max((ours - ref).abs().max().item() for ours, ref in zip(got, reference, strict=True))
+    assert 0 < worst < 0.25
 
 
 @pytest.mark.skipif(

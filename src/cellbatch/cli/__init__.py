@@ -144,7 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
     export.add_argument("-o", "--output", type=Path, required=True, help="the program (.pt2)")
     export.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    export.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    export.add_argument(
+        "--kv-dtype", help="KV cache dtype, fixed in the program (as `run` takes it)"
+    )
     add_weight_options(export)
     export.add_argument(
         "--max-step-tokens", type=int, default=544, help="tokens per forward, at most"

@@ -169,7 +169,8 @@ def print_report(report: dict[str, Any], engine_text: str) -> None:
     print(
         f"cells in use {kv['cells_in_use']} of {kv['max_cells']}, pool rows {kv['pool_rows']}, "
         f"allocated {_mib(kv['allocated_bytes'])}, growths {kv['growth_count']}, "
-        f"{kv['bytes_per_cell']} bytes per cell"
+        f"{kv['bytes_per_cell']} bytes per cell ({report['config']['kv_dtype']}: "
+        f"{_mib(1000 * kv['bytes_per_cell'])} per 1,000 tokens of a session)"
     )
     print("=== memory ===")
     for stage in ("before_load", "after_load", "after_generate"):

@@ -30,7 +30,12 @@ from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
 from cellbatch.model.quantized import WeightsSummary
 from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import Tokenizer, tokenizer_from_files
-from cellbatch.model.transformer import DTYPES, PackedTransformer, resolve_dtype
+from cellbatch.model.transformer import (
+    DTYPES,
+    PackedTransformer,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import InvalidArgumentError, ModelGeometry
 
@@ -217,8 +222,11 @@ class ProgramBackend(ModelBackend):
         """The program and the tokenizer it carries (None when it carries none). Options
         its export fixed must be "auto" or what it holds."""
         asked = {
-            name: None if value in (None, "auto") else resolve_dtype(value)
-            for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype))
+            "dtype": None if dtype == "auto" else resolve_dtype(dtype),
+            # (a kv_dtype given: the weight dtype, its default, plays no part)
+            "kv_dtype": None
+            if kv_dtype in (None, "auto")
+            else resolve_kv_dtype(kv_dtype, torch.float32),
         }
         if kernels == "torch":
             raise InvalidArgumentError(

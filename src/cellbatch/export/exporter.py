@@ -47,6 +47,7 @@ from cellbatch.export.manifest import (
     MethodSpec,
 )
 from cellbatch.export.program import method_metadata
+from cellbatch.kv_format import head_width
 from cellbatch.model import kernels
 from cellbatch.model.attention import QUERY_BLOCK
 from cellbatch.model.config import ModelConfig
@@ -54,7 +55,7 @@ from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model, locate_model
 from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import load_tokenizer
-from cellbatch.model.transformer import PackedTransformer, resolve_dtype
+from cellbatch.model.transformer import PackedTransformer, resolve_dtype, resolve_kv_dtype
 from cellbatch.types import InvalidArgumentError
 
 if TYPE_CHECKING:  # typeshed's name for "bytes-like", known to type checkers only
@@ -136,7 +137,7 @@ def export_program(
         )
     started = time.perf_counter()
     dtype = resolve_dtype(options.dtype)
-    kv_dtype = dtype if options.kv_dtype is None else resolve_dtype(options.kv_dtype)
+    kv_dtype = resolve_kv_dtype(options.kv_dtype, dtype)
     progress(f"loading {path} in {str(dtype).removeprefix('torch.')}")
     config, module = load_model(
         path, dtype, "compiled", quantize=options.quantize, activations=options.activations
@@ -303,7 +304,8 @@ def _distinct(taken: list[int], size: int) -> int:
 
 
 def _pool(rows: int, config: ModelConfig, kv_dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(rows, config.num_kv_heads, config.head_dim, dtype=kv_dtype)
+    width = head_width(config.head_dim, kv_dtype)
+    return torch.zeros(rows, config.num_kv_heads, width, dtype=kv_dtype)
 
 
 def _custom_ops(exported: torch.export.ExportedProgram) -> set[torch._ops.OpOverload]:

@@ -29,6 +29,7 @@ from cellbatch.export.custom_ops import ensure_custom_ops
 from cellbatch.export.manifest import Manifest, MethodSpec, ProgramFormatError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**DTYPES, "int8": torch.int8}  # the pool's (cellbatch.kv_format)
 # Torch's CPU capabilities, each able to run code compiled for those before it.
 CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
 # What each compiled method carries in its AOTInductor metadata, checked at load.
@@ -65,7 +66,7 @@ class Program:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return DTYPES[self.manifest.kv_dtype]
+        return KV_DTYPES[self.manifest.kv_dtype]
 
 
 def load_program(path: str | Path) -> Program:
@@ -125,7 +126,7 @@ def _check_machine(path: Path, manifest: Manifest) -> None:
             f"{refuse} its code was compiled for CPU capability {wanted}, this CPU has "
             f"{here}; export the model again on this machine"
         )
-    if manifest.dtype not in DTYPES or manifest.kv_dtype not in DTYPES:
+    if manifest.dtype not in DTYPES or manifest.kv_dtype not in KV_DTYPES:
         raise ProgramFormatError(
             f"{refuse} unknown dtype {manifest.dtype} / KV dtype {manifest.kv_dtype}"
         )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, FlatAttentionPlan, flatten_plan
+from cellbatch.kv_format import read_heads
 from cellbatch.types import ModelGeometry
 
 # The torch implementation sums keys in blocks of this many positions (see _weighted_values).
@@ -123,7 +124,7 @@ def cell_attention_torch(
     """
     if rows.numel() == 0:
         return
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, head_dim = k_cache.shape[1], q.shape[2]
     share = q.shape[1] // kv_heads
     min_query_rows = -(-MIN_GEMM_ROWS.get(q.dtype, 16) // share)
     waves = _waves(pos, cell_offsets, window or None)
@@ -141,12 +142,11 @@ def cell_attention_torch(
             .reshape(size, share * num_queries, head_dim)
         )
         # One row gather each into contiguous [kv_heads * W, Tk, D]; the pool's dtype may
-        # differ from q's.
+        # differ from q's (int8 rows carry their scale).
         key, value = (
-            cache.view(-1, head_dim)
-            .index_select(0, g.key_rows)
-            .view(size, g.keys, head_dim)
-            .to(q.dtype)
+            read_heads(cache.view(-1, cache.shape[2]).index_select(0, g.key_rows), q.dtype).view(
+                size, g.keys, head_dim
+            )
             for cache in (k_cache, v_cache)
         )
         scores = torch.baddbmm(g.bias, query, key.transpose(1, 2), alpha=scale)

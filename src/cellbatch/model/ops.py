@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cellbatch.kv_format import store_heads
 from cellbatch.model import kernels
 from cellbatch.model.attention import cell_attention_torch
 from cellbatch.model.quantized_torch import (
@@ -124,14 +125,15 @@ def rope_store_torch(
     v_cache: torch.Tensor,
 ) -> None:
     """Rotates q [T, H, D] in place and stores the rotated k and v [T, KVH, D] of the first
-    len(cells) tokens in their cells (later rows are padding); cos, sin float32 [>= T, D/2]."""
+    len(cells) tokens in their cells (later rows are padding), in the caches' dtype (int8:
+    quantised per head, `cellbatch.kv_format`); cos, sin float32 [>= T, D/2]."""
     tokens, stored = q.shape[0], cells.shape[0]
     cos = cos[:tokens].to(q.dtype)[:, None, :]
     sin = sin[:tokens].to(q.dtype)[:, None, :]
     q.copy_(rotate(q, cos, sin))
     rotated = rotate(k[:stored], cos[:stored], sin[:stored])
-    k_cache.index_copy_(0, cells, rotated.to(k_cache.dtype))
-    v_cache.index_copy_(0, cells, v[:stored].to(v_cache.dtype))
+    k_cache.index_copy_(0, cells, store_heads(rotated, k_cache.dtype))
+    v_cache.index_copy_(0, cells, store_heads(v[:stored], v_cache.dtype))
 
 
 # ATen runs an elementwise op over more elements than this (at::internal::GRAIN_SIZE) on

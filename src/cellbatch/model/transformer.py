@@ -1,7 +1,7 @@
 """The packed-step transformer: one forward over a step's tokens from many sequences.
 
 Owns: `PackedTransformer` (a Llama-family decoder whose batch is one token axis),
-`resolve_dtype`, and the RoPE frequency rule.
+`resolve_dtype` and `resolve_kv_dtype`, and the RoPE frequency rule.
 Promises: `forward(tokens, positions, plan, kv, cells, logit_rows)` writes each token's
 K/V into its cell of the `KVPool`, attends each token to exactly the cells the
 `AttentionPlan` gives its sequence (`cellbatch.model.attention`: a token's work scales with
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
+from cellbatch.kv_format import KV_INT8, is_int8_name
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.cpu import cpu_dtype, cpu_has_fast_bf16
@@ -93,6 +94,23 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
     if key not in DTYPES:
         raise InvalidArgumentError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
     return DTYPES[key]
+
+
+def resolve_kv_dtype(
+    name: str | torch.dtype | None, weight_dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """The KV pool's dtype: None -> the weights' dtype; "int8" (or torch.int8) -> the int8
+    cache, quantised per (cell, head) (`cellbatch.kv_format`); else `resolve_dtype`'s."""
+    if name is None:
+        return weight_dtype
+    if is_int8_name(name):
+        return KV_INT8
+    try:
+        return resolve_dtype(name, device)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            f"unknown KV dtype {name!r}; use auto, {', '.join(DTYPES)} or int8"
+        ) from None
 
 
 def rope_inverse_frequencies(

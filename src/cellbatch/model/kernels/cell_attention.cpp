@@ -27,12 +27,15 @@
 // Numerics in compute dtype T: score = T(T(q.k) * scale), as transformers' eager attention;
 // then, in float32, an online softmax (exp to within 20 ulp, as ATen's flash attention),
 // values summed with unnormalised weights and divided by the softmax sum once, rounded to
-// T. K/V stored in another dtype are first rounded to T, as `.to(T)` would.
+// T. K/V stored in another dtype are first rounded to T, as `.to(T)` would; an int8 cache's
+// (cellbatch/kv_format.py) are code * scale in float32, then rounded to T, and are widened
+// a tile at a time as bf16 ones are.
 // Never: allocates per key or per query, reads the scratch cell, or touches rows that no
 // query names.
 //
 // Layout: q [tokens, heads, head_dim] (rows may be strided); k_cache/v_cache [cells,
-// kv_heads, head_dim]; out [tokens, heads * head_dim]. Query i (in block order) is token
+// kv_heads, head_dim] (int8: head_dim + 4, each head's codes and then its scale); out
+// [tokens, heads * head_dim]. Query i (in block order) is token
 // rows[i] at position pos[i]; its sequence's cells, in position order, start at
 // cells[cell_offsets[i]]. block_starts splits the queries into blocks of one sequence each.
 
@@ -103,6 +106,17 @@ inline void load_row(const C* src, float* dst, int64_t n) {
   }
   for (; i < n; ++i) dst[i] = widen(src[i]);
   if constexpr (!std::is_same_v<T, C> && !std::is_same_v<T, float>) round_all<T>(dst, n);
+}
+
+// An int8 cache's head (dim codes, then a float32 scale) as compute dtype T would hold
+// code * scale, widened to float.
+template <typename T>
+inline void load_int8_head(const int8_t* src, float* dst, int64_t n) {
+  float scale;
+  std::memcpy(&scale, src + n, sizeof scale);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  round_all<T>(dst, n);
 }
 
 // Asks for the cache lines of a row that will be read soon.
@@ -214,11 +228,16 @@ struct CellAttention {
   T* out;
 
   static constexpr bool kDirect = std::is_same_v<T, float> && std::is_same_v<C, float>;
+  static constexpr bool kInt8 = std::is_same_v<C, int8_t>;
 
   int64_t share() const { return heads / kv_heads; }
+  // Floats per cell of a staged tile: every KV head's values.
   int64_t kv_width() const { return kv_heads * dim; }
+  // Elements of C per head and per cell in the cache (int8: the scale too).
+  int64_t head_width() const { return cellbatch::cache_head_width<C>(dim); }
+  int64_t cell_width() const { return kv_heads * head_width(); }
   const C* cache_row(const C* cache, const int64_t* seq_cells, int64_t key, int64_t g) const {
-    return cache + seq_cells[key] * kv_width() + g * dim;
+    return cache + seq_cells[key] * cell_width() + g * head_width();
   }
 
   // Widens the tile's K and V rows j in [a, b) (tile-relative), the KV heads [g0, g1) of a
@@ -229,15 +248,25 @@ struct CellAttention {
   void stage_tile(const int64_t* seq_cells, int64_t t0, int64_t a, int64_t b, int64_t end,
                   int64_t g0, int64_t g1, Scratch& s) const {
     const int64_t width = kv_width(), begin = g0 * dim, count = (g1 - g0) * dim;
+    const int64_t stored = cell_width(), stored_begin = g0 * head_width();
+    const int64_t stored_count = (g1 - g0) * head_width();
     for (int64_t j = a; j < b; ++j) {
       const int64_t cell = seq_cells[t0 + j], ahead = t0 + j + kAhead;
       if (ahead < end) {
-        prefetch_row(k_cache + seq_cells[ahead] * width + begin, count);
-        prefetch_row(v_cache + seq_cells[ahead] * width + begin, count);
+        prefetch_row(k_cache + seq_cells[ahead] * stored + stored_begin, stored_count);
+        prefetch_row(v_cache + seq_cells[ahead] * stored + stored_begin, stored_count);
       }
-      load_row<T>(k_cache + cell * width + begin, s.tile_keys.data() + j * width + begin, count);
-      load_row<T>(v_cache + cell * width + begin, s.tile_values.data() + j * width + begin,
-                  count);
+      float* keys = s.tile_keys.data() + j * width;
+      float* values = s.tile_values.data() + j * width;
+      if constexpr (kInt8) {
+        for (int64_t g = g0; g < g1; ++g) {
+          load_int8_head<T>(k_cache + cell * stored + g * head_width(), keys + g * dim, dim);
+          load_int8_head<T>(v_cache + cell * stored + g * head_width(), values + g * dim, dim);
+        }
+      } else {
+        load_row<T>(k_cache + cell * stored + begin, keys + begin, count);
+        load_row<T>(v_cache + cell * stored + begin, values + begin, count);
+      }
     }
   }
 
@@ -382,8 +411,8 @@ struct CellAttention {
       if (kDirect && t0 < last_tile) {  // (stage_tile prefetches for the other caches)
         for (int64_t j = t0 + kKeyTile; j < std::min(t0 + 2 * kKeyTile, block_hi); ++j) {
           if (seq_cells[j] == seq_cells[j - 1] + 1) continue;
-          prefetch_row(k_cache + seq_cells[j] * kv_width(), kv_width());
-          prefetch_row(v_cache + seq_cells[j] * kv_width(), kv_width());
+          prefetch_row(k_cache + seq_cells[j] * cell_width(), cell_width());
+          prefetch_row(v_cache + seq_cells[j] * cell_width(), cell_width());
         }
       }
       if constexpr (!kDirect) stage_tile(seq_cells, t0, a, b, block_hi, g0, g1, s);
@@ -478,7 +507,7 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     const at::Tensor& cells, const at::Tensor& rows, const at::Tensor& pos,
                     const at::Tensor& cell_offsets, const at::Tensor& block_starts, int64_t window,
                     double scale, at::Tensor& out) {
-  cellbatch::for_each_scalar_type(k_cache, "cell_attention KV", [&](auto cache_tag) {
+  cellbatch::for_each_cache_type(k_cache, "cell_attention KV", [&](auto cache_tag) {
     using C = decltype(cache_tag);
     CellAttention<T, C>{q.data_ptr<T>(),
                         k_cache.data_ptr<C>(),
@@ -506,8 +535,12 @@ void cell_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     int64_t window, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "cell_attention: q must be [tokens, heads, dim], K/V [cells, kv_heads, dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0,
-              "cell_attention: head sizes of q and K/V disagree");
+  const int64_t head_width = k_cache.scalar_type() == at::kChar
+                                 ? q.size(2) + cellbatch::kCacheScaleBytes
+                                 : q.size(2);
+  TORCH_CHECK(head_width == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0,
+              "cell_attention: head sizes of q and K/V disagree (an int8 cache's heads hold ",
+              "head_dim + 4)");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.dim() == 2 &&
                   out.size(0) == q.size(0) && out.size(1) == q.size(1) * q.size(2),
               "cell_attention: out must be [tokens, heads * dim] in q's dtype");

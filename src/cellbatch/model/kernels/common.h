@@ -16,6 +16,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -85,6 +86,36 @@ void for_each_scalar_type(const at::Tensor& t, const char* what, Fn&& fn) {
     case at::kHalf: return fn(c10::Half{});
     default: TORCH_CHECK(false, what, ": unsupported dtype ", t.scalar_type());
   }
+}
+
+// fn(C{}) for a KV cache's dtype C: one of for_each_scalar_type's, or int8_t, the int8
+// cache (cellbatch/kv_format.py: per head, head_dim codes, then a float32 scale).
+template <typename Fn>
+void for_each_cache_type(const at::Tensor& t, const char* what, Fn&& fn) {
+  if (t.scalar_type() == at::kChar) return fn(int8_t{});
+  for_each_scalar_type(t, what, fn);
+}
+
+// The int8 cache's float32 scale, which follows a head's `dim` codes.
+constexpr int64_t kCacheScaleBytes = 4;
+// Elements of C per head of a cell in a cache of dtype C.
+template <typename C>
+constexpr int64_t cache_head_width(int64_t dim) {
+  return std::is_same_v<C, int8_t> ? dim + kCacheScaleBytes : dim;
+}
+
+// Quantises n values (as the compute dtype holds them) into the int8 cache's layout at
+// dst: codes round-half-even(x / scale) with scale = max|x| / 127 (codes 0 when it is 0),
+// then the scale's bytes; the bits of cellbatch.kv_format.quantize_heads.
+inline void quantize_head(const float* x, int64_t n, int8_t* dst) {
+  float top = 0.f;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, std::fabs(x[i]));
+  const float scale = top / 127.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float code = scale > 0.f ? std::nearbyint(x[i] / scale) : 0.f;
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  std::memcpy(dst + n, &scale, sizeof scale);
 }
 
 // fn(S{}) for the quantised products' scales dtype S: float32 or float16 (op names the

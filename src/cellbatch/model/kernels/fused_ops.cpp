@@ -79,7 +79,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // Rotates q in place and writes the rotated k and v into k_cache/v_cache rows `cells` (the
-// first cells.size(0) tokens; later rows are padding and are not stored). q [T, H, D] and
+// first cells.size(0) tokens; later rows are padding and are not stored); an int8 cache
+// takes each head quantised (cellbatch::quantize_head). q [T, H, D] and
 // k, v [T, KVH, D] may be strided views (last two dims contiguous); cos, sin [T, D/2] float32.
 void rope_store(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                 const at::Tensor& sin, const at::Tensor& cells, at::Tensor& k_cache,
@@ -95,13 +96,16 @@ void rope_store(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const a
   TORCH_CHECK(dim % 2 == 0 && dim <= 512, "rope_store: head_dim must be even and <= 512");
   TORCH_CHECK(cells.scalar_type() == at::kLong && cells.is_contiguous() && stored <= tokens,
               "rope_store: cells must be int64, one per stored token");
+  const int64_t width = k_cache.scalar_type() == at::kChar ? dim + cellbatch::kCacheScaleBytes : dim;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(1) == kv_heads && k_cache.size(2) == dim,
-              "rope_store: caches must be contiguous [cells, kv_heads, dim]");
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.size(1) == kv_heads &&
+                  k_cache.size(2) == width && v_cache.sizes() == k_cache.sizes(),
+              "rope_store: caches must be contiguous [cells, kv_heads, dim] (int8: dim + 4)");
   for_each_scalar_type(q, "rope_store", [&](auto tag) {
     using T = decltype(tag);
-    for_each_scalar_type(k_cache, "rope_store cache", [&](auto cache_tag) {
+    cellbatch::for_each_cache_type(k_cache, "rope_store cache", [&](auto cache_tag) {
       using C = decltype(cache_tag);
+      constexpr bool kInt8 = std::is_same_v<C, int8_t>;
       T* qp = q.data_ptr<T>();
       const T* kp = k.data_ptr<T>();
       const T* vp = v.data_ptr<T>();
@@ -130,12 +134,21 @@ void rope_store(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const a
             for (int64_t i = 0; i < dim; ++i) x[i] = static_cast<T>(rotated[i]);
           }
           if (t >= stored) continue;
-          C* kd = kc + cell[t] * kv_heads * dim;
-          C* vd = vc + cell[t] * kv_heads * dim;
+          C* kd = kc + cell[t] * kv_heads * width;
+          C* vd = vc + cell[t] * kv_heads * width;
           for (int64_t h = 0; h < kv_heads; ++h) {
-            rotate(kp + t * ks + h * dim,
-                   [&](int64_t i, float value) { kd[h * dim + i] = static_cast<C>(value); });
-            for (int64_t i = 0; i < dim; ++i) vd[h * dim + i] = static_cast<C>(widen(vp[t * vs + h * dim + i]));
+            const T* vh = vp + t * vs + h * dim;
+            if constexpr (kInt8) {
+              alignas(64) float rotated[512];
+              rotate(kp + t * ks + h * dim, [&](int64_t i, float value) { rotated[i] = value; });
+              cellbatch::quantize_head(rotated, dim, kd + h * width);
+              for (int64_t i = 0; i < dim; ++i) rotated[i] = widen(vh[i]);
+              cellbatch::quantize_head(rotated, dim, vd + h * width);
+            } else {
+              rotate(kp + t * ks + h * dim,
+                     [&](int64_t i, float value) { kd[h * dim + i] = static_cast<C>(value); });
+              for (int64_t i = 0; i < dim; ++i) vd[h * dim + i] = static_cast<C>(widen(vh[i]));
+            }
           }
         }
       });
