@@ -5,8 +5,9 @@ model's tokenizer). It is cut into chunks of `--context` tokens; each chunk runs
 prefill and the second half of its tokens are scored (as llama.cpp's llama-perplexity
 does), so every token is predicted from at least context/2 tokens of its chunk.
 Perplexity = exp(mean negative log-likelihood). cellbatch runs each mode of `--formats`
-(QUANTIZE[:DTYPE] as benchmarks/quantized.py takes them: float32 "none", int8 and int4 by
-default; "int4:bfloat16" is the default mode on CPUs with native bf16) on the same file;
+(QUANTIZE[:DTYPE[:ACTIVATIONS[:KV]]] as benchmarks/quantized.py takes them: float32
+"none", int8 and int4 by default; "auto:auto" is the default mode, "auto:auto:auto:int8"
+the same with the int8 KV cache, whose K/V every scored token reads) on the same file;
 with `--llama-python PY` (a Python where llama-cpp-python is built, see
 benchmarks/llama_cpp_peer.py) llama.cpp scores the same token ids on the same file.
 
@@ -35,6 +36,7 @@ from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import describe
 from cellbatch.model.tokenizer import load_tokenizer
+from cellbatch.model.transformer import resolve_kv_dtype
 from cellbatch.threads import in_short_lived_thread
 from llama_cpp_peer import ask
 from quantized import mode_options, weights_label
@@ -42,12 +44,15 @@ from quantized import mode_options, weights_label
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
 
-def chunk_nll(model: torch.nn.Module, tokens: Sequence[int]) -> list[float]:
-    """Negative log-likelihoods of the second half of `tokens`, prefilled as one step."""
+def chunk_nll(
+    model: torch.nn.Module, tokens: Sequence[int], kv_dtype: torch.dtype
+) -> list[float]:
+    """Negative log-likelihoods of the second half of `tokens`, prefilled as one step (each
+    layer stores the chunk's K/V in the pool, then attends over the stored K/V)."""
     config = model.config
     count = len(tokens)
     cache = CellCache(capacity=count)
-    pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, count, model.dtype)
+    pool = KVPool(config.num_layers, config.num_kv_heads, config.head_dim, count, kv_dtype)
     seq = cache.seq_alloc()
     seq_ids, positions = np.full(count, seq), np.arange(count)
     assert cache.declare_step(seq_ids)
@@ -70,16 +75,18 @@ def chunk_nll(model: torch.nn.Module, tokens: Sequence[int]) -> list[float]:
 
 
 def cellbatch_nll(path: Path, mode: str, tokens: list[int], context: int) -> dict:
-    quantize, dtype, activations = mode_options(mode)
+    quantize, dtype, activations, kv_name = mode_options(mode)
 
     def run() -> dict:
         _, model = load_model(path, dtype, "auto", quantize, activations=activations)
+        kv_dtype = resolve_kv_dtype(kv_name, model.dtype)
         nll = [
             value
             for start in range(0, len(tokens) - context + 1, context)
-            for value in chunk_nll(model, tokens[start : start + context])
+            for value in chunk_nll(model, tokens[start : start + context], kv_dtype)
         ]
-        return {"nll": nll, "weights": weights_label(describe(model).format, model.dtype)}
+        weights = weights_label(describe(model).format, model.dtype)
+        return {"nll": nll, "weights": f"{weights}, KV {str(kv_dtype).removeprefix('torch.')}"}
 
     return in_short_lived_thread(run)  # one OpenMP team, as the engine has (cellbatch.threads)
 
@@ -120,13 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         None,
     )
     base_ppl = math.exp(float(np.mean(base["nll"]))) if base else None
-    print(f"{'peer':<28} {'weights':<34} {'scored':>6} {'perplexity':>10} {'vs fp32':>8}")
+    print(f"{'peer':<28} {'weights':<44} {'scored':>6} {'perplexity':>10} {'vs fp32':>8}")
     for name, result in results.items():
         result["tokens_scored"] = len(result["nll"])
         result["perplexity"] = math.exp(float(np.mean(result["nll"])))
         ratio = f"{result['perplexity'] / base_ppl:.4f}" if base_ppl else "-"
         print(
-            f"{name:<28} {result.get('weights', 'the file (Q4_1 here)'):<34} "
+            f"{name:<28} {result.get('weights', 'the file (Q4_1 here)'):<44} "
             f"{result['tokens_scored']:>6} {result['perplexity']:>10.4f} {ratio:>8}"
         )
     if args.output_json:

@@ -1,13 +1,14 @@
 """Speed, memory and greedy agreement of each weight format and mode, beside llama.cpp.
 
-For each mode (`--formats`: QUANTIZE[:DTYPE[:ACTIVATIONS]], the `--quantize`, `--dtype`
-and `--activations` options of `cellbatch run`, DTYPE float32 and ACTIVATIONS auto when
-left out; "auto:auto" is what a user gets by default)
+For each mode (`--formats`: QUANTIZE[:DTYPE[:ACTIVATIONS[:KV]]], the `--quantize`,
+`--dtype`, `--activations` and `--kv-dtype` options of `cellbatch run`, DTYPE float32,
+ACTIVATIONS auto and KV the weight dtype when left out; "auto:auto" is what a user gets by
+default, "auto:auto:auto:int8" the same with the int8 KV cache)
 a fresh process loads the model so and measures: RSS after load; the chat figures (the
-first `--single-prompts` chat prompts one at a time, "1 request alone"; all `--prompts`
-at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
-decode-only tokens/s with 1, 8 and 32 sessions decoding in lockstep. Each mode's greedy
-tokens are compared with the parity mode's (none:float32). `--program PATH` adds the same
+first `--single-prompts` chat prompts one at a time, "1 request alone"; all `--prompts` at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
+decode-only tokens/s with 1, 8 and 32 sessions decoding in lockstep; the KV bytes per
+cell. Each mode's greedy tokens are compared with `--reference`'s (default: the parity
+mode, none:float32). `--program PATH` adds the same
 figures for a program of the model (`cellbatch export`, e.g. with its default `--quantize
 auto`), run by ProgramExecutor. With
 `--llama-python PY` (llama-cpp-python built there, see benchmarks/llama_cpp_peer.py)
@@ -15,7 +16,7 @@ llama.cpp runs the same prompt tokens one at a time on the same file (its decode
 figure is its single-token steps).
 
     .venv/bin/python benchmarks/quantized.py [--threads 2]
-        [--formats none,int8,int4,auto:auto,none:bfloat16]
+        [--formats none,int8,int4,auto:auto,none:bfloat16] [--reference none:float32]
         [--prompts 32] [--single-prompts 8] [--max-new-tokens 64] [--sessions 1,8,32]
         [--rounds 2] [--program model.pt2] [--llama-python /tmp/llamacpp-venv/bin/python]
         [--output-json PATH]   (docs/results/quantized.json publishes it: docs/benchmarks.md)
@@ -72,12 +73,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     program = args.child.endswith(".pt2")
     path = args.child if program else args.model or default_model_path()
-    quantize, dtype, activations = ("auto", "auto", "auto") if program else mode_options(args.child)
+    quantize, dtype, activations, kv_dtype = (
+        ("auto", "auto", "auto", None) if program else mode_options(args.child)
+    )
     before = _rss()
     started = perf_counter()
     engine = Engine.from_pretrained(
         path,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         quantize=quantize,
         activations=activations,
         threads=args.threads,
@@ -90,6 +94,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "weights": weights_label(engine.weights.format, engine.dtype),
         "weight_kernel": engine.weights.kernel,
         "weights_bytes": engine.weights_bytes,
+        "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
+        "kv_bytes_per_cell": engine.kv_usage().bytes_per_cell,
     }
     with engine:
         tokenizer = engine.tokenizer
@@ -118,13 +124,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def mode_options(spec: str) -> tuple[str, str, str]:
-    """A --formats entry, QUANTIZE[:DTYPE[:ACTIVATIONS]] (DTYPE float32 and ACTIVATIONS
-    auto when left out): its quantize, dtype and activations options, as `cellbatch run`
-    takes them ("auto:auto" is the default)."""
+def mode_options(spec: str) -> tuple[str, str, str, str | None]:
+    """A --formats entry, QUANTIZE[:DTYPE[:ACTIVATIONS[:KV]]] (DTYPE float32, ACTIVATIONS
+    auto and KV None, the weight dtype, when left out): its quantize, dtype, activations
+    and kv_dtype options, as `cellbatch run` takes them ("auto:auto" is the default)."""
     quantize, _, rest = spec.partition(":")
-    dtype, _, activations = rest.partition(":")
-    return quantize, dtype or "float32", activations or "auto"
+    dtype, _, rest = rest.partition(":")
+    activations, _, kv_dtype = rest.partition(":")
+    return quantize, dtype or "float32", activations or "auto", kv_dtype or None
 
 
 def weights_label(weights: str, dtype: torch.dtype) -> str:
@@ -301,15 +308,17 @@ def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> str:
 
 def _row(
     run: dict[str, Any], name: str, sessions: list[int], reference: dict[str, Any] | None
-) -> list[str | float | None]:
-    """One mode's cells: name, weights, RSS MiB, single and concurrent tokens/s, decode-only
-    tokens/s per session count, and (beside a parity run) greedy agreement."""
+) -> list[str | int | float | None]:
+    """One mode's cells: name, weights, KV bytes per cell, RSS MiB, single and concurrent
+    tokens/s, decode-only tokens/s per session count, and (beside a reference run) greedy
+    agreement."""
     single = run["single"]
     conc = run.get("concurrent")
     rss = run.get("rss_after_load")
-    row: list[str | float | None] = [
+    row: list[str | int | float | None] = [
         name,
         run["weights"],
+        run.get("kv_bytes_per_cell"),
         rss / 2**20 if rss else None,
         _tokens(single["outputs"]) / single["seconds"],
         _tokens(conc["outputs"]) / conc["seconds"] if conc else None,
@@ -321,11 +330,11 @@ def _row(
     return row
 
 
-def _fit(cell: str | float | None, width: int, column: int) -> str:
+def _fit(cell: str | int | float | None, width: int, column: int) -> str:
     if cell is None:
         text = "nan"
     elif isinstance(cell, float):
-        text = f"{cell:.0f}" if column == 2 else f"{cell:.1f}"
+        text = f"{cell:.0f}" if column == 3 else f"{cell:.1f}"
     else:
         text = str(cell)
     return f"{text:<{width}}" if column < 2 else f"{text:>{width}}"
@@ -360,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="default: SmolLM2-135M-Instruct Q4_1")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--formats", default="none,int8,int4")
+    parser.add_argument(
+        "--reference", default="none:float32", help="the mode greedy agreement compares with"
+    )
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--single-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -417,15 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("llama.cpp skipped: no --llama-python given", file=sys.stderr)
 
-    # The parity mode, where it ran: float32 without quantisation.
-    reference = next((runs[f] for f in runs if mode_options(f)[:2] == ("none", "float32")), None)
+    # The reference mode, where it ran (by default the parity mode: float32, unquantised).
+    wanted = mode_options(args.reference)
+    reference = next((runs[f] for f in runs if mode_options(f) == wanted), None)
     columns = [
-        "mode", "weights", "RSS MiB", "single t/s", "32-conc t/s",
+        "mode", "weights", "KV B/cell", "RSS MiB", "single t/s", "32-conc t/s",
         *(f"dec@{s}" for s in args.sessions),
         *(("agree 1", "agree 32") if reference is not None else ()),
     ]  # fmt: skip
     rows = [_row(run, name, args.sessions, reference) for name, run in runs.items()]
-    widths = [14, 44, 8, 10, 11, *(8 for _ in columns[5:])]
+    widths = [22, 44, 9, 8, 10, 11, *(8 for _ in columns[6:])]
     print(
         " ".join(
             _fit(column, width, i)
@@ -449,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                     caption=f"tokens/s: {args.single_prompts} chat prompts one at a time "
                     f"(single), {args.prompts} at once (conc), decode-only at N sessions in "
                     f"lockstep (dec@N); at most {args.max_new_tokens} new tokens, greedy; "
-                    "agreement: greedy answers identical to the parity mode's",
+                    f"agreement: greedy answers identical to {args.reference}'s (mean common prefix)",
                     columns=columns,
                     rows=rows,
                 )
