@@ -5,7 +5,8 @@ For each mode (`--formats`: QUANTIZE[:DTYPE[:ACTIVATIONS[:KV]]], the `--quantize
 ACTIVATIONS auto and KV the weight dtype when left out; "auto:auto" is what a user gets by
 default, "auto:auto:auto:int8" the same with the int8 KV cache)
 a fresh process loads the model so and measures: RSS after load; the chat figures (the
-first `--single-prompts` chat prompts one at a time, "1 request alone"; all `--prompts` at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
+first `--single-prompts` chat prompts one at a time, "1 request alone"; all `--prompts`
+at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
 decode-only tokens/s with 1, 8 and 32 sessions decoding in lockstep; the KV bytes per
 cell. Each mode's greedy tokens are compared with `--reference`'s (default: the parity
 mode, none:float32). `--program PATH` adds the same
@@ -462,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                     caption=f"tokens/s: {args.single_prompts} chat prompts one at a time "
                     f"(single), {args.prompts} at once (conc), decode-only at N sessions in "
                     f"lockstep (dec@N); at most {args.max_new_tokens} new tokens, greedy; "
-                    f"agreement: greedy answers identical to {args.reference}'s (mean common prefix)",
+                    f"agreement: greedy answers identical to {args.reference}'s "
+                    "(mean common prefix)",
                     columns=columns,
                     rows=rows,
                 )

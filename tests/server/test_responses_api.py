@@ -226,6 +226,36 @@ def test_kept_responses_are_read_and_deleted(live: LiveServer) -> None:
     assert refused.value.body["param"] == "previous_response_id"
 
 
+def test_input_items_list_the_conversation_a_response_answered(live: LiveServer) -> None:
+    client = live.client()
+    first = client.responses.create(
+        model=MODEL_NAME, input="Hi", instructions="Be brief", max_output_tokens=4
+    )
+    second = client.responses.create(
+        model=MODEL_NAME,
+        input=[{"role": "user", "content": "Again"}],
+        previous_response_id=first.id,
+        max_output_tokens=4,
+    )
+    newest_first = list(client.responses.input_items.list(second.id))
+    # "Hi", the first answer's output, then "Again"; newest first by default.
+    assert newest_first[0].type == "message" and newest_first[0].role == "user"
+    assert newest_first[-1].role == "user" and newest_first[-1].content[0].text == "Hi"
+    assert len(newest_first) == 2 + len(first.output)
+    ids = [item.id for item in newest_first]
+    assert len(set(ids)) == len(ids) and all(ids)
+    assert [item.id for item in client.responses.input_items.list(first.id)] == [ids[-1]]
+    page = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert [item.id for item in page.data] == [ids[-1]] and page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=ids[-1], limit=100)
+    assert [item.id for item in rest.data] == ids[-2::-1] and not rest.has_more
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.input_items.list(second.id, limit=101)
+    assert refused.value.body["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_none")
+
+
 def test_previous_response_id_survives_a_restart(model: Path, tmp_path: Path) -> None:
     first_server = start_live_server(model, max_sessions=2, data_dir=tmp_path)
     try:

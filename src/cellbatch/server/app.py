@@ -37,6 +37,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.sse import EventSourceResponse, format_sse_event
@@ -140,6 +141,14 @@ def create_app(
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return _error_response(error, path=request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(request: Request, error: RequestValidationError) -> JSONResponse:
+        # A query or path parameter of the wrong kind (bodies are read by the routes).
+        first = error.errors()[0]
+        param = str(first["loc"][-1]) if first.get("loc") else None
+        message = f"{param}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})"
+        return _error_response(ApiError(400, message, param), path=request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:

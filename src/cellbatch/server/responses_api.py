@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
+`GET /v1/responses/{id}/input_items`.
 
 Owns: the routes, the request as a chat conversation (instructions as the system turn,
 input items as messages, calls and results, a previous response's conversation
@@ -19,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import ValidationError
@@ -50,6 +51,7 @@ from cellbatch.server.responses_protocol import (
     FunctionCallOutputItem,
     IncompleteDetails,
     InputItem,
+    InputItemList,
     InputTokensDetails,
     MessageItem,
     OutputFunctionCall,
@@ -141,6 +143,25 @@ def responses_router(context: RouteContext) -> APIRouter:
             raise _not_kept(response_id, "response_id")
         return JSONResponse(kept.model_dump(mode="json"))
 
+    @router.get(
+        "/v1/responses/{response_id}/input_items",
+        response_model=InputItemList,
+        responses=errors(ErrorResponse, *refusals),
+    )
+    async def input_items(
+        response_id: str,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        before: str | None = None,
+        include: Annotated[list[str] | None, Query()] = None,  # nothing more to include
+    ) -> JSONResponse:
+        items = await asyncio.to_thread(store.input_items, response_id)
+        if items is None:
+            raise _not_kept(response_id, "response_id")
+        page = _page(items[::-1] if order == "desc" else items, after, before, limit)
+        return JSONResponse(page.model_dump(mode="json"))
+
     @router.delete(
         "/v1/responses/{response_id}",
         response_model=DeletedResponse,
@@ -152,6 +173,25 @@ def responses_router(context: RouteContext) -> APIRouter:
         return JSONResponse(DeletedResponse(id=response_id).model_dump(mode="json"))
 
     return router
+
+
+def _page(
+    items: list[dict[str, Any]], after: str | None, before: str | None, limit: int
+) -> InputItemList:
+    """`limit` items, in the order given, after the item `after` and before `before`."""
+    ids = [str(item["id"]) for item in items]
+    for cursor, param in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise ApiError(404, f"no input item {cursor!r} in this response", param, "not_found")
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    chosen = items[start:end][:limit]
+    return InputItemList(
+        data=chosen,
+        first_id=chosen[0]["id"] if chosen else None,
+        last_id=chosen[-1]["id"] if chosen else None,
+        has_more=start + len(chosen) < end,
+    )
 
 
 def _input_items(request: ResponsesRequest) -> list[InputItem]:

@@ -311,6 +311,16 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
 
 
+class InputItemList(BaseModel):
+    """A page of a kept response's input items (`GET /v1/responses/{id}/input_items`)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"

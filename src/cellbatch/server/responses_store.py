@@ -1,8 +1,9 @@
 """Kept responses of the Responses API (`store: true`), in the server's database.
 
 Owns: the `responses` table (each kept response: its object as answered, and the
-conversation it answered, as input items, so that `previous_response_id` can go on
-from it), and `ResponseStore`'s reads, writes and deletions.
+conversation it answered, as input items with their ids, so that `previous_response_id`
+can go on from it and `input_items` can list it), and `ResponseStore`'s reads, writes
+and deletions.
 Promises: a response is kept once whole (never half-written); what `get` returns is
 what was answered; `history(id)` is the conversation that a request naming `id` as its
 previous response continues: that response's conversation, then its output; with a
@@ -17,7 +18,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from cellbatch.server.responses_protocol import InputItem, ResponseObject
+from cellbatch.server.responses_protocol import InputItem, ResponseObject, new_id
 from cellbatch.server.storage import Storage
 
 STEPS = (
@@ -68,6 +69,12 @@ class ResponseStore:
         output = json.loads(row["response"])["output"]
         return _ITEMS.validate_python([*json.loads(row["conversation"]), *output])
 
+    def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The input items `response_id` answered, history first, each with its id (None
+        when no such response is kept)."""
+        row = self._row(response_id, "conversation")
+        return None if row is None else list(json.loads(row))
+
     def delete(self, response_id: str) -> bool:
         with self.storage.transaction() as db:
             return db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
@@ -80,6 +87,24 @@ class ResponseStore:
         return None if row is None else str(row[column])
 
 
+# The id prefix OpenAI gives each kind of item.
+_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
 def conversation_json(items: list[InputItem]) -> list[dict[str, Any]]:
-    """Input items as the store keeps them."""
-    return [item.model_dump(mode="json", exclude_none=True) for item in items]
+    """Input items as the store keeps them: an item given without an id gets one, so that
+    `input_items` can page through them, and a message's text is a list of parts."""
+    kept = []
+    for item in items:
+        fields = item.model_dump(mode="json", exclude_none=True)
+        fields.setdefault("id", new_id(_ID_PREFIXES[item.type]))
+        if isinstance(fields.get("content"), str):  # an easy message: listed as OpenAI lists it
+            part = "output_text" if fields["role"] == "assistant" else "input_text"
+            fields["content"] = [{"type": part, "text": fields["content"]}]
+        kept.append(fields)
+    return kept
