@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from cellbatch.reasoning import reasoning_for_template
-from served import MODEL_NAME, LiveServer, start_live_server
+from served import API_KEY, MODEL_NAME, LiveServer, start_live_server
 from tiny_models import make_scripted_thinking_checkpoint
 
 REASONING = "Counting sheep."
@@ -107,3 +109,28 @@ def test_a_template_that_does_not_think_splits_nothing(live: LiveServer) -> None
         model=MODEL_NAME, messages=ASK, temperature=0, max_tokens=8
     )
     assert whole.choices[0].message.reasoning_content is None  # type: ignore[attr-defined]
+
+
+def test_chat_template_kwargs_reach_the_template(thinking: LiveServer) -> None:
+    # vLLM's chat_template_kwargs: Qwen3's enable_thinking=False closes an empty
+    # <think></think> in the prompt, so the answer starts after it, all content.
+    client = thinking.client()
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, temperature=0, extra_body=off
+    )
+    assert whole.choices[0].message.reasoning_content is None  # type: ignore[attr-defined]
+    assert whole.usage is not None
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=ASK, temperature=0)
+    assert plain.usage is not None and whole.usage.prompt_tokens > plain.usage.prompt_tokens
+    counted = httpx.post(
+        f"{thinking.base_url}/tokenize",
+        json={"messages": ASK, **off},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert counted.json()["count"] == whole.usage.prompt_tokens, counted.text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=ASK, extra_body={"chat_template_kwargs": {"tools": []}}
+        )
+    assert refused.value.body["param"] == "chat_template_kwargs"

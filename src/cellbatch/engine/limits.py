@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cellbatch.cache import kv_bytes_per_cell
+from cellbatch.kv_format import kv_bytes_per_cell
 from cellbatch.types import MAX_POSITION, InvalidArgumentError, ModelGeometry
 
 # Bounds the KV pool by default: cells past this many bytes are never allocated.

@@ -66,10 +66,12 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[Token]:
         """The prompt ids for a conversation, ending with the assistant's turn opening
         (unless `add_generation_prompt` is False); `tools` (OpenAI's function specs) go
-        to a template that has a place for them (`takes_tools`)."""
+        to a template that has a place for them (`takes_tools`); `template_kwargs` are
+        more variables for the template (e.g. `enable_thinking`)."""
         if not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass plain prompts "
@@ -81,6 +83,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
+            **dict(template_kwargs or {}),
         )
         return [int(t) for t in ids]
 

@@ -15,7 +15,7 @@ Never: starts, follows or cancels generations (the service does).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,11 @@ if TYPE_CHECKING:
 
 # A prompt's last tokens, enough to hold the reasoning tags a template ends it with.
 PROMPT_TAIL_TOKENS = 16
+# The chat template call's own arguments, which `chat_template_kwargs` may not set.
+TEMPLATE_CALL_NAMES = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict",
+     "continue_final_message", "chat_template", "documents", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 class RequestPlanner:
@@ -94,7 +99,9 @@ class RequestPlanner:
     def plan_chat(self, request: ChatCompletionRequest) -> Plan:
         tools, choice = self._tool_choice(request.tools, request.tool_choice)
         offered = tools if choice.mode is not ToolMode.NONE else []
-        prompt = self._chat_prompt(request.messages, offered, add_generation_prompt=True)
+        prompt = self._chat_prompt(
+            request.messages, offered, True, request.chat_template_kwargs
+        )
         top = request.top_logprobs if request.logprobs else None
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(
@@ -131,8 +138,18 @@ class RequestPlanner:
         messages: Sequence[ChatMessage | ToolMessage],
         tools: list[Tool],
         add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[Token]:
-        """The conversation through the chat template, the offered tools with it."""
+        """The conversation through the chat template, the offered tools and the
+        request's `chat_template_kwargs` with it."""
+        taken = sorted(set(template_kwargs or ()) & TEMPLATE_CALL_NAMES)
+        if taken:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
+                "them from the request's own fields",
+                "chat_template_kwargs",
+            )
         tokenizer = self._tokenizer("apply the chat template")
         if not tokenizer.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -143,7 +160,9 @@ class RequestPlanner:
             tokenizer.takes_tools,
         )
         try:
-            return tokenizer.apply_chat_template(turns, add_generation_prompt, template_tools)
+            return tokenizer.apply_chat_template(
+                turns, add_generation_prompt, template_tools, template_kwargs
+            )
         except Exception as error:  # the template rejected the conversation
             raise ApiError(
                 400,
@@ -295,7 +314,9 @@ class RequestPlanner:
         asked = request.root
         if isinstance(asked, TokenizeMessages):
             tools, _ = self._tool_choice(asked.tools, None)
-            tokens = self._chat_prompt(asked.messages, tools, asked.add_generation_prompt)
+            tokens = self._chat_prompt(
+                asked.messages, tools, asked.add_generation_prompt, asked.chat_template_kwargs
+            )
         else:
             tokens = tokenizer.encode(asked.prompt, asked.add_special_tokens)
         return TokenizeResponse(

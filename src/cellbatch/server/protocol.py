@@ -393,6 +393,12 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# Variables the chat template reads beside the conversation (vLLM's
+# `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); the names the template call
+# itself takes are refused (see the planner).
+TemplateKwargs = dict[str, Any]
+
+
 class ChatCompletionRequest(_Request):
     model_config = ConfigDict(json_schema_extra=lambda schema, model: _chat_schema(schema, model))
 
@@ -404,6 +410,7 @@ class ChatCompletionRequest(_Request):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 def _chat_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -551,6 +558,7 @@ class TokenizeMessages(BaseModel):
     messages: Annotated[list[Message], Field(min_length=1)]
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class TokenizeRequest(RootModel[TokenizePrompt | TokenizeMessages]):
