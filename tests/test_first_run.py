@@ -215,3 +215,9 @@ def test_an_install_without_a_compiler_runs_on_torch_ops_with_one_warning(tiny, 
     _, stderr = finish(refused)
     assert refused.returncode == 2 and "compiled kernels are not available" in stderr
     assert "cellbatch: loading" in stderr and "read the weights" not in stderr
+
+
+def test_the_int8_kv_cache_runs_from_the_command_line(tiny, tmp_path, capsys) -> None:
+    report = tmp_path / "report.json"
+    assert main(run_args(tiny, "--kv-dtype", "int8", "--report-json", str(report))) == 0
+    assert json.loads(report.read_text())["config"]["kv_dtype"] == "int8"

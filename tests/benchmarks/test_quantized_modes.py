@@ -41,7 +41,7 @@ def test_results_file_carries_the_table_machine_and_command(
     ]
     assert quantized.main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].split()[:3] == ["mode", "weights", "RSS"]
+    assert printed[0].split()[:5] == ["mode", "weights", "KV", "B/cell", "RSS"]
     data = json.loads(output.read_text())
     assert data["command"] == "python benchmarks/quantized.py " + " ".join(argv)
     assert data["machine"]["cpu_kind"] and data["machine"]["threads"] == 2

@@ -134,3 +134,18 @@ def test_chat_template_kwargs_reach_the_template(thinking: LiveServer) -> None:
             model=MODEL_NAME, messages=ASK, extra_body={"chat_template_kwargs": {"tools": []}}
         )
     assert refused.value.body["param"] == "chat_template_kwargs"
+
+
+def test_anthropic_thinking_disabled_reaches_the_template(thinking: LiveServer) -> None:
+    client = thinking.anthropic()
+    greedy = {"extra_body": {"temperature": 0}}
+    off = client.messages.create(
+        model=MODEL_NAME, max_tokens=32, messages=ASK, thinking={"type": "disabled"}, **greedy
+    )
+    assert [block.type for block in off.content] == ["text"]
+    counted = [
+        client.messages.count_tokens(model=MODEL_NAME, messages=ASK, **extra).input_tokens
+        for extra in ({}, {"thinking": {"type": "disabled"}})
+    ]
+    # The disabled template closes an empty <think></think> in the prompt.
+    assert counted[1] > counted[0] and off.usage.input_tokens == counted[1]

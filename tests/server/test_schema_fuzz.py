@@ -40,6 +40,7 @@ ROUTES = {
     ("POST", "/v1/responses"),
     ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
 }

@@ -53,15 +53,17 @@ def check_engine_options(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     from cellbatch.model.device import device_quantize, resolve_device
-    from cellbatch.model.transformer import resolve_dtype
+    from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
     from cellbatch.types import InvalidArgumentError
 
-    for flag, value in (("--dtype", args.dtype), ("--kv-dtype", args.kv_dtype)):
-        try:
-            if value is not None:
-                resolve_dtype(value)
-        except InvalidArgumentError as error:
-            raise UsageError(f"{flag}: {error}") from error
+    try:
+        weights = resolve_dtype(args.dtype)
+    except InvalidArgumentError as error:
+        raise UsageError(f"--dtype: {error}") from error
+    try:
+        resolve_kv_dtype(args.kv_dtype, weights)
+    except InvalidArgumentError as error:
+        raise UsageError(f"--kv-dtype: {error}") from error
     try:
         device = resolve_device(args.device)
     except InvalidArgumentError as error:

@@ -144,7 +144,13 @@ def messages_router(context: RouteContext) -> APIRouter:
         context.check_extras(parsed.model_extra, MESSAGES_UNSUPPORTED)
         chat = _chat_request(parsed)
         offered = chat.tools if chat.tool_choice != "none" else None
-        tokenize = TokenizeRequest(TokenizeMessages(messages=chat.messages, tools=offered))
+        tokenize = TokenizeRequest(
+            TokenizeMessages(
+                messages=chat.messages,
+                tools=offered,
+                chat_template_kwargs=chat.chat_template_kwargs,
+            )
+        )
         try:
             counted = context.planner.tokenize(tokenize)
         except ApiError as error:
@@ -173,6 +179,8 @@ def _chat_request(request: _Conversation) -> ChatCompletionRequest:
         fields["tool_choice"] = TOOL_CHOICES[choice.type]
     if choice is not None:
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    if request.thinking is not None and request.thinking.type != "adaptive":
+        fields["chat_template_kwargs"] = {"enable_thinking": request.thinking.type == "enabled"}
     if isinstance(request, MessagesRequest):
         fields.update(
             max_tokens=request.max_tokens,

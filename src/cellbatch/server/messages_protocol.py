@@ -117,7 +117,9 @@ ToolChoice = Annotated[ToolChoiceMode | ToolChoiceTool, Field(discriminator="typ
 
 
 class ThinkingConfig(_Loose):
-    """Accepted and not acted on: the model thinks as its chat template says."""
+    """Whether the model thinks, for chat templates that read `enable_thinking` (Qwen3's):
+    "enabled" sets it, "disabled" clears it, "adaptive" leaves the template's default;
+    `budget_tokens` is not enforced (max_tokens bounds the whole answer)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Int | None = None

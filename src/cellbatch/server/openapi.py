@@ -34,6 +34,7 @@ CROSS_FIELD_CODES = frozenset(
         "context_length_exceeded",  # the prompt and the new tokens exceed the context
         "unknown_tool",  # a tool_choice asking for a function (or any) not among the tools
         "logprobs_needed",  # top_logprobs without logprobs
+        "min_tokens_above_max_tokens",  # min_tokens beyond max_tokens (or the context's room)
         "invalid_tools",  # tools named twice, or a schema the grammar library rejects
         "invalid_constraint",  # two constraints, or one the grammar library rejects
         "template_refused",  # a conversation the chat template raises on

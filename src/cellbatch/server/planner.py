@@ -402,9 +402,18 @@ class RequestPlanner:
                 f"stop_token_ids must name token ids in [0, {self.backend.vocab_size})",
                 "stop_token_ids",
             )
+        new_tokens = max_tokens if max_tokens is not None else room
+        if 0 < new_tokens < request.min_tokens:
+            raise ApiError(
+                400,
+                f"min_tokens ({request.min_tokens}) is above the {new_tokens} new tokens this "
+                "request may generate; lower min_tokens or raise max_tokens",
+                "min_tokens",
+                code="min_tokens_above_max_tokens",
+            )
         try:
             return GenConfig(
-                max_new_tokens=max_tokens if max_tokens is not None else room,
+                max_new_tokens=new_tokens,
                 sampling=sampling,
                 stop_strings=stop_strings,
                 seed=request.seed,
