@@ -49,7 +49,7 @@ def test_results_file_carries_the_table_machine_and_command(
     assert table["columns"][-4:] == ["dec@1", "dec@8", "agree 1", "agree 32"]
     default, parity = table["rows"]
     assert default[:2] == ["auto:auto", "int4 x bfloat16"]
-    assert default[3] == pytest.approx(20.0) and parity[3] == pytest.approx(10.0)
+    assert default[4] == pytest.approx(20.0) and parity[4] == pytest.approx(10.0)
     assert data["headline"] == []  # llama.cpp did not run: nothing to compare with
     assert set(data["runs"]) == {"auto:auto", "none:float32"}
 

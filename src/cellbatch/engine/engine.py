@@ -36,6 +36,7 @@ from cellbatch.engine.prefix import feed_shared_prefix
 from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.cuda_executor import CudaOptions
 from cellbatch.export import is_program
+from cellbatch.kv_format import KV_INT8
 from cellbatch.metrics import EngineMetrics
 from cellbatch.model.default import default_model_path
 from cellbatch.model.device import device_quantize, resolve_device
@@ -43,7 +44,7 @@ from cellbatch.model.loading import LoadProgress, PhaseClock
 from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.quantized import WeightsSummary, check_activations, resolve_quantize
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
-from cellbatch.model.transformer import resolve_dtype
+from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
 from cellbatch.runner import AdmissionPolicy, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
@@ -184,7 +185,12 @@ class Engine:
         _set_threads(threads)
         path = Path(model) if model is not None else default_model_path()
         weight_dtype = resolve_dtype(dtype, target)
-        resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
+        resolved_kv = resolve_kv_dtype(kv_dtype, weight_dtype, target)
+        if resolved_kv == KV_INT8 and target.type != "cpu":
+            raise InvalidArgumentError(
+                f"the int8 KV cache runs on the CPU only (its attention is the CPU's); on "
+                f"{target} leave kv_dtype out or give a float dtype"
+            )
         resolve_ops(kernels, target)  # refuses "compiled" where the kernels are missing
         cuda = CudaOptions(cuda_graph=cuda_graph, weight_sharing=weight_sharing)
         backend = ModuleBackend.load(
