@@ -101,7 +101,7 @@ def _gib(count: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", required=True, help="comma-separated GGUF files or folders")
+    parser.add_argument("--models", help="comma-separated GGUF files or folders")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/cellbatch-load-cache"))
     parser.add_argument("--output-json", type=Path)
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure(args.child, str(args.cache_dir), args.threads)))
         return 0
+    if not args.models:
+        parser.error("--models is required")
     runs: dict[str, dict[str, Any]] = {}
     for model in args.models.split(","):
         shutil.rmtree(args.cache_dir, ignore_errors=True)
