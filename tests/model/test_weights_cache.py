@@ -1,7 +1,7 @@
 """The repacked-weights cache (cellbatch.model.weights_cache) through `load_model`: a
 second load maps what the first converted, with the same logits; a changed file, option
 or layout is never served a stale entry; float models are not cached; and the load's
-memory checks and phases."""
+memory checks and phases. Kept K-quant blocks are cached as the int8/int4 products are."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cellbatch.machine import FileMappings, MemoryInfo
-from cellbatch.model import loading, weights_cache
+from cellbatch.model import kquants, loading, weights_cache
 from cellbatch.model.loading import load_model
 from cellbatch.types import InvalidArgumentError
 from tiny_models import write_gguf
@@ -88,6 +88,45 @@ def test_float_checkpoints_quantised_at_load_round_trip(
         assert torch.equal(ours, theirs)
 
 
+def _k_quants(name: str) -> str | None:
+    """A Q4_K_M-like mix: Q4_K projections, Q6_K for v and for the embedding and head."""
+    if "norm" in name or not name.endswith(".weight"):
+        return None
+    return "Q6_K" if name in ("token_embd.weight", "output.weight") or "attn_v" in name else "Q4_K"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_kept_k_quant_blocks_are_cached_and_mapped_back(
+    tiny_checkpoint, tmp_path, packed_steps, tied
+) -> None:
+    """A K-quant file's kept blocks (a qkv of mixed kinds, the embedding gathered from
+    its panels, the head tied to it or not) come back from the entry as they were
+    installed, mapped, with the same logits and the same load line."""
+    hf_model, _ = tiny_checkpoint(
+        "llama", tie_word_embeddings=tied, hidden_size=256, intermediate_size=512,
+        num_attention_heads=4, num_key_value_heads=2, std=0.05,
+    )  # fmt: skip
+    file = tmp_path / "k.gguf"
+    write_gguf(hf_model, file, "llama", kinds=_k_quants)
+    cache = tmp_path / "cache"
+    first, first_phases = loaded(file, cache, dtype="float32")
+    assert any(p.startswith("wrote the repacked weights") for p in first_phases)
+    second, phases = loaded(file, cache, dtype="float32")
+    assert [p.split(" ")[0] for p in phases] == ["read", "mapped", "prepared"]
+    assert phases[-1] == first_phases[-1]  # "... Q4_K in 7 products ... kept as they are"
+    assert "kept as they are" in phases[-1]
+    assert isinstance(second.embed, kquants.KQuantEmbedding)
+    assert second.layers[0].qkv.format == "Q4_K+Q6_K" and second.embed.format == "Q6_K"
+    assert second.lm_head is not None and first.lm_head is not None
+    assert (first.lm_head.codes is first.embed.codes) == tied
+    assert (second.lm_head.codes is second.embed.codes) == tied
+    assert weights_cache.describe_modules(second) == weights_cache.describe_modules(first)
+    for ours, theirs in zip(logits(packed_steps, second), logits(packed_steps, first), strict=True):
+        assert torch.equal(ours, theirs)
+    kept = [p for name, p in second.named_parameters() if name.endswith("codes")]
+    assert FileMappings().bytes_of(kept) == sum(p.untyped_storage().nbytes() for p in kept)
+
+
 def test_a_changed_file_or_option_never_gets_a_stale_entry(quantised_gguf, tmp_path) -> None:
     cache = tmp_path / "cache"
     loaded(quantised_gguf, cache, dtype="float32")
@@ -136,6 +175,18 @@ def test_float_models_and_no_cache_folder_write_nothing(tiny_checkpoint, tmp_pat
     assert not cache.exists() or not list(cache.iterdir())
     assert weights_cache.cache_directory("off") is None
     assert weights_cache.cache_directory(str(tmp_path)) == tmp_path
+
+
+def test_a_cache_that_cannot_be_written_warns_and_the_load_goes_on(
+    quantised_gguf, tmp_path, caplog
+) -> None:
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a folder")
+    _, phases = loaded(quantised_gguf, in_the_way / "cache", dtype="float32")
+    assert "no repacked-weights cache written" in caplog.text
+    assert not any(p.startswith("wrote") for p in phases) and phases[-1].startswith("prepared")
+    with pytest.raises(InvalidArgumentError, match="weights_cache must be"):
+        weights_cache.cache_directory(5)  # type: ignore[arg-type]
 
 
 def test_the_default_folder_follows_the_environment(monkeypatch, tmp_path) -> None:

@@ -53,6 +53,7 @@ from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.quantized import WeightsSummary, check_activations, resolve_quantize
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
+from cellbatch.model.weights_cache import cache_directory
 from cellbatch.runner import AdmissionPolicy, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
@@ -184,6 +185,7 @@ class Engine:
         loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
         check_activations(activations)
+        cache_directory(weights_cache)
         for name, flag in (("cuda_graph", cuda_graph), ("weight_sharing", weight_sharing)):
             if not isinstance(flag, bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")

@@ -16,12 +16,14 @@ never copied, and loading runs no pickled code. An entry is written to a tempora
 and renamed into place, so a reader sees a whole entry or none; one that fails to read
 is removed and the model converted again.
 The modules: float parameters are restored into the model the loader builds from the
-config; a quantised product (a module with `op`, `codes` and `scales`: the formats'
-linear modules) is rebuilt from its plain attributes, its tensors and its op from the
-ops table; a quantised embedding from its linear and the dtype, as its constructor takes
+config; a quantised product (a module with `op`, `codes` and `scales`: the int8/int4
+formats' linear modules and the kept K-quant blocks' alike) is rebuilt from its plain
+attributes, its tensors and its op from the ops table; a quantised embedding (int8, or
+gathered from kept K-quant panels) from its linear and the dtype, as its constructor takes
 them. Only classes of `cellbatch.model` are rebuilt.
 Never: caches a model without quantised modules (its float weights are the checkpoint's
-own: nothing was converted), or writes where there is not room for the entry.
+own: nothing was converted), writes where there is not room for the entry, or fails a
+load because the cache cannot be written (a warning says why).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 
 from cellbatch.model.transformer import PackedTransformer
+from cellbatch.types import InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +56,13 @@ _PLAIN = (str, int, float, bool, type(None))
 
 def cache_directory(choice: str | Path | None) -> Path | None:
     """The folder `choice` names: "auto" the default one, None or "off" none, else the
-    path given."""
+    path given; anything else is refused."""
     if choice is None or choice == "off":
         return None
+    if not isinstance(choice, str | Path) or choice == "":
+        raise InvalidArgumentError(
+            f"weights_cache must be 'auto', a folder, or None (no cache), got {choice!r}"
+        )
     if choice != "auto":
         return Path(choice).expanduser()
     if os.environ.get("CELLBATCH_CACHE_DIR"):
@@ -172,8 +179,12 @@ def store(entry: Path, key: CacheKey, model: PackedTransformer) -> int:
         if not name.startswith(("rope_cos", "rope_sin"))
     }
     size = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors.values()}.values())
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(entry.parent).free
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(entry.parent).free
+    except OSError as error:  # a file in the way, no permission: the load goes on
+        log.warning("note: no repacked-weights cache written: %s", error)
+        return 0
     if free < size + (size >> 4):
         log.warning(
             "note: no repacked-weights cache written: %s has %.2f GiB free, the entry needs "
@@ -192,6 +203,9 @@ def store(entry: Path, key: CacheKey, model: PackedTransformer) -> int:
     try:
         torch.save(archive, temporary)
         os.replace(temporary, entry)
+    except (OSError, RuntimeError) as error:  # torch.save's write errors are RuntimeErrors
+        log.warning("note: no repacked-weights cache written to %s: %s", entry.parent, error)
+        return 0
     finally:
         temporary.unlink(missing_ok=True)
     _remove_stale(entry.parent, key, entry)
