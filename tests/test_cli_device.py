@@ -91,7 +91,11 @@ def test_memory_snapshots_hold_gpu_allocated_and_reserved_bytes(monkeypatch, cap
         | {"bytes_per_cell": 1},
         "memory": dict.fromkeys(("before_load", "after_load", "after_generate"), snapshot),
         "weights_bytes": 0,
-        "config": {"weights_bytes_by_format": {}, "weight_format": "bfloat16"},
+        "config": {
+            "weights_bytes_by_format": {},
+            "weight_format": "bfloat16",
+            "kv_dtype": "bfloat16",
+        },
         "timing": {"generated_tokens": 0, "generate_seconds": 0.0, "tokens_per_second": 0.0}
         | {"load_seconds": 0.0},
     }
