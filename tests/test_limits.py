@@ -65,3 +65,23 @@ def test_a_machine_with_no_room_for_one_step_is_refused_before_the_engine_starts
     memory = KVMemory(available_bytes=GIB + 10 * 2**20, total_bytes=4 * GIB)
     with pytest.raises(InvalidArgumentError, match="no memory is left for the KV pool"):
         resolve_limits(EngineShape(), GEOMETRY, torch.bfloat16, memory)
+
+
+def test_on_a_gpu_the_pool_s_memory_is_the_device_s_free_memory(monkeypatch) -> None:
+    """The pool lives where the model runs: on a GPU its free memory (the weights are on
+    it already) bounds the pool, not the host's."""
+    from types import SimpleNamespace
+
+    from cellbatch.engine import engine
+
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 30 * GIB, 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(engine, "read_memory", lambda: pytest.fail("read the host's memory"))
+    backend = SimpleNamespace(device=torch.device("cuda", 1), mapped_weights_bytes=0)
+    assert engine.machine_kv_memory(backend) == KVMemory(30 * GIB, 80 * GIB)
+    assert asked == [torch.device("cuda", 1)]
