@@ -30,15 +30,9 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
+from cellbatch.machine import process_memory
+
 HERE = Path(__file__).resolve().parent
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status", encoding="utf-8") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def measure(model: str, cache: str, threads: int) -> dict[str, Any]:
@@ -59,8 +53,8 @@ def measure(model: str, cache: str, threads: int) -> dict[str, Any]:
     result: dict[str, Any] = {
         "load_seconds": loaded - started,
         "phases": phases,
-        "rss_after_load": _status("VmRSS"),
-        "rss_file_after_load": _status("RssFile"),
+        "rss_after_load": process_memory("VmRSS"),
+        "rss_file_after_load": process_memory("RssFile"),
         "weights_bytes": engine.weights_bytes,
         "weights": engine.weight_format,
     }

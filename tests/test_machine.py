@@ -16,6 +16,7 @@ from cellbatch.machine import (
     parse_cpu_list,
     plan_placement,
     preset_thread_count,
+    process_memory,
     read_memory,
     read_topology,
 )
@@ -159,3 +160,12 @@ def test_memory_is_lowered_to_a_cgroups_limit_and_room(tmp_path) -> None:
     assert read_memory(proc, v1) == plain  # "no limit" is a huge number
     here = read_memory()
     assert 0 < here.available_bytes <= here.total_bytes
+
+
+def test_the_process_s_resident_and_peak_bytes(tmp_path) -> None:
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "status").write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t1024 kB\n")
+    assert process_memory("VmHWM", tmp_path) == 2048 * 1024
+    assert process_memory("VmRSS", tmp_path) == 1024 * 1024
+    assert process_memory("VmSwap", tmp_path) == 0 == process_memory("VmRSS", tmp_path / "none")
+    assert 0 < process_memory("VmRSS") <= process_memory("VmHWM")

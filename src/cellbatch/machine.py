@@ -3,7 +3,8 @@
 
 Owns: `CpuTopology` (`read_topology`: the logical CPUs this process may use, the physical
 cores and NUMA nodes they belong to, a cgroup's CPU quota), `MemoryInfo` (`read_memory`:
-total and available memory, a cgroup's limit counted), `Placement` (`plan_placement`: how
+total and available memory, a cgroup's limit counted; `process_memory`: this process's
+resident and peak bytes), `Placement` (`plan_placement`: how
 many threads, and which CPUs when the machine has several NUMA nodes) and
 `apply_placement`; `FileMappings` (this process's file-backed memory: which bytes of
 tensors it holds, and handing read pages of a mapped file back).
@@ -126,6 +127,16 @@ class MemoryInfo:
 
     total_bytes: int
     available_bytes: int
+
+
+def process_memory(field: str, proc_root: Path = Path("/proc")) -> int:
+    """Bytes of this process's /proc/self/status `field` ("VmRSS": resident now, "VmHWM":
+    its peak); 0 where it cannot be read."""
+    for line in (_read(proc_root / "self" / "status") or "").splitlines():
+        name, _, value = line.partition(":")
+        if name == field and value.split():
+            return int(value.split()[0]) * 1024
+    return 0
 
 
 def read_memory(proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys")) -> MemoryInfo:
