@@ -127,6 +127,12 @@ def test_kept_k_quant_blocks_are_cached_and_mapped_back(
     assert FileMappings().bytes_of(kept) == sum(p.untyped_storage().nbytes() for p in kept)
 
 
+def test_storages_count_once_whatever_tensors_view_them() -> None:
+    storage = torch.zeros(64, dtype=torch.uint8)
+    views = [storage, storage[:32], storage.view(8, 8), torch.ones(16, dtype=torch.uint8)]
+    assert weights_cache.storage_bytes(views) == 64 + 16
+
+
 def test_a_changed_file_or_option_never_gets_a_stale_entry(quantised_gguf, tmp_path) -> None:
     cache = tmp_path / "cache"
     loaded(quantised_gguf, cache, dtype="float32")

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,6 +119,13 @@ class CacheKey:
         return directory / f"{self.name}.{digest}{ENTRY_SUFFIX}"
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages under `tensors`, each once (a tied head and its embedding,
+    loaded back as two tensors over one storage, count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 # -- writing ------------------------------------------------------------------------
 
 
@@ -178,7 +186,7 @@ def store(entry: Path, key: CacheKey, model: PackedTransformer) -> int:
         for name, tensor in tensors.items()
         if not name.startswith(("rope_cos", "rope_sin"))
     }
-    size = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors.values()}.values())
+    size = storage_bytes(tensors.values())
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(entry.parent).free
@@ -287,7 +295,7 @@ def restore(entry: Path, key: CacheKey, model: PackedTransformer) -> int | None:
         )
         entry.unlink(missing_ok=True)
         return None
-    return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors.values()}.values())
+    return storage_bytes(tensors.values())
 
 
 def _fill(
