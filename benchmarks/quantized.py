@@ -9,7 +9,8 @@ first `--single-prompts` chat prompts one at a time, "1 request alone"; all `--p
 at once, "32 concurrent"), greedy, at most `--max-new-tokens` each; and
 decode-only tokens/s with 1, 8 and 32 sessions decoding in lockstep; the KV bytes per
 cell. Each mode's greedy tokens are compared with `--reference`'s (default: the parity
-mode, none:float32). `--program PATH` adds the same
+mode, none:float32): how many outputs are identical, and in brackets the mean length of
+their common prefix in tokens. `--program PATH` adds the same
 figures for a program of the model (`cellbatch export`, e.g. with its default `--quantize
 auto`), run by ProgramExecutor. With
 `--llama-python PY` (llama-cpp-python built there, see benchmarks/llama_cpp_peer.py)
@@ -96,7 +97,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "weight_kernel": engine.weights.kernel,
         "weights_bytes": engine.weights_bytes,
         "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
-        "kv_bytes_per_cell": engine.kv_usage().bytes_per_cell,
     }
     with engine:
         tokenizer = engine.tokenizer
@@ -122,6 +122,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         result["decode_only"] = sweep
         result["prompts"] = prompts
         result["stop"] = sorted(tokenizer.stop_tokens)
+        result["kv_bytes_per_cell"] = engine.kv_usage().bytes_per_cell  # the pool exists now
     return result
 
 
@@ -303,8 +304,13 @@ def _tokens(outputs: list[list[int]]) -> int:
 
 
 def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> str:
+    """Outputs identical to the reference's, and the mean length of the common prefix."""
     same = sum(a == b for a, b in zip(outputs, reference, strict=True))
-    return f"{same}/{len(reference)}"
+    prefixes = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        for a, b in zip(outputs, reference, strict=True)
+    ]
+    return f"{same}/{len(reference)} ({sum(prefixes) / len(prefixes):.1f})"
 
 
 def _row(
@@ -439,7 +445,10 @@ def main(argv: list[str] | None = None) -> int:
         *(("agree 1", "agree 32") if reference is not None else ()),
     ]  # fmt: skip
     rows = [_row(run, name, args.sessions, reference) for name, run in runs.items()]
-    widths = [22, 44, 9, 8, 10, 11, *(8 for _ in columns[6:])]
+    widths = [
+        22, 44, 9, 8, 10, 11, *(8 for _ in args.sessions),
+        *((12, 12) if reference is not None else ()),
+    ]  # fmt: skip
     print(
         " ".join(
             _fit(column, width, i)

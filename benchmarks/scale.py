@@ -39,20 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp_tools
+from cellbatch.machine import process_memory
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODELS = (
     "/work/models/llama-1b/llama-1b-Q4_K_M.gguf",
     "/work/models/llama-1b/llama-1b-Q4_0.gguf",
 )
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status", encoding="utf-8") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def measure(path: str, threads: int) -> dict[str, Any]:
@@ -74,8 +67,8 @@ def measure(path: str, threads: int) -> dict[str, Any]:
     )
     out: dict[str, Any] = {
         "load_seconds": time.perf_counter() - started,
-        "peak_rss": _status("VmHWM"),
-        "rss_after_load": _status("VmRSS"),
+        "peak_rss": process_memory("VmHWM"),
+        "rss_after_load": process_memory("VmRSS"),
         "load_lines": said,
         "weights": engine.weights.format,
         "weights_bytes": engine.weights_bytes,

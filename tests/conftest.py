@@ -1,15 +1,24 @@
-"""Fixtures shared by the test folders: torch's thread count put back after every test,
-and a tiny random chat model the benchmarks (the packaged throughput benchmark,
-cellbatch.bench, and the scripts of benchmarks/) run on."""
+"""Fixtures shared by the test folders: the weights cache in a temporary folder, torch's
+thread count put back after every test, and a tiny random chat model the benchmarks (the
+packaged throughput benchmark, cellbatch.bench, and the scripts of benchmarks/) run on."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from cellbatch.bench.workload import CHAT_PROMPTS
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weights_cache_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory):
+    """Engines write converted weights to a cache folder by default: the tests' (and the
+    processes they start) go to one of the session's own, never the user's."""
+    os.environ["CELLBATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("weights-cache"))
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -161,6 +161,25 @@ def test_a_prompt_gives_the_same_tokens_whatever_shares_its_batch(make_engine, c
     assert first[1:] == last[:-1]
 
 
+def test_an_int8_cache_keeps_a_prompts_tokens_whatever_shares_its_batch(tiny_folder) -> None:
+    """`kv_dtype="int8"`: the pool holds codes and a scale per head (about half bf16's bytes,
+    a quarter of fp32's here), the report says so, and a prompt's tokens stay its own."""
+    target = random_prompts([TARGET_LENGTH], seed=100)[0]
+    others = random_prompts([5 + 7 * i for i in range(15)], seed=101)
+    shape = {"max_sessions": 16, "max_prefill_chunk": 16, "max_batch_tokens": 48}
+    with Engine.from_pretrained(
+        tiny_folder("llama"), dtype="float32", kv_dtype="int8", **shape
+    ) as engine:
+        assert engine.kv_dtype == torch.int8
+        geometry = engine.geometry
+        alone = generate(engine, [target], INVARIANCE_TOKENS)[0]
+        assert generate(engine, [*others, target], INVARIANCE_TOKENS)[-1] == alone
+        usage = engine.kv_usage()
+        assert usage.bytes_per_cell == 2 * geometry.num_layers * geometry.num_kv_heads * (
+            geometry.head_dim + 4
+        )
+
+
 # -- sessions: turns and clones -----------------------------------------------------------
 
 

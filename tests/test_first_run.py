@@ -90,7 +90,9 @@ def test_loading_says_what_it_does_phase_by_phase_and_quiet_keeps_still(tiny, tm
     lines = stderr.splitlines()
     assert lines[0] == f"cellbatch: loading {tiny[0]}"
     for phase in (
-        "read the weights of llama (2 layers)",
+        "placed the threads: 1 thread (as asked) on ",
+        "read the config of llama (llama, 2 layers)",
+        "read and converted the weights of llama (",
         "prepared the model (",
         "found no tokenizer",
         "started the engine",
@@ -115,6 +117,7 @@ def test_loading_says_what_it_does_phase_by_phase_and_quiet_keeps_still(tiny, tm
         (["--max-decode-sequences", "-2"], "--max-decode-sequences must be >= 1, got -2"),
         (["--threads", "0"], "--threads must be >= 1, got 0"),
         (["--kv-dtype", "int4"], "--kv-dtype: unknown KV dtype 'int4'"),
+        (["--numa", "nearest"], "--numa: unknown numa choice 'nearest'"),
         (["--dtype", "float64"], "--dtype: unknown dtype 'float64'"),
         (["--model", "/nonexistent/model.gguf"], "model /nonexistent/model.gguf does not exist"),
     ],
@@ -139,7 +142,7 @@ def test_option_errors_are_refused_before_the_model_loads(
     [
         (signal.SIGTERM, "cellbatch: loading"),
         (signal.SIGINT, "cellbatch: loading"),
-        (signal.SIGINT, "cellbatch: read the weights"),
+        (signal.SIGINT, "cellbatch: read the config"),
         (signal.SIGTERM, "cellbatch: prepared the model"),
     ],
 )

@@ -271,7 +271,8 @@ def write_gguf(
     """A GGUF laid out the way llama.cpp's converter writes it (llama arch: Q/K rows of
         each head interleaved). Tensors are float32, except where `kinds(gguf name)` names a
         kind that gguf can quantise ("Q4_1", "Q8_0", ...) or that `K_QUANT_ENCODERS` encodes
-    ("Q4_K", "Q5_K", "Q6_K")."""
+    ("Q4_K", "Q5_K", "Q6_K"). A model with tied embeddings has no output tensor, as the
+    converter writes it."""
     import gguf
     import numpy as np
 
@@ -315,6 +316,8 @@ def write_gguf(
         elif key == "model.norm.weight":
             target = "output_norm.weight"
         elif key == "lm_head.weight":
+            if hf_model.config.tie_word_embeddings:
+                continue
             target = "output.weight"
         else:
             layer, rest = key.removeprefix("model.layers.").split(".", 1)

@@ -16,6 +16,7 @@ from cellbatch.cli import main
         (["--replicas", "0"], "--replicas must be >= 1, got 0"),
         (["--replicas", "2", "--threads", "2"], "with --replicas use --threads-per-replica"),
         (["--replicas", "2", "--threads-per-replica", "0"], "must be >= 1, got 0"),
+        (["--replicas", "2", "--numa", "0"], "Ray places the replicas"),
         (["--replicas", "2", "--max-sessions", "0"], "--max-sessions must be >= 1, got 0"),
     ],
 )

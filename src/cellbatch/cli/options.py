@@ -52,10 +52,15 @@ def check_engine_options(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    from cellbatch.machine import check_numa
     from cellbatch.model.device import device_quantize, resolve_device
     from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
     from cellbatch.types import InvalidArgumentError
 
+    try:
+        check_numa(args.numa)
+    except ValueError as error:
+        raise UsageError(f"--numa: {error}") from error
     try:
         weights = resolve_dtype(args.dtype)
     except InvalidArgumentError as error:
@@ -131,9 +136,27 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, help="tokens per forward (W)")
     parser.add_argument("--max-decode-sequences", type=int)
     parser.add_argument("--max-prefill-chunk", type=int)
-    parser.add_argument("--max-cells", type=int, help="KV cells at most (default: a 4 GiB pool)")
+    parser.add_argument(
+        "--cache-dir",
+        help="where weights converted at load (a GGUF file's blocks, --quantize) are kept, so "
+        "that the next start maps them instead of converting (default: $CELLBATCH_CACHE_DIR "
+        "or ~/.cache/cellbatch)",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="neither read nor write the weights cache"
+    )
+    parser.add_argument(
+        "--max-cells",
+        type=int,
+        help="KV cells at most (default: what every session at its longest would fill, within "
+        "the memory left once the weights are in)",
+    )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--kv-dtype", help="KV cache dtype (default: the weight dtype)")
+    parser.add_argument(
+        "--kv-dtype",
+        help="KV cache dtype: auto, float32, bfloat16, float16, or int8 (per-head scales per "
+        "cell: about half bf16's memory per session; default: the weight dtype)",
+    )
     parser.add_argument(
         "--kernels",
         default="auto",
@@ -141,7 +164,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="attention and per-layer ops: compiled for this CPU (built when cellbatch was "
         "installed), pure torch, or auto (compiled where they were built)",
     )
-    parser.add_argument("--threads", type=int, help="torch threads")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads (default: one per physical core)"
+    )
+    parser.add_argument(
+        "--numa",
+        default="auto",
+        help="auto (on a machine with several NUMA nodes, bind the threads to the node with "
+        "the most cores, whose memory then holds the model), off, or a node number",
+    )
     add_device_options(parser)
     add_weight_options(parser)
     parser.add_argument(
@@ -209,6 +240,7 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "cuda_graph": args.cuda_graph and not args.enforce_eager,
         "weight_sharing": args.weight_sharing,
+        "weights_cache": None if args.no_cache else args.cache_dir or "auto",
     }
 
 
@@ -225,6 +257,7 @@ def load_engine(args: argparse.Namespace, shape: dict[str, Any], **options: Any)
             return Engine.from_pretrained(
                 args.model,
                 threads=args.threads,
+                numa=args.numa,
                 progress=None if args.quiet else say_loaded,
                 **model_options(args),
                 **options,

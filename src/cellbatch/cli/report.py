@@ -99,6 +99,7 @@ def build_report(run: RunRecord, engine: Engine, metrics: EngineMetrics) -> dict
             "weights_bytes_by_format": engine.weights.bytes_by_format,
             "admission": engine.admission.value,
             "threads": _threads(),
+            "placement": engine.placement.reason if engine.placement else "",
             "max_new_tokens": run.config.max_new_tokens,
             "temperature": run.config.sampling.temperature,
             "top_p": run.config.sampling.top_p,

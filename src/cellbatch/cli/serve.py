@@ -128,6 +128,8 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError(
             "--threads sets one engine's threads; with --replicas use --threads-per-replica"
         )
+    if args.numa != "auto":
+        raise UsageError("--numa places one engine's threads; Ray places the replicas")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise UsageError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     if importlib.util.find_spec("ray") is None:

@@ -57,6 +57,8 @@ class Replica:
     ) -> None:
         self.index = index
         self.threads = threads
+        # Ray places the replicas: binding each to the node `auto` picks would stack them.
+        engine_options = {"numa": "off", **engine_options}
         self.engine = Engine.from_pretrained(model, threads=threads, **engine_options)
         self._streaming: dict[str, list[GenerationHandle]] = {}
         self._early_cancels: OrderedDict[str, None] = OrderedDict()

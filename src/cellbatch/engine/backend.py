@@ -25,6 +25,7 @@ from cellbatch.executor.cuda_executor import CudaExecutor, CudaOptions
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.program import Program, load_program, read_tokenizer
+from cellbatch.machine import FileMappings
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
 from cellbatch.model.quantized import WeightsSummary
@@ -80,6 +81,12 @@ class ModelBackend(ABC):
         """The widest step it can run, where it has one (a program's widest method)."""
         return None
 
+    @property
+    def mapped_weights_bytes(self) -> int:
+        """Bytes of the weights a file mapping holds (page cache: counted as available
+        memory, but needed); 0 where every weight is in the process's own memory."""
+        return 0
+
     @abstractmethod
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
@@ -125,6 +132,10 @@ class ModuleBackend(ModelBackend):
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
+    @property
+    def mapped_weights_bytes(self) -> int:
+        return FileMappings().bytes_of(list(self.module.parameters()))
+
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
     ) -> CellExecutor:
@@ -143,13 +154,15 @@ class ModuleBackend(ModelBackend):
         activations: str = "auto",
         device: torch.device | None = None,
         cuda: CudaOptions | None = None,
+        cache: str | Path | None = None,
     ) -> ModuleBackend:
         """A Hugging Face folder or a GGUF file, loaded in a thread of its own (its
         native pools die with it: `in_short_lived_thread`), onto `device`; off the CPU it
-        runs through a CudaExecutor with `cuda` (default options when None). None: the CPU."""
+        runs through a CudaExecutor with `cuda` (default options when None). None: the CPU.
+        `cache`: the repacked-weights cache's folder (see load_model)."""
         device = device or torch.device("cpu")
         config, module = in_short_lived_thread(
-            lambda: load_model(path, dtype, kernels, quantize, progress, activations, device)
+            lambda: load_model(path, dtype, kernels, quantize, progress, activations, device, cache)
         )
         if device.type != "cpu":
             return cls(module, config, cuda or CudaOptions())

@@ -30,6 +30,7 @@ from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
 from cellbatch.engine.limits import (
     DEFAULT_MAX_BATCH_TOKENS,
     EngineShape,
+    KVMemory,
     resolve_limits,
 )
 from cellbatch.engine.prefix import feed_shared_prefix
@@ -37,6 +38,14 @@ from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.cuda_executor import CudaOptions
 from cellbatch.export import is_program
 from cellbatch.kv_format import KV_INT8
+from cellbatch.machine import (
+    Placement,
+    apply_placement,
+    plan_placement,
+    preset_thread_count,
+    read_memory,
+    read_topology,
+)
 from cellbatch.metrics import EngineMetrics
 from cellbatch.model.default import default_model_path
 from cellbatch.model.device import device_quantize, resolve_device
@@ -45,6 +54,7 @@ from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.quantized import WeightsSummary, check_activations, resolve_quantize
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
+from cellbatch.model.weights_cache import cache_directory
 from cellbatch.runner import AdmissionPolicy, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
@@ -78,7 +88,10 @@ class Engine:
         model_path: Path | None = None,
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
         prefix_cache_entries: int = 0,
+        memory: KVMemory | None = None,
     ) -> None:
+        """`memory`: what the KV pool may take (default: the machine's available memory
+        now, see engine.limits)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -86,7 +99,14 @@ class Engine:
         self.stop_tokens = frozenset(
             tokenizer.stop_tokens if tokenizer is not None else backend.geometry.eos_token_ids
         )
-        self.shape = resolve_limits(shape or EngineShape(), backend.geometry, self.kv_dtype)
+        self.shape = resolve_limits(
+            shape or EngineShape(),
+            backend.geometry,
+            self.kv_dtype,
+            memory if memory is not None else machine_kv_memory(backend),
+        )
+        # Where its threads run, when this engine placed them (from_pretrained does).
+        self.placement: Placement | None = None
         # Constraints need the vocabulary's text: without a tokenizer they are refused.
         self.constraints = ConstraintCompiler.for_tokenizer(
             tokenizer, backend.geometry.vocab_size, self.stop_tokens
@@ -135,28 +155,38 @@ class Engine:
         device: str | torch.device = "auto",
         cuda_graph: bool = True,
         weight_sharing: bool = True,
+        numa: str | int = "auto",
+        weights_cache: str | Path | None = "auto",
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder, a GGUF file (default: the embedded
         SmolLM2-135M-Instruct) or a program file (`.pt2`, from `cellbatch export`: see
         `from_program`). `shape` takes EngineShape's fields. `kv_dtype`
-        defaults to the weight dtype. `kernels`: "auto" (the compiled CPU kernels where
+        defaults to the weight dtype; "int8" quantises K/V per cell and head, about half
+        bf16's bytes (cellbatch.kv_format). `kernels`: "auto" (the compiled CPU kernels where
         they build, else pure torch), "compiled" or "torch". `quantize`: "auto" (a GGUF
         file keeps its precision class, e.g. Q4_1 -> int4; other models stay float),
         "none", "int8" or "int4" (see cellbatch.model.quantized). `activations`: what the
         int4 products do with their inputs: "auto" (int8 for some products where the
         kernels have a vector int8 path, AVX512-VNNI or AVX2, and the model runs in the
         dtype `auto` picks, else float), "float" (the model's dtype) or "int8" (quantised
-        per group of 32: see quantized.resolve_activations). `progress` hears
-        of each phase of the load as it ends (what it did, and its seconds). `device`:
-        "auto" (a CUDA GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N";
-        on a GPU the weights are float (bf16 by default: `quantize` "auto" means float
-        there) and a CudaExecutor runs them, with `cuda_graph` (one captured graph per
-        decode width, replayed; off: eager, vLLM's --enforce-eager) and `weight_sharing`
-        (one copy of the weights for every method and graph). The options are checked
-        before anything loads."""
+        per group of 32: see quantized.resolve_activations). `threads`: default one per
+        physical core (a count the process set already is kept); `numa`: "auto" binds the
+        threads to one NUMA node where the machine has several, "off" never, or a node
+        number (cellbatch.machine). `weights_cache`: where weights converted at load (a
+        GGUF file's blocks, `quantize`) are kept for the next start to map instead of
+        converting ("auto": CELLBATCH_CACHE_DIR or ~/.cache/cellbatch; a folder; None: no
+        cache; see cellbatch.model.weights_cache; the CPU only). `progress` hears of each
+        phase of the load as it ends (what it did, and its seconds). `device`: "auto" (a
+        CUDA GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"; on a GPU
+        the weights are float (bf16 by default: `quantize` "auto" means float there) and a
+        CudaExecutor runs them, with `cuda_graph` (one captured graph per decode width,
+        replayed; off: eager, vLLM's --enforce-eager) and `weight_sharing` (one copy of the
+        weights for every method and graph). The options are checked before anything
+        loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
         check_activations(activations)
+        cache_directory(weights_cache)
         for name, flag in (("cuda_graph", cuda_graph), ("weight_sharing", weight_sharing)):
             if not isinstance(flag, bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")
@@ -180,9 +210,12 @@ class Engine:
                 admission=admission,
                 prefix_cache_entries=prefix_cache_entries,
                 progress=progress,
+                numa=numa,
                 **shape,
             )
-        _set_threads(threads)
+        clock = PhaseClock(progress)
+        placement = _place(threads, numa)
+        clock.done(f"placed the threads: {placement.reason}")
         path = Path(model) if model is not None else default_model_path()
         weight_dtype = resolve_dtype(dtype, target)
         resolved_kv = resolve_kv_dtype(kv_dtype, weight_dtype, target)
@@ -194,7 +227,15 @@ class Engine:
         resolve_ops(kernels, target)  # refuses "compiled" where the kernels are missing
         cuda = CudaOptions(cuda_graph=cuda_graph, weight_sharing=weight_sharing)
         backend = ModuleBackend.load(
-            path, weight_dtype, kernels, quantize, progress, activations, target, cuda
+            path,
+            weight_dtype,
+            kernels,
+            quantize,
+            progress,
+            activations,
+            target,
+            cuda,
+            weights_cache,
         )
         clock = PhaseClock(progress)
         try:
@@ -211,6 +252,7 @@ class Engine:
             kv_dtype=resolved_kv,
             model_path=path,
         )
+        engine.placement = placement
         clock.done("started the engine")
         return engine
 
@@ -228,13 +270,14 @@ class Engine:
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
+        numa: str | int = "auto",
         **shape: Any,
     ) -> Engine:
         """Load a program file (`cellbatch export`) and run it with a ProgramExecutor: no
         model code runs, and the tokenizer comes from the program's own files. Its dtypes
         and kernels were fixed at export: options asking for others are refused. The
         step width defaults to the program's widest method."""
-        _set_threads(threads)
+        placement = _place(threads, numa)
         backend, tokenizer = ProgramBackend.load(
             Path(path),
             dtype=dtype,
@@ -256,6 +299,7 @@ class Engine:
             kv_dtype=backend.program.kv_dtype,
             model_path=backend.program.path,
         )
+        engine.placement = placement
         clock.done("started the engine")
         return engine
 
@@ -555,8 +599,22 @@ def _seeded(config: GenConfig, index: int) -> GenConfig:
     return replace(config, seed=(config.seed + index) % 2**63)
 
 
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+def _place(threads: int | None, numa: str | int) -> Placement:
+    """Sets the threads' count and CPUs (cellbatch.machine) before anything loads, so that
+    the loading and engine threads inherit them."""
+    topology = read_topology()
+    preset = preset_thread_count(len(topology.cpus), torch.get_num_threads())
+    placement = plan_placement(topology, threads, numa, preset)
+    apply_placement(placement)
+    return placement
+
+
+def machine_kv_memory(backend: ModelBackend) -> KVMemory:
+    """What the KV pool may take on this machine now: the memory available, less the
+    weights a file mapping holds (counted as available, but needed); on a GPU, its free
+    memory with the weights on it (the pool lives there)."""
+    if backend.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(backend.device)
+        return KVMemory(free, total)
+    memory = read_memory()
+    return KVMemory(memory.available_bytes - backend.mapped_weights_bytes, memory.total_bytes)

@@ -1,12 +1,16 @@
 """The engine's limits: what a caller may set (`EngineShape`) and what the engine runs
 with once every unset one is derived from the model and the others (`EngineLimits`).
 
-Owns: the defaults, and `resolve_limits`.
+Owns: the defaults, `resolve_limits`, and the KV pool's share of memory (`KVMemory`).
 Promises: a limit that cannot work (fewer than one session, a step narrower than a decode
 beside a prompt token, sessions longer than the model's context) is refused naming the
-number and the bound; the KV pool is bounded by DEFAULT_KV_BUDGET_BYTES unless
-`max_cells` says otherwise.
-Never: allocates anything.
+number and the bound. The KV pool's cap (`max_cells`) is never more than the memory left
+for it: what the machine had available once the weights were in memory, less a reserve
+for the rest of the process, less the third that growth needs (a pool that doubles holds
+its old rows beside the new ones). By default it is the smaller of that and what every
+session at its longest would fill; a `max_cells` above it is refused with the numbers and
+the fix.
+Never: allocates anything, or reads the machine (the caller hands it a `KVMemory`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import torch
 from cellbatch.kv_format import kv_bytes_per_cell
 from cellbatch.types import MAX_POSITION, InvalidArgumentError, ModelGeometry
 
-# Bounds the KV pool by default: cells past this many bytes are never allocated.
-DEFAULT_KV_BUDGET_BYTES = 4 * 2**30
+GIB = 2**30
+# Kept out of the KV pool's share for everything else the process holds (steps' activations,
+# the tokenizer, the interpreter, the allocator's slack): this, or a tenth of the machine.
+MIN_RESERVE_BYTES = GIB
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MAX_BATCH_TOKENS = 544
 DEFAULT_MAX_SESSION_TOKENS = 8192
@@ -38,6 +44,37 @@ class EngineShape:
 
 
 @dataclass(frozen=True)
+class KVMemory:
+    """Memory the KV pool may take: `available_bytes` once the weights are in memory (a
+    file-backed mapping of them already taken off), of `total_bytes`."""
+
+    available_bytes: int
+    total_bytes: int
+
+    @property
+    def reserve_bytes(self) -> int:
+        return max(MIN_RESERVE_BYTES, self.total_bytes // 10)
+
+    @property
+    def pool_bytes(self) -> int:
+        """The most a pool may hold: two thirds of what is left after the reserve (its last
+        doubling holds the old half beside the new whole)."""
+        return max(0, self.available_bytes - self.reserve_bytes) * 2 // 3
+
+    def explain(self) -> str:
+        return (
+            f"{_gib(self.pool_bytes)} is free for it ({_gib(self.available_bytes)} of "
+            f"{_gib(self.total_bytes)} available with the weights in memory, less "
+            f"{_gib(self.reserve_bytes)} kept for the rest of the process, less a third for "
+            "the pool's growth)"
+        )
+
+
+def _gib(count: int) -> str:
+    return f"{count / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
 class EngineLimits:
     """An EngineShape with every limit derived: what the engine runs with."""
 
@@ -50,8 +87,13 @@ class EngineLimits:
 
 
 def resolve_limits(
-    shape: EngineShape, geometry: ModelGeometry, kv_dtype: torch.dtype
+    shape: EngineShape,
+    geometry: ModelGeometry,
+    kv_dtype: torch.dtype,
+    memory: KVMemory | None = None,
 ) -> EngineLimits:
+    """`shape` with every unset limit derived; `memory` bounds the KV pool (None: no
+    bound but what the sessions can fill)."""
     if shape.max_sessions < 1:
         raise InvalidArgumentError(f"max_sessions must be >= 1, got {shape.max_sessions}")
     if shape.max_batch_tokens < 2:
@@ -70,9 +112,10 @@ def resolve_limits(
     bytes_per_cell = kv_bytes_per_cell(
         geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, kv_dtype
     )
-    cells = shape.max_cells or min(
-        shape.max_sessions * session_tokens, DEFAULT_KV_BUDGET_BYTES // bytes_per_cell
-    )
+    cells = shape.max_cells or shape.max_sessions * session_tokens
+    if memory is not None:
+        asked = shape.max_cells is not None
+        cells = _fit_cells(cells, asked, bytes_per_cell, kv_dtype, memory, shape.max_batch_tokens)
     return EngineLimits(
         max_sessions=shape.max_sessions,
         max_batch_tokens=shape.max_batch_tokens,
@@ -81,3 +124,33 @@ def resolve_limits(
         max_prefill_chunk=chunk,
         max_cells=cells,
     )
+
+
+def _fit_cells(
+    cells: int,
+    asked: bool,
+    bytes_per_cell: int,
+    kv_dtype: torch.dtype,
+    memory: KVMemory,
+    step_tokens: int,
+) -> int:
+    """`cells` within `memory`: an asked count that does not fit is refused, a default one
+    lowered to what fits, and refused too when not even one step's tokens fit."""
+    fit = memory.pool_bytes // bytes_per_cell
+    if cells <= fit:
+        return cells
+    dtype = str(kv_dtype).removeprefix("torch.")
+    smaller = "" if kv_dtype == torch.int8 else ", use kv_dtype int8 (about half bf16's bytes)"
+    if asked:
+        raise InvalidArgumentError(
+            f"max_cells={cells} needs a KV pool of {_gib(cells * bytes_per_cell)} "
+            f"({bytes_per_cell} bytes per cell of {dtype}), but {memory.explain()}; lower "
+            f"max_cells to at most {fit}{smaller}, or free memory"
+        )
+    if fit < step_tokens:
+        raise InvalidArgumentError(
+            f"no memory is left for the KV pool: {memory.explain()}, under one step's "
+            f"{step_tokens} cells of {bytes_per_cell} bytes; free memory{smaller}, or load a "
+            "smaller or more quantised model"
+        )
+    return fit

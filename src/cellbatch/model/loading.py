@@ -9,7 +9,16 @@ mis-shaped tensor (expected vs got); GGUF tensors are dequantised to float32 fir
 llama.cpp's interleaved Q/K row order (llama-arch RoPE) is undone. With `quantize`, the
 projections, LM head and embedding take int8/int4 layouts (`cellbatch.model.quantized`),
 converted one tensor at a time from the file's blocks or floats, never via a float32 model.
-`load_model` tells a `LoadProgress` what it did as each phase ends (reading the weights,
+The files are memory-mapped and read one target at a time: each is converted and put
+into the model (built on the meta device) before the next is read, and the pages of the
+file it was converted from are handed back (`machine.FileMappings.release`), so a load
+holds the model and one tensor's scratch, never a second copy of the weights; a float
+tensor taken as it is stays the file's pages. Before reading, the weights' least size is
+checked against the memory available (an error with the numbers and the fix when it
+cannot fit). With a cache folder (`cellbatch.model.weights_cache`), a model with
+quantised modules is written there once converted and mapped from there on the next
+start. `load_model` tells a `LoadProgress` what it did as each phase ends (reading the
+config, mapping the cache or reading and converting the weights, writing the cache,
 preparing the model), with the seconds it took.
 Never: downloads anything, initialises weights randomly (the model is built on the meta
 device and the loaded tensors are assigned), or keeps the checkpoint open after loading.
@@ -21,6 +30,7 @@ import ctypes
 import gc
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -31,11 +41,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from cellbatch.model import gguf_blocks, kquants, quantized
+from cellbatch.machine import FileMappings, read_memory
+from cellbatch.model import gguf_blocks, kquants, quantized, weights_cache
 from cellbatch.model.config import ModelConfig, UnsupportedModelError
 from cellbatch.model.device import device_quantize, resolve_device
 from cellbatch.model.ops import resolve as resolve_ops
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype
+from cellbatch.types import InvalidArgumentError
 
 # Checkpoint tensors that carry nothing the model needs.
 _IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -107,14 +119,16 @@ def load_model(
     progress: LoadProgress | None = None,
     activations: str = "auto",
     device: str | torch.device = "cpu",
+    cache: str | Path | None = None,
 ) -> tuple[ModelConfig, PackedTransformer]:
     """Loads the model at `path` with weights in `dtype` ("auto", "float32", ...),
     `kernels` ("auto", "compiled", "torch": see PackedTransformer), `quantize` ("auto":
     a GGUF file's precision class, else float; "none"; "int8"; "int4": see
     quantized.target_format) and `activations` for the int4 products ("auto", "float",
     "int8": see quantized.resolve_activations), onto `device` (a CUDA GPU: float weights,
-    the torch ops; see cellbatch.model.device). `progress` hears of each phase as it
-    ends."""
+    the torch ops; see cellbatch.model.device). `cache`: the repacked-weights cache's
+    folder ("auto": the default one; None: no cache; see weights_cache; on the CPU only,
+    whose layouts it holds). `progress` hears of each phase as it ends."""
     target = resolve_device(device)
     quantize = device_quantize(quantized.resolve_quantize(quantize), target)
     quantized.check_activations(activations)
@@ -124,49 +138,157 @@ def load_model(
     if target.type != "cpu":
         resolve_ops(kernels, target)  # refuses "compiled" off the CPU, naming the fix
         kernels = "torch"
-    config, model = _load(files, torch_dtype, kernels, quantize, activations, clock)
+        cache = None  # an entry holds the CPU kernels' layouts; a device takes floats
+    checkpoint = _HFCheckpoint(files.path) if files.kind == "hf" else _GGUFCheckpoint(files.path)
+    config = checkpoint.config
+    model = PackedTransformer(config, dtype=torch_dtype, device="meta", kernels=kernels)
+    a8 = quantized.resolve_activations(activations, model.ops.kind, torch_dtype)
+    options = {
+        "dtype": str(torch_dtype),
+        "quantize": quantize,
+        "activations": a8,
+        "kernels": model.ops.kind,
+    }
+    folder = weights_cache.cache_directory(cache)
+    name = files.path.name
+    key = weights_cache.CacheKey.make(name, checkpoint.files, options) if folder else None
+    entry = key.entry(folder) if key and folder else None
+    clock.done(f"read the config of {name} ({config.architecture}, {config.num_layers} layers)")
+    mapped = weights_cache.restore(entry, key, model) if key and entry else None
+    if mapped is not None:
+        clock.done(f"mapped the repacked weights from {entry} ({_gib(mapped)})")
+    else:
+        done = _fill(checkpoint, model, quantize, activations, a8)
+        clock.done(f"read and converted the weights of {name} ({done})")
+        if key and entry and weights_cache.has_quantized_modules(model):
+            written = weights_cache.store(entry, key, model)
+            if written:
+                clock.done(f"wrote the repacked weights to {entry} ({_gib(written)})")
+    del checkpoint  # the GGUF reader's parsed metadata, the safetensors handles
+    model.reset_rope("cpu")
+    model.requires_grad_(False)
     if target.type == "cpu":
-        model.pack_linears()
-        model.fuse_layers()
+        _pack(model)
     else:
         model.to(target)
         model.reset_rope(target)
         clock.done(f"moved the weights to {target}")
-    # Only now is the checkpoint (the GGUF reader's parsed metadata) and every scratch
-    # tensor of the conversion gone.
     _return_freed_memory()
     kept = quantized.describe_kept(model)
     clock.done(f"prepared the model ({model.ops.kind} kernels{'; ' + kept if kept else ''})")
-    return config, model
+    return config, model.eval()
 
 
-def _load(
-    files: ModelFiles,
-    dtype: torch.dtype,
-    kernels: str,
+def _pack(model: PackedTransformer) -> None:
+    """Packs and fuses the CPU model's products; the float weights oneDNN reordered into
+    copies give their file pages back."""
+    before = _spans(model)
+    model.pack_linears()
+    mappings, after = FileMappings(), _spans(model)
+    for address, length in before.items():
+        if address not in after:
+            mappings.release(address, length)
+    model.fuse_layers()
+
+
+def _spans(model: torch.nn.Module) -> dict[int, int]:
+    """Where the model's dense parameters' storages lie: address -> bytes."""
+    return {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+        for p in model.parameters()
+        if p.layout == torch.strided and not p.is_mkldnn
+    }
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB"
+
+
+def _fill(
+    checkpoint: _HFCheckpoint | _GGUFCheckpoint,
+    model: PackedTransformer,
     quantize: str,
     activations: str,
-    clock: PhaseClock,
-) -> tuple[ModelConfig, PackedTransformer]:
-    checkpoint = _HFCheckpoint(files.path) if files.kind == "hf" else _GGUFCheckpoint(files.path)
+    a8: str,
+) -> str:
+    """Puts every checkpoint tensor into `model` (on the meta device), one target at a
+    time: read, converted, installed, and the file's pages it came from handed back
+    unless the model holds them as they are. `activations` as asked for chooses the
+    formats (quantized.target_format), `a8` as resolved is what the products take.
+    Returns what it did, in words."""
     config = checkpoint.config
+    _check_tensors(checkpoint, config)
     formats = _formats(checkpoint, quantize, activations)
-    state, weights = _assemble(checkpoint, config, dtype, formats)
-    clock.done(f"read the weights of {files.path.name} ({config.num_layers} layers)")
-    model = PackedTransformer(config, dtype=dtype, device="meta", kernels=kernels)
-    loaded = model.load_state_dict(state, strict=False, assign=True)
-    if loaded.unexpected_keys or set(loaded.missing_keys) != set(weights):
-        raise CheckpointMismatchError(f"internal: model and assembled weights differ: {loaded}")
-    kept = {t: w for t, w in weights.items() if isinstance(w, kquants.KQuantWeight)}
-    quantized.install(
-        model,
-        {t: w for t, w in weights.items() if not isinstance(w, kquants.KQuantWeight)},
-        quantized.resolve_activations(activations, model.ops.kind, dtype),
+    _check_memory(checkpoint, formats, model.dtype)
+    mappings = FileMappings()  # the checkpoint's files are mapped by now
+    counts: dict[str, int] = {}
+    read = 0
+    for target, parts in checkpoint.sources.items():
+        names = [name for name, _ in parts]
+        fmt = formats.get(target)
+        if fmt is not None:
+            weight = quantized.cat([checkpoint.load_quantized(name, fmt) for name in names])
+            if isinstance(weight, kquants.KQuantWeight):
+                kquants.install(model, {target: weight})
+            else:
+                quantized.install(model, {target: weight}, a8)
+            kept: set[int] = set()
+        else:
+            loaded = [checkpoint.load(name).to(model.dtype) for name in names]
+            tensor = torch.cat(loaded) if len(loaded) > 1 else loaded[0]
+            _assign(model, target, tensor)
+            kept = {tensor.untyped_storage().data_ptr()}
+        for name in names:
+            address, length = checkpoint.span(name)
+            read += length
+            if address not in kept:
+                mappings.release(address, length)
+        counts[fmt or "float"] = counts.get(fmt or "float", 0) + 1
+    unfilled = [name for name, param in model.named_parameters() if param.is_meta]
+    if unfilled:
+        raise CheckpointMismatchError(f"internal: no checkpoint tensor filled {unfilled}")
+    return f"{_gib(read)} read; " + ", ".join(
+        f"{count} {fmt}" for fmt, count in sorted(counts.items())
     )
-    kquants.install(model, kept)
-    model.reset_rope("cpu")
-    model.requires_grad_(False)
-    return config, model.eval()
+
+
+def _assign(model: PackedTransformer, target: str, tensor: torch.Tensor) -> None:
+    """`tensor` as the parameter `target` of `model` (in place of its meta one)."""
+    path, _, name = target.rpartition(".")
+    module = model.get_submodule(path) if path else model
+    setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+# Every quantised format cellbatch holds takes at least this many bits per weight.
+_LEAST_QUANTIZED_BITS = 4
+
+
+def _check_memory(
+    checkpoint: _HFCheckpoint | _GGUFCheckpoint, formats: dict[str, str], dtype: torch.dtype
+) -> None:
+    """Refuses, with the numbers and the fix, weights whose least size is more than the
+    memory available: float targets at `dtype`'s size, quantised ones at 4 bits a weight."""
+    floats = quantised = 0
+    for target, parts in checkpoint.sources.items():
+        count = sum(math.prod(shape) for _, shape in parts)
+        if target in formats:
+            quantised += count * _LEAST_QUANTIZED_BITS // 8
+        else:
+            floats += count * dtype.itemsize
+    memory = read_memory()
+    if floats + quantised <= memory.available_bytes:
+        return
+    fixes = ["free memory", "load a smaller model"]
+    if floats > quantised:
+        if dtype == torch.float32:
+            fixes.append("use --dtype bfloat16 (half the bytes)")
+        fixes.append("quantise it with --quantize int4 (about a third of bf16's bytes)")
+    raise InvalidArgumentError(
+        f"the weights of {checkpoint.path.name} need at least {_gib(floats + quantised)} of "
+        f"memory ({_gib(floats)} {str(dtype).removeprefix('torch.')}, {_gib(quantised)} "
+        f"quantised), but {_gib(memory.available_bytes)} of {_gib(memory.total_bytes)} is "
+        f"available; " + ", or ".join(fixes)
+    )
 
 
 def _return_freed_memory() -> None:
@@ -248,6 +370,7 @@ class _HFCheckpoint:
                 f"no *.safetensors weights in {folder} (other formats such as "
                 "pytorch_model.bin are not supported; convert them to safetensors)"
             )
+        self.files = [folder / "config.json", *(folder / name for name in files)]
         self._handles: dict[str, _SafetensorsFile] = {}
         self._file_of: dict[str, str] = {}
         for name in files:
@@ -273,7 +396,13 @@ class _HFCheckpoint:
         return name in self.ignored or bool(_IGNORED_HF.search(name))
 
     def load(self, name: str) -> torch.Tensor:
+        """The tensor as the file's mapped pages (safetensors maps, never copies)."""
         return self._handles[self._file_of[name]].get_tensor(name)
+
+    def span(self, name: str) -> tuple[int, int]:
+        """Where the tensor's bytes are mapped: (address, length)."""
+        tensor = self.load(name)
+        return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
     def kinds(self, names: list[str]) -> None:
         return None  # not GGUF: "auto" keeps it float
@@ -289,6 +418,7 @@ class _GGUFCheckpoint:
         import gguf
 
         self.path = file
+        self.files = [file]
         try:
             self._reader = gguf.GGUFReader(file)
         except (ValueError, OSError) as error:
@@ -326,6 +456,12 @@ class _GGUFCheckpoint:
         # Unquantised tensors come back as read-only views of the file: copy those.
         array = np.ascontiguousarray(array).reshape(shape)
         return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+    def span(self, name: str) -> tuple[int, int]:
+        """Where the tensor's bytes are mapped (the reader maps the file): (address,
+        length)."""
+        data = self._tensors[name].data
+        return data.ctypes.data, data.nbytes
 
     def load_quantized(
         self, name: str, fmt: str
@@ -434,14 +570,8 @@ def _sources(
     return out
 
 
-def _assemble(
-    checkpoint: _HFCheckpoint | _GGUFCheckpoint,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    formats: dict[str, str],
-) -> tuple[dict[str, torch.Tensor], dict[str, quantized.QuantizedWeight | kquants.KQuantWeight]]:
-    """Checks every name and shape first (one error listing all problems), then loads:
-    (float tensors by parameter name, quantised weights of the targets in `formats`)."""
+def _check_tensors(checkpoint: _HFCheckpoint | _GGUFCheckpoint, config: ModelConfig) -> None:
+    """Checks every name and shape before anything loads: one error lists all problems."""
     shapes = checkpoint.shapes()
     wanted = {name: shape for parts in checkpoint.sources.values() for name, shape in parts}
     missing = sorted(name for name in wanted if name not in shapes)
@@ -468,18 +598,3 @@ def _assemble(
             f"{config.num_heads} heads / {config.num_kv_heads} kv heads, "
             f"head_dim {config.head_dim}): " + "; ".join(problems)
         )
-    state = {
-        target: torch.cat([checkpoint.load(name).to(dtype) for name, _ in parts])
-        if len(parts) > 1
-        else checkpoint.load(parts[0][0]).to(dtype)
-        for target, parts in checkpoint.sources.items()
-        if target not in formats
-    }
-    weights = {
-        target: quantized.cat(
-            [checkpoint.load_quantized(name, formats[target]) for name, _ in parts]
-        )
-        for target, parts in checkpoint.sources.items()
-        if target in formats
-    }
-    return state, weights
