@@ -163,6 +163,26 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) 
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// The first `width` (<= 16) of 16 float sums stored as T: float32 as they are, bf16 rounded
+// to nearest even (c10::BFloat16's rounding), NaN kept quiet, without needing
+// AVX512-BF16. For the AVX512 paths only, as load16.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(const float* sums,
+                                                                          int64_t width,
+                                                                          float* y) {
+  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << width) - 1), _mm512_loadu_ps(sums));
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(const float* sums,
+                                                                          int64_t width,
+                                                                          c10::BFloat16* y) {
+  const __m512 v = _mm512_loadu_ps(sums);
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << width) - 1),
+                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
 #endif
 
 }  // namespace cellbatch

@@ -42,6 +42,7 @@
 
 #include "common.h"
 #include "quantized_a8.h"
+#include "quantized_amx.h"
 
 #include <algorithm>
 #include <cmath>
@@ -342,22 +343,6 @@ void block(const Panels& panels, int64_t panel_count, const Quantised& xs, int64
   }
 }
 
-inline void store16(const float* sums, int64_t width, float* y) {
-  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << width) - 1), _mm512_loadu_ps(sums));
-}
-// bf16 rounded to nearest even (c10::BFloat16's rounding), NaN kept quiet, without
-// needing AVX512-BF16.
-inline void store16(const float* sums, int64_t width, c10::BFloat16* y) {
-  const __m512 v = _mm512_loadu_ps(sums);
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << width) - 1),
-                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
 template <typename Panels, typename T>
 void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int64_t panel_count,
                   int64_t out_features, T* y) {
@@ -435,6 +420,7 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
   const bool portable = portable_asked();
   const bool vector = a8_products_available() && !portable;
   const bool avx2 = !vector && !portable && a8::avx2_products_available();
+  const bool amx = a8::amx_takes(count) && vector;  // a bad CELLBATCH_AMX fails everywhere
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
@@ -442,6 +428,10 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
     T* y = out.data_ptr<T>();
     const Code* c = codes.data_ptr<Code>();
     const S* s = scales.data_ptr<S>();
+    if (amx) {
+      if constexpr (kInt4) return a8::int4_products_amx(xs, c, s, panel_count, out_features, y);
+      else return a8::int8_products_amx(xs, c, s, panel_count, out_features, y);
+    }
 #ifdef CELLBATCH_A8_PRODUCTS
     if (vector) {
       using Panels = std::conditional_t<kInt4, Int4Panels<S>, Int8Panels<S>>;
