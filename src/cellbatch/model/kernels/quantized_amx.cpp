@@ -192,28 +192,29 @@ struct alignas(64) Buffer {
 template <int P, bool kSigned>
 void tile_dots(Buffer* buffer, const int8_t* inputs, int64_t stride, int64_t chunk) {
   Dots& dots = buffer->dots;
+  // Tile numbers are immediates: one statement per panel. The panels' products are issued
+  // together, and only then stored, so that a store does not wait on the product just
+  // before it.
   for (int64_t i = 0; i < chunk; ++i) {
     _tile_loadd(0, inputs + i * kGroup, stride);
-    // Tile numbers are immediates: one statement per panel.
     _tile_zero(4);
+    if constexpr (P > 1) _tile_zero(5);
+    if constexpr (P > 2) _tile_zero(6);
     _tile_loadd(1, buffer->tiles[i][0], 64);
-    if constexpr (kSigned) _tile_dpbssd(4, 0, 1);
-    else _tile_dpbsud(4, 0, 1);
+    if constexpr (P > 1) _tile_loadd(2, buffer->tiles[i][1], 64);
+    if constexpr (P > 2) _tile_loadd(3, buffer->tiles[i][2], 64);
+    if constexpr (kSigned) {
+      _tile_dpbssd(4, 0, 1);
+      if constexpr (P > 1) _tile_dpbssd(5, 0, 2);
+      if constexpr (P > 2) _tile_dpbssd(6, 0, 3);
+    } else {
+      _tile_dpbsud(4, 0, 1);
+      if constexpr (P > 1) _tile_dpbsud(5, 0, 2);
+      if constexpr (P > 2) _tile_dpbsud(6, 0, 3);
+    }
     _tile_stored(4, dots[i][0], 64);
-    if constexpr (P > 1) {
-      _tile_zero(5);
-      _tile_loadd(2, buffer->tiles[i][1], 64);
-      if constexpr (kSigned) _tile_dpbssd(5, 0, 2);
-      else _tile_dpbsud(5, 0, 2);
-      _tile_stored(5, dots[i][1], 64);
-    }
-    if constexpr (P > 2) {
-      _tile_zero(6);
-      _tile_loadd(3, buffer->tiles[i][2], 64);
-      if constexpr (kSigned) _tile_dpbssd(6, 0, 3);
-      else _tile_dpbsud(6, 0, 3);
-      _tile_stored(6, dots[i][2], 64);
-    }
+    if constexpr (P > 1) _tile_stored(5, dots[i][1], 64);
+    if constexpr (P > 2) _tile_stored(6, dots[i][2], 64);
   }
 }
 
