@@ -98,7 +98,7 @@ def test_every_amx_switch_gives_the_same_bits(compiled_ops, monkeypatch, switch)
     monkeypatch.setenv("CELLBATCH_AMX", "0")
     expected = compiled_ops.int4_matmul_a8(x, codes, scales, 100)
     monkeypatch.setenv("CELLBATCH_AMX", switch)
-    for count in (1, 16, 40):
+    for count in (1, 3, 4, 40):
         assert torch.equal(
             compiled_ops.int4_matmul_a8(x[:count], codes, scales, 100), expected[:count]
         )

@@ -46,10 +46,10 @@
 
 namespace cellbatch::a8 {
 
-// Calls of fewer rows stream their weights (a row's products are a few instructions per
-// code byte) and the VNNI path runs them as fast; from here the tiles win (the "a8 vnni"
-// and "a8 amx" columns of benchmarks/quantized.py --products --rows 8,12,16,24,32).
-constexpr int64_t kAmxMinRows = 16;
+// Calls of up to 3 rows run faster on the VNNI path, which makes their operands in
+// registers; from 4 rows, where it goes through a buffer as the tiles do, the tiles win
+// (the "a8 vnni" and "a8 amx" columns of benchmarks/quantized.py --products --rows 2,3,4,6).
+constexpr int64_t kAmxMinRows = 4;
 
 int64_t amx_min_rows() { return kAmxMinRows; }
 
