@@ -254,11 +254,7 @@ inline void rows_over_groups(const Panels& panels, const Quantised& xs, int64_t 
                              int64_t g0, int64_t g1, Split&& split, float* sums) {
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
   __m512 total[R][P];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p)
-      total[r][p] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kBlockWidth + p * kPanel);
+  load_totals<R, P, kBlockWidth>(total, sums, g0 != 0);
   for (int64_t g = g0; g < g1; ++g) {
     __m512i dot[R][P];
 #pragma GCC unroll 4
@@ -299,10 +295,7 @@ inline void rows_over_groups(const Panels& panels, const Quantised& xs, int64_t 
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kBlockWidth + p * kPanel, total[r][p]);
+  store_totals<R, P, kBlockWidth>(total, sums);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
@@ -352,12 +345,7 @@ void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int6
         block<decltype(width)::value>(panels, panel_count, xs, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < out_features; ++p) {
-            const int64_t start = (p0 + p) * kPanel;
-            store16(sums + r * kBlockWidth + p * kPanel, std::min(kPanel, out_features - start),
-                    y + (m0 + r) * out_features + start);
-          }
+        store_sums<kBlock>(sums, m0, n, p0, out_features, y);
       });
 }
 

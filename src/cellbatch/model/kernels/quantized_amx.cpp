@@ -228,11 +228,7 @@ void chain(const Quantised& xs, int64_t m, int64_t first, int64_t g0, int64_t co
   const float* d = xs.d.data() + m * groups + g0;
   const float* sx = xs.sx.data() + m * groups + g0;
   __m512 total[R][P];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p)
-      total[r][p] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kBlockWidth + p * kPanel);
+  load_totals<R, P, kBlockWidth>(total, sums, g0 != 0);
   for (int64_t i = 0; i < count; ++i) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -248,10 +244,7 @@ void chain(const Quantised& xs, int64_t m, int64_t first, int64_t g0, int64_t co
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kBlockWidth + p * kPanel, total[r][p]);
+  store_totals<R, P, kBlockWidth>(total, sums);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock]: per
@@ -301,12 +294,7 @@ void product_amx(const Quantised& xs, const Panels& panels, int64_t panel_count,
         block<decltype(width)::value>(panels, xs, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < out_features; ++p) {
-            const int64_t start = (p0 + p) * kPanel;
-            store16(sums + r * kBlockWidth + p * kPanel, std::min(kPanel, out_features - start),
-                    y + (m0 + r) * out_features + start);
-          }
+        store_sums<kBlock>(sums, m0, n, p0, out_features, y);
       });
 }
 
