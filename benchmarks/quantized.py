@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,7 @@ HEAD_SHAPE = (49152, 576)
 PRODUCT_KERNELS = (
     "fp32",
     "bf16",
+    "bf16 fixed",
     "int4",
     "int8",
     "int4 bf16",
@@ -188,40 +190,58 @@ PRODUCT_KERNELS = (
     "aten int4",
     "aten int8",
 )
+# On a CPU with AMX, the int8-input products on each path alone beside "a8" (the choice by
+# width that CELLBATCH_AMX=auto makes, or what the caller's CELLBATCH_AMX says): "vnni"
+# never takes the tiles, "amx" always.
+AMX_KERNELS = ("int4 a8 vnni", "int8 a8 vnni", "int4 a8 amx", "int8 a8 amx")
+AMX_SWITCH = {"vnni": "0", "amx": "always"}
 
 
 def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
     """call(x) for one product of `shape` with random weights held as `kernel` holds them:
     fp32 and bf16 as the model runs them (oneDNN-packed, PackedLinear, where it packs that
-    dtype on this CPU; else torch's linear), our int4/int8 ops, PyTorch's int4/int8
+    dtype on this CPU; else torch's linear; "bf16" in one call of all rows, "bf16 fixed" in
+    the calls of a fixed row count that PackedLinear makes on AMX CPUs, gemm.py), our
+    int4/int8 ops, PyTorch's int4/int8
     weight-only kernels (bf16 activations, as the previous QuantizedLinear ran them)."""
     import torch
 
-    from cellbatch.model import ops, quantized
+    from cellbatch.model import gemm, ops, quantized
     from cellbatch.model.transformer import can_pack_linears
 
     n, k = shape
     weight = torch.randn(n, k, generator=generator) * 0.05
-    if kernel in ("fp32", "bf16"):
+    if kernel in ("fp32", "bf16", "bf16 fixed"):
         dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
         if not can_pack_linears(dtype, "cpu"):  # oneDNN's packed bf16 needs AVX512 or AMX
             plain = weight.to(dtype)
             return lambda x: torch.nn.functional.linear(x.to(dtype), plain)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(
-            x.to(dtype), packed, None, "none", [], ""
+        rows = gemm.rows_per_call(dtype) if kernel == "bf16 fixed" else 0
+        return lambda x: gemm.in_fixed_calls(
+            lambda part: torch.ops.mkldnn._linear_pointwise(part, packed, None, "none", [], ""),
+            x.to(dtype),
+            rows,
         )
     if kernel.split()[0] in ("int4", "int8"):
         fmt, *activations = kernel.split()
         table = ops.table(ops.NAMESPACE)
         op = table.int4_matmul if fmt == "int4" else table.int8_matmul
         held = quantized.from_float(weight, fmt)
-        if activations == ["a8"]:  # bf16 activations quantised to int8 per group
+        if activations[:1] == ["a8"]:  # bf16 activations quantised to int8 per group
+            switch = AMX_SWITCH.get(activations[-1], os.environ.get("CELLBATCH_AMX", ""))
             if isinstance(held, quantized.Int8Weight):
                 codes, scales = quantized.pack_a8(held)
-                return lambda x: table.int8_matmul_a8(x.bfloat16(), codes, scales, n)
-            codes, scales = quantized.pack(held)
-            return lambda x: table.int4_matmul_a8(x.bfloat16(), codes, scales, n)
+                a8_op = table.int8_matmul_a8
+            else:
+                codes, scales = quantized.pack(held)
+                a8_op = table.int4_matmul_a8
+
+            def a8_call(x: torch.Tensor) -> torch.Tensor:
+                os.environ["CELLBATCH_AMX"] = switch  # the kernels read it at each call
+                return a8_op(x.bfloat16(), codes, scales, n)
+
+            return a8_call
         codes, scales = quantized.pack(held)
         if activations:  # bf16 activations: the bf16 products where the CPU has them
             return lambda x: op(x.bfloat16(), codes, scales, n)
@@ -245,7 +265,7 @@ def _as_run(kernel: str, name: str) -> str:
 
     from cellbatch.model.quantized import a8_products
 
-    if kernel == "int4 a8" and name not in a8_products(torch.bfloat16):
+    if kernel.startswith("int4 a8") and name not in a8_products(torch.bfloat16):
         kernel = "int4 bf16"
     return kernel.replace("int4", "int8") if name == "lm_head" else kernel
 
@@ -253,22 +273,27 @@ def _as_run(kernel: str, name: str) -> str:
 def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
     """Milliseconds per forward pass of the default model's products alone (`layers`
     layers of distinct random weights, so that they come from memory as in the model, and
-    the LM head), per kernel and row count: best of `passes`, kernels interleaved."""
+    the LM head), per kernel and row count: best of `passes`, kernels interleaved. On a
+    CPU with AMX the int8-input products also run on each of their paths alone
+    (AMX_KERNELS), beside "a8" (the choice by width that `auto` makes)."""
     import torch
 
     from cellbatch.model import kernels
+    from cellbatch.model.cpu import amx_switch, cpu_has_amx
 
     if not kernels.load():
         raise SystemExit(f"the compiled kernels are needed: {kernels.unavailable_reason()}")
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
+    tiles = cpu_has_amx() and amx_switch() != "0"
+    kernel_names = PRODUCT_KERNELS + (AMX_KERNELS if tiles else ())
     calls = {
         kernel: {
             name: [_product_calls(kernel, shape, generator) for _ in range(layers)]
             for name, shape in LAYER_SHAPES.items()
         }
         | {"lm_head": [_product_calls(kernel, HEAD_SHAPE, generator)]}
-        for kernel in PRODUCT_KERNELS
+        for kernel in kernel_names
     }
     names = [*LAYER_SHAPES, "lm_head"]
     print(
@@ -278,24 +303,24 @@ def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
     for count in rows:
         inputs = {name: torch.randn(count, shape[1]) for name, shape in LAYER_SHAPES.items()}
         inputs["lm_head"] = torch.randn(count, HEAD_SHAPE[1])
-        best = {(kernel, name): float("inf") for kernel in PRODUCT_KERNELS for name in names}
+        best = {(kernel, name): float("inf") for kernel in kernel_names for name in names}
         for _ in range(passes):
-            for kernel in PRODUCT_KERNELS:  # interleaved: a load swing hits every kernel
+            for kernel in kernel_names:  # interleaved: a load swing hits every kernel
                 for name in names:
                     began = perf_counter()
                     for call in calls[kernel][name]:
                         call(inputs[name])
                     best[kernel, name] = min(best[kernel, name], perf_counter() - began)
-        print(f"rows {count}: " + " ".join(f"{kernel:>10}" for kernel in PRODUCT_KERNELS))
+        print(f"rows {count}: " + " ".join(f"{kernel:>12}" for kernel in kernel_names))
         for name in names:
-            cells = " ".join(f"{best[k, name] * 1e3:10.2f}" for k in PRODUCT_KERNELS)
+            cells = " ".join(f"{best[k, name] * 1e3:12.2f}" for k in kernel_names)
             print(f"  {name:<8} {cells}")
         total = {
             kernel: sum(best[_as_run(kernel, name), name] for name in names)
-            for kernel in PRODUCT_KERNELS
+            for kernel in kernel_names
         }
-        cells = " ".join(f"{total[k] * 1e3:10.2f}" for k in PRODUCT_KERNELS)
-        ratios = " ".join(f"{total['fp32'] / total[k]:10.2f}" for k in PRODUCT_KERNELS)
+        cells = " ".join(f"{total[k] * 1e3:12.2f}" for k in kernel_names)
+        ratios = " ".join(f"{total['fp32'] / total[k]:12.2f}" for k in kernel_names)
         print(f"  {'model':<8} {cells}\n  {'x fp32':<8} {ratios}", flush=True)
 
 

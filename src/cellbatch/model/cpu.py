@@ -5,7 +5,8 @@ Owns: `cpu_has_fast_bf16`, `cpu_dtype` (what `auto` computes in), `cpu_has_int8_
 `int8_products_path` (which instruction runs those) and `cpu_has_amx`, and the rule they
 share: a feature counts only when the CPU has
 it (detected, never assumed) and torch runs at a vector width that includes it
-(`torch.backends.cpu.get_cpu_capability()`).
+(`torch.backends.cpu.get_cpu_capability()`); and `amx_switch`, the checked CELLBATCH_AMX,
+which the compiled int8-input products read too.
 Promises: with torch's own switch `ATEN_CPU_CAPABILITY=avx2`, cellbatch chooses as on an
 AVX2 CPU: no AVX512 feature counts, so "auto" gives float32 (with int8 inputs to gate_up
 and the head, by the AVX2 products), and the compiled kernels' AVX512 paths (which ask
@@ -22,6 +23,13 @@ from __future__ import annotations
 import os
 
 import torch
+
+from cellbatch.types import InvalidArgumentError
+
+# CELLBATCH_AMX: "auto" (unset: the int8-input products take AMX tiles for calls of enough
+# rows, kernels/quantized_amx.cpp), "0" (never: the AVX512-VNNI path, as on a CPU without
+# AMX) or "always" (every call: for the tests).
+AMX_SWITCHES = ("auto", "0", "always")
 
 
 def torch_runs_avx512() -> bool:
@@ -71,3 +79,15 @@ def int8_products_path() -> str:
     if _cpu_has("_is_vnni_supported") and torch_runs_avx512():
         return "VPDPBUSD, AVX512-VNNI"
     return "VPMADDUBSW, AVX2"
+
+
+def amx_switch() -> str:
+    """The checked CELLBATCH_AMX switch ("auto" when unset); a value the kernels would
+    refuse fails here, when a model is set up, with the choices."""
+    value = os.environ.get("CELLBATCH_AMX", "") or "auto"
+    if value not in AMX_SWITCHES:
+        raise InvalidArgumentError(
+            f"CELLBATCH_AMX={value!r} is not a choice: use auto (AMX tiles for the int8-input "
+            "products of many rows, the default), 0 (never) or always (every call)"
+        )
+    return value

@@ -57,7 +57,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from cellbatch.model.cpu import cpu_dtype, cpu_has_int8_products, int8_products_path
+from cellbatch.model.cpu import (
+    amx_switch,
+    cpu_dtype,
+    cpu_has_int8_products,
+    int8_products_path,
+)
 from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES, InvalidArgumentError
 
 
@@ -143,7 +148,9 @@ def resolve_quantize(quantize: str) -> str:
 
 
 def check_activations(choice: str) -> str:
-    """The checked `activations` choice."""
+    """The checked `activations` choice (and CELLBATCH_AMX, which the int8-input products
+    read: `cpu.amx_switch`)."""
+    amx_switch()
     meaning = "int8 quantises the int4 products' inputs, float keeps the model's dtype"
     return _checked(choice, ACTIVATION_CHOICES, "activations", meaning)
 

@@ -194,6 +194,53 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) 
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// The first `width` (<= 16) of 16 float sums stored as T: float32 as they are, bf16 rounded
+// to nearest even (c10::BFloat16's rounding), NaN kept quiet, without needing
+// AVX512-BF16. For the AVX512 paths only, as load16.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(const float* sums,
+                                                                          int64_t width,
+                                                                          float* y) {
+  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << width) - 1), _mm512_loadu_ps(sums));
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store16(const float* sums,
+                                                                          int64_t width,
+                                                                          c10::BFloat16* y) {
+  const __m512 v = _mm512_loadu_ps(sums);
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << width) - 1),
+                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+// The int8-input products' register sums of R rows and P panels: from `sums` (rows
+// kWidth floats apart) when a chain continues, else zero; and back into `sums`.
+template <int R, int P, int64_t kWidth>
+__attribute__((target("avx512f"), always_inline)) inline void load_totals(
+    __m512 (&total)[R][P], const float* sums, bool continues) {
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      total[r][p] = continues ? _mm512_loadu_ps(sums + r * kWidth + p * 16) : _mm512_setzero_ps();
+}
+template <int R, int P, int64_t kWidth>
+__attribute__((target("avx512f"), always_inline)) inline void store_totals(
+    const __m512 (&total)[R][P], float* sums) {
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kWidth + p * 16, total[r][p]);
+}
+// The sums [n][16 kBlock] of rows m0 .. m0 + n - 1 and panels p0 .. into y [M,
+// out_features] (the `store` of for_each_block for the AVX512 int8-input products).
+template <int64_t kBlock, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_sums(
+    const float* sums, int64_t m0, int64_t n, int64_t p0, int64_t out_features, T* y) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t p = 0; p < kBlock && (p0 + p) * 16 < out_features; ++p) {
+      const int64_t start = (p0 + p) * 16;
+      store16(sums + (r * kBlock + p) * 16, std::min<int64_t>(16, out_features - start),
+              y + (m0 + r) * out_features + start);
+    }
+}
 #endif
 
 }  // namespace cellbatch

@@ -42,6 +42,7 @@
 
 #include "common.h"
 #include "quantized_a8.h"
+#include "quantized_amx.h"
 
 #include <algorithm>
 #include <cmath>
@@ -253,11 +254,7 @@ inline void rows_over_groups(const Panels& panels, const Quantised& xs, int64_t 
                              int64_t g0, int64_t g1, Split&& split, float* sums) {
   const int64_t in_features = xs.in_features, groups = in_features / kGroup;
   __m512 total[R][P];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p)
-      total[r][p] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kBlockWidth + p * kPanel);
+  load_totals<R, P, kBlockWidth>(total, sums, g0 != 0);
   for (int64_t g = g0; g < g1; ++g) {
     __m512i dot[R][P];
 #pragma GCC unroll 4
@@ -298,10 +295,7 @@ inline void rows_over_groups(const Panels& panels, const Quantised& xs, int64_t 
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kBlockWidth + p * kPanel, total[r][p]);
+  store_totals<R, P, kBlockWidth>(total, sums);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
@@ -342,22 +336,6 @@ void block(const Panels& panels, int64_t panel_count, const Quantised& xs, int64
   }
 }
 
-inline void store16(const float* sums, int64_t width, float* y) {
-  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << width) - 1), _mm512_loadu_ps(sums));
-}
-// bf16 rounded to nearest even (c10::BFloat16's rounding), NaN kept quiet, without
-// needing AVX512-BF16.
-inline void store16(const float* sums, int64_t width, c10::BFloat16* y) {
-  const __m512 v = _mm512_loadu_ps(sums);
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << width) - 1),
-                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
 template <typename Panels, typename T>
 void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int64_t panel_count,
                   int64_t out_features, T* y) {
@@ -367,12 +345,7 @@ void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int6
         block<decltype(width)::value>(panels, panel_count, xs, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < out_features; ++p) {
-            const int64_t start = (p0 + p) * kPanel;
-            store16(sums + r * kBlockWidth + p * kPanel, std::min(kPanel, out_features - start),
-                    y + (m0 + r) * out_features + start);
-          }
+        store_sums<kBlock>(sums, m0, n, p0, out_features, y);
       });
 }
 
@@ -435,6 +408,7 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
   const bool portable = portable_asked();
   const bool vector = a8_products_available() && !portable;
   const bool avx2 = !vector && !portable && a8::avx2_products_available();
+  const bool amx = a8::amx_takes(count) && vector;  // a bad CELLBATCH_AMX fails everywhere
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
@@ -442,6 +416,10 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
     T* y = out.data_ptr<T>();
     const Code* c = codes.data_ptr<Code>();
     const S* s = scales.data_ptr<S>();
+    if (amx) {
+      if constexpr (kInt4) return a8::int4_products_amx(xs, c, s, panel_count, out_features, y);
+      else return a8::int8_products_amx(xs, c, s, panel_count, out_features, y);
+    }
 #ifdef CELLBATCH_A8_PRODUCTS
     if (vector) {
       using Panels = std::conditional_t<kInt4, Int4Panels<S>, Int8Panels<S>>;

@@ -1,0 +1,38 @@
+// The int8-activation products on CPUs with AMX (quantized_amx.cpp): when a call takes
+// them, and their entry points, beside the VNNI path (quantized_a8.cpp) that calls them.
+
+#pragma once
+
+#include "quantized_a8.h"
+
+#include <cstdint>
+
+namespace cellbatch::a8 {
+
+// True when this library holds the AMX products and this process may run them: the CPU
+// has AMX-TILE and AMX-INT8 besides the VNNI path's AVX512 features (CPUID), torch runs at
+// the AVX512 width, and Linux granted the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM; refused, or another OS: false). Asked once, when first needed.
+bool amx_products_available();
+
+// Whether a call of `rows` rows runs on AMX: amx_products_available() and the switch
+// CELLBATCH_AMX (read at each call, as the tests set it): unset or "auto", calls of at
+// least amx_min_rows() rows; "0", none; "always", every call (for the tests). Any other
+// value is an error that names these.
+bool amx_takes(int64_t rows);
+int64_t amx_min_rows();
+
+// y [count, out_features] (T: float or c10::BFloat16) from the quantised rows and int4
+// panels (Int4Layout) or int8 ones (Int8Layout, whose [P, K / 4, 16, 4] codes are the
+// tiles' own layout: any format whose int8 codes and per-group scales can be laid out so
+// can call int8_products_amx), S float or c10::Half: each group's exact int32 dot products
+// by one tile product per 32 inputs, then the portable loop's chain per output, so the
+// same bits as the VNNI, AVX2 and portable paths. Only after amx_products_available().
+template <typename S, typename T>
+void int4_products_amx(const Quantised& xs, const int32_t* codes, const S* scales,
+                       int64_t panel_count, int64_t out_features, T* y);
+template <typename S, typename T>
+void int8_products_amx(const Quantised& xs, const int8_t* codes, const S* scales,
+                       int64_t panel_count, int64_t out_features, T* y);
+
+}  // namespace cellbatch::a8
