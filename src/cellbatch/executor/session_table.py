@@ -386,11 +386,16 @@ class SessionTable:
         params = np.empty((len(sids), NUM_PARAMS), dtype=np.float32)
         policies: list[SamplingParams | None] = []
         for row, session in enumerate(sessions):
-            sampler = session.sampler
-            params[row] = GREEDY_ROW if sampler is None else sampler.next_row()
-            policies.append(None if sampler is None else sampler.params)
             if session.generated_from is None:
                 session.generated_from = session.fed  # where this draw's token goes
+            sampler = session.sampler
+            if sampler is None:
+                params[row] = GREEDY_ROW
+                policies.append(None)
+            else:
+                # The coin of the generation's token at position `fed`, whatever step draws it.
+                params[row] = sampler.row(session.fed - session.generated_from)
+                policies.append(sampler.params)
         penalised = [row for row, policy in enumerate(policies) if policy and policy.penalised]
         asking = [
             (row, policy.logprobs)
