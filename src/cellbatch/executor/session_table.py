@@ -145,20 +145,20 @@ class _PromptScores:
 class _Session:
     seq: int
     sampler: SessionSampler | None = None  # None: no generation installed yet; samples greedily
-    # history[:fed]: the token ids of the positions the session's cells hold, plus what
-    # the step being run feeds: the context penalties count over, and the next tokens
-    # prompt logprobs score.
+    # history[p]: the token id at position p, for the positions the session's cells hold
+    # (the cache's length of `seq` says how many) and what the step being run feeds: the
+    # context penalties count over, drafts are looked up in, and prompt logprobs score.
     history: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    fed: int = 0
     generated_from: int | None = None  # the position of the generation's first sampled token
     prompt: _PromptScores | None = None  # while the generation's prompt is being scored
     matcher: ConstraintMatcher | None = None  # the generation's constraint, where it has one
     rules: TokenRules | None = None  # the generation's token rules, where it has any
 
-    def produced(self) -> np.ndarray:
-        """The tokens the generation has produced so far (its draws fed back)."""
-        start = self.generated_from if self.generated_from is not None else self.fed
-        return self.history[start : self.fed]
+    def produced(self, fed: int) -> np.ndarray:
+        """The tokens the generation has produced before position `fed` (its draws fed
+        back)."""
+        start = self.generated_from if self.generated_from is not None else fed
+        return self.history[start:fed]
 
     def record(self, start: int, tokens: np.ndarray, capacity: int) -> None:
         end = start + len(tokens)
@@ -167,7 +167,6 @@ class _Session:
             grown[:start] = self.history[:start]
             self.history = grown
         self.history[start:end] = tokens
-        self.fed = end
 
 
 class SessionTable:
@@ -244,7 +243,6 @@ class SessionTable:
                 f"must be in [0, {held}]"
             )
         self.cache.seq_rewind(seq, length)
-        session.fed = min(session.fed, length)
 
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         """Install a generation's policy; its coins restart from `seed` (None: random).
@@ -383,18 +381,20 @@ class SessionTable:
                 f"got {tuple(logits.shape)}"
             )
         sessions = [self._session(sid) for sid in sids]
+        # Where each row's token goes: the session's length once the step is placed.
+        fed = [self.cache.seq_length(session.seq) for session in sessions]
         params = np.empty((len(sids), NUM_PARAMS), dtype=np.float32)
         policies: list[SamplingParams | None] = []
         for row, session in enumerate(sessions):
             if session.generated_from is None:
-                session.generated_from = session.fed  # where this draw's token goes
+                session.generated_from = fed[row]
             sampler = session.sampler
             if sampler is None:
                 params[row] = GREEDY_ROW
                 policies.append(None)
             else:
-                # The coin of the generation's token at position `fed`, whatever step draws it.
-                params[row] = sampler.row(session.fed - session.generated_from)
+                # The coin of the generation's token at this position, whatever step draws it.
+                params[row] = sampler.row(fed[row] - session.generated_from)
                 policies.append(sampler.params)
         penalised = [row for row, policy in enumerate(policies) if policy and policy.penalised]
         asking = [
@@ -402,9 +402,9 @@ class SessionTable:
             for row, policy in enumerate(policies)
             if policy and policy.logprobs is not None
         ]
-        drawn = self._penalise(logits, sessions, penalised) if penalised else logits
+        drawn = self._penalise(logits, sessions, fed, penalised) if penalised else logits
         restricted = [
-            (row, session.rules, session.produced())
+            (row, session.rules, session.produced(fed[row]))
             for row, session in enumerate(sessions)
             if session.rules is not None
         ]
@@ -439,7 +439,7 @@ class SessionTable:
         for row, (sid, session, token) in enumerate(zip(sids, sessions, tokens, strict=True)):
             prompt: tuple[TokenLogprob | None, ...] = ()
             if session.prompt is not None:
-                session.prompt.reach(session.fed - 1, session.history)
+                session.prompt.reach(fed[row] - 1, session.history)
                 prompt, session.prompt = tuple(session.prompt.entries), None
             chosen = logprobs.get(row)
             outputs.append(Output(sid, (int(token),), () if chosen is None else (chosen,), prompt))
@@ -464,20 +464,26 @@ class SessionTable:
                 step.positions[rows[mine]],
                 logits[torch.from_numpy(mine).to(logits.device)],
                 session.history,
-                session.fed,
+                self.cache.seq_length(seq),
             )
 
     def _penalise(
-        self, logits: torch.Tensor, sessions: Sequence[_Session], rows: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        sessions: Sequence[_Session],
+        fed: Sequence[int],
+        rows: Sequence[int],
     ) -> torch.Tensor:
         """A float32 copy of `logits` whose `rows` carry their sessions' penalties over
         their context and their generation's tokens (the raw rows stay for logprobs)."""
         vocab = logits.shape[1]
         # One key per (penalised row, token): row * vocab + token.
         context = np.concatenate(
-            [p * vocab + sessions[r].history[: sessions[r].fed] for p, r in enumerate(rows)]
+            [p * vocab + sessions[r].history[: fed[r]] for p, r in enumerate(rows)]
         )
-        generated = np.concatenate([p * vocab + sessions[r].produced() for p, r in enumerate(rows)])
+        generated = np.concatenate(
+            [p * vocab + sessions[r].produced(fed[r]) for p, r in enumerate(rows)]
+        )
         pairs = np.unique(context)
         repeated, times = np.unique(generated, return_counts=True)
         counts = np.zeros(len(pairs), dtype=np.float32)

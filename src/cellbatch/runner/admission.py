@@ -44,7 +44,7 @@ def cells_to_feed(generation: Generation) -> int:
     state = generation.state
     assert state is not None
     pending_delta = 0 if generation.admitted else len(generation.delta)
-    return len(state.context) - state.resident + pending_delta
+    return len(state.context) - state.computed + pending_delta
 
 
 class Occupancy(NamedTuple):

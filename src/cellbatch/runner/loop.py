@@ -360,7 +360,7 @@ class EngineLoop:
         generation.admitted_order = next(self._admitted)
         if first_admission:
             state.context.extend(generation.delta)
-            if state.resident == len(state.context):
+            if state.computed == len(state.context):
                 # Nothing new to feed (an empty delta after a prefill turn, say): feed the
                 # last token again, for the logits of the first new token.
                 self._sessions.drop_cells(state, len(state.context) - 1)
@@ -377,7 +377,7 @@ class EngineLoop:
                 self._end(generation, FinishReason.FAILED, f"executor.set_sampling raised {exc!r}")
                 return
         self._ledger.record(
-            Admitted(self._admission.running_count(), state.committed - state.resident)
+            Admitted(self._admission.running_count(), state.committed - state.computed)
         )
         self._submit([(generation, self._tasks.prompt_tasks(generation))])
 
@@ -461,7 +461,7 @@ class EngineLoop:
                 cancelled[generation] = None  # ended once the whole batch is counted
             elif output is not None:
                 generated += self._accept(generation, output, end, next_decodes)
-            elif generation.feeds_only and state.resident == len(state.context):
+            elif generation.feeds_only and state.computed == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
         self._ledger.record(_step_done(tasks, start, end, generated))
         for generation in cancelled:
@@ -486,7 +486,7 @@ class EngineLoop:
         state.context.extend(kept)
         # The executor already fed all but the last of an accepted run; tokens past
         # what we keep are not committed, and the next input's lower start rewinds them.
-        state.advance(state.resident + count - 1)
+        state.advance(state.computed + count - 1)
         generation.metrics.record_tokens(count, now)
         if reason is not None:
             self._end(generation, reason, last=update)
@@ -496,7 +496,7 @@ class EngineLoop:
             self._end(generation, FinishReason.FAILED, failure)
             return count
         next_decodes.append(
-            (generation, [self._tasks.decode_task(state.sid, kept[-1], state.resident)])
+            (generation, [self._tasks.decode_task(state.sid, kept[-1], state.computed)])
         )
         return count
 

@@ -101,7 +101,7 @@ class KVPressure:
                     need = sum(t.input.size for t in tasks)
                     self._fail(
                         victim,
-                        f"not enough KV cells: the session holds {victim.state.resident} "
+                        f"not enough KV cells: the session holds {victim.state.computed} "
                         f"and its next step needs {need} more, but the pool has "
                         f"{usage.max_cells} in all ({usage.free_cells} free); raise max_cells "
                         "or lower max_new_tokens",

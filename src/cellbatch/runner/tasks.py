@@ -32,7 +32,7 @@ class TaskBook:
         """The chunks that feed everything the generation's session lacks."""
         state = generation.state
         assert state is not None
-        feed = tuple(state.context[state.resident :])
+        feed = tuple(state.context[state.computed :])
         size, chunk = len(feed), self._max_prefill_chunk
         return [
             Task(
@@ -43,7 +43,7 @@ class TaskBook:
                     offset,
                     min(chunk, size - offset),
                     feed,
-                    state.resident,
+                    state.computed,
                 ),
                 is_decode=False,
             )
