@@ -351,7 +351,9 @@ class Input:
     """One slice of work for one session: a decode token or one prompt chunk.
 
     The slice is payload[offset:offset+size]; it starts at absolute position
-    position + offset (position is the base of the whole payload).
+    position + offset (position is the base of the whole payload). `max_drafts` > 0
+    (an output-producing input only) lets a speculative executor draft up to that many
+    tokens after the slice and verify them in the same forward.
     """
 
     sid: SessionId
@@ -360,6 +362,7 @@ class Input:
     size: int
     payload: Sequence[Token]
     position: Position
+    max_drafts: int = 0
 
     @property
     def start(self) -> Position:
@@ -384,6 +387,9 @@ class Output:
     # before it (None where the generation never computed the logits before it: the
     # first token of a fresh session, or the first after a cloned prefix).
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    # Drafted tokens the executor verified for this input; the first len(tokens) - 1 of
+    # them were accepted (they are `tokens` but the last).
+    drafted: int = 0
 
 
 @dataclass(frozen=True)

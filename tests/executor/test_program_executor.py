@@ -222,3 +222,87 @@ def test_runs_without_model_code_in_a_fresh_process() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+class ScriptedDrafter:
+    """Drafts what a reference run produced next, wrong at every third draft."""
+
+    method = "scripted"
+
+    def __init__(self, futures: dict[int, list[int]]) -> None:
+        self.futures = futures  # session -> its whole context, as the reference ran it
+        self.proposed = 0
+
+    def initialize(self) -> None:
+        return
+
+    def propose(self, requests):  # type: ignore[no-untyped-def]
+        drafts = []
+        for request in requests:
+            known = self.futures[request.sid][len(request.context) : len(request.context) + 3]
+            # Wrong wherever its position is a multiple of 3: never three kept in a row.
+            start = len(request.context)
+            draft = [t if (start + i) % 3 else (t + 1) % 64 for i, t in enumerate(known)]
+            self.proposed += len(draft)
+            drafts.append(tuple(draft[: request.limit]))
+        return drafts
+
+    def forget(self, sid: int, length: int) -> None:
+        return
+
+    def accepted(self, sid: int, length: int) -> None:
+        return
+
+    def clone(self, source: int, clone: int, upto: int) -> None:
+        return
+
+    def close(self, sid: int) -> None:
+        return
+
+
+def _decode_run(executor, prompts: list[list[int]], steps: int, drafts: int) -> list[list[int]]:
+    """Each session's context after its prompt and `steps` decode steps (each verifying
+    up to `drafts` drafts)."""
+    from cellbatch.types import BatchInput, Input
+
+    sids = [executor.open_session() for _ in prompts]
+    for index, sid in enumerate(sids):
+        executor.set_sampling(sid, SEEDED, 50 + index)
+    contexts = [list(prompt) for prompt in prompts]
+    batch = BatchInput(
+        tuple(
+            Input(sid, True, 0, len(p), tuple(p), 0) for sid, p in zip(sids, prompts, strict=True)
+        )
+    )
+    for _ in range(steps):
+        outputs = executor.execute(batch).outputs
+        inputs = []
+        for sid, context, output in zip(sids, contexts, outputs, strict=True):
+            context.extend(output.tokens)
+            position = len(context) - 1
+            inputs.append(Input(sid, True, 0, 1, (context[-1],), position, max_drafts=drafts))
+        batch = BatchInput(tuple(inputs))
+    return contexts
+
+
+@pytest.mark.parametrize("min_prefill", [MIN_PREFILL, 16])
+def test_verified_drafts_give_the_module_executors_tokens(model, min_prefill: int) -> None:
+    """Verified runs on the program's methods (on prefill, or as decode rows: one
+    session's run in one call or cut across two) keep exactly the tokens one-at-a-time
+    decoding draws."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    module = ModuleExecutor(model, CONFIG, SCENARIO_SHAPE)
+    module.initialize()
+    expected = _decode_run(module, prompts, 30, 0)
+    calls: list[str] = []
+    drafter = ScriptedDrafter(dict(enumerate(expected)))  # a fresh table's sessions: 0, 1, 2
+    program = ProgramExecutor(
+        stand_in_program(model, calls, min_prefill=min_prefill), SCENARIO_SHAPE, drafter=drafter
+    )
+    program.initialize()
+    got = _decode_run(program, prompts, 8, 3)
+    assert drafter.proposed > 0
+    for prompt, tokens, want in zip(prompts, got, expected, strict=True):
+        assert tokens == want[: len(tokens)]
+        assert len(tokens) - len(prompt) > 8  # more than a token a step: drafts were kept
+    assert ("decode_8" in calls) == (min_prefill == 16)
