@@ -68,6 +68,7 @@ from cellbatch.runner.session import Session, TurnDefaults
 from cellbatch.runner.sessions import SessionBook
 from cellbatch.runner.step_planner import PlannedStep, StepPlanner
 from cellbatch.scheduler import Scheduler
+from cellbatch.speculative import SpeculativeConfig
 from cellbatch.types import (
     BatchInput,
     FinishReason,
@@ -111,6 +112,7 @@ class EngineLoop:
         defaults: TurnDefaults,
         policy: AdmissionPolicy,
         prefix_cache_entries: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self._executor = executor
         self._scheduler = scheduler
@@ -132,7 +134,7 @@ class EngineLoop:
         # and has passed its checks; the books' invariants are in their modules.
         self._sessions = SessionBook(executor, self._ledger, prefix_cache_entries)
         self._planner = StepPlanner(
-            executor, scheduler, self._sessions, self._ledger, policy, self._fail
+            executor, scheduler, self._sessions, self._ledger, policy, self._fail, speculative
         )
         self._step_index = 0
 
@@ -337,6 +339,7 @@ class EngineLoop:
         if self.stop_requested:
             return True  # shutdown discards what was in flight
         if outputs:
+            self._planner.ran(step, outputs, end - start)
             self._finish_batch(step, outputs, start, end)
         else:
             self._fail_batch(step, why, start, end)
@@ -375,7 +378,7 @@ class EngineLoop:
                 generated += self._accept(generation, output, end, next_decodes)
             elif generation.feeds_only and state.computed == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
-        self._ledger.record(_step_done(step.tasks, start, end, generated))
+        self._ledger.record(_step_done(step.tasks, outputs, start, end, generated))
         for generation in cancelled:
             self._end(generation, FinishReason.CANCELLED, "cancelled by the caller")
         if next_decodes:
@@ -461,13 +464,21 @@ class EngineLoop:
             self._kv, self._occupancy = usage, occupancy
 
 
-def _step_done(tasks: Sequence[Task], start: float, end: float, generated: int) -> StepDone:
-    """The step's figures: decodes, distinct prefilling sessions and their tokens, and
-    the context (each session's length after the step, once per session)."""
+def _step_done(
+    tasks: Sequence[Task],
+    outputs: Sequence[Output | None],
+    start: float,
+    end: float,
+    generated: int,
+) -> StepDone:
+    """The step's figures: decodes, distinct prefilling sessions and their tokens, the
+    context (each session's length after the step, once per session) and the drafts
+    verified (how many, and how many were kept, by position)."""
     decodes = prefill_tokens = 0
     prefill_sids: set[SessionId] = set()
     context: dict[SessionId, int] = {}
-    for task in tasks:
+    verified: list[tuple[int, int]] = []
+    for task, output in zip(tasks, outputs, strict=True):
         inp = task.input
         context[inp.sid] = inp.start + inp.size
         if task.is_decode:
@@ -475,6 +486,15 @@ def _step_done(tasks: Sequence[Task], start: float, end: float, generated: int) 
         else:
             prefill_tokens += inp.size
             prefill_sids.add(inp.sid)
+        if output is not None and output.drafted:
+            verified.append((output.drafted, len(output.tokens) - 1))
     return StepDone(
-        start, end, decodes, len(prefill_sids), prefill_tokens, sum(context.values()), generated
+        start,
+        end,
+        decodes,
+        len(prefill_sids),
+        prefill_tokens,
+        sum(context.values()),
+        generated,
+        tuple(verified),
     )

@@ -1,11 +1,11 @@
 """What runs next: the one owner of each step's work (docs/design.md#the-step-planner).
 
 Owns: the admission queue and the running set (`Admission`), the task book and through
-it the scheduler's queue; every decision about what the next forward holds: which
-waiting generations start (their session, the cells their feed needs, their prompt
-chunks), which queued tasks run, the cells those take, which session's cells are
-dropped and which generation gives its cells up when they run short, and each session's
-`computed` length as its cells are dropped or a step runs.
+it the scheduler's queue, and the draft budget; every decision about what the next
+forward holds: which waiting generations start (their session, the cells their feed
+needs, their prompt chunks), which queued tasks run, the cells those take, which
+session's cells are dropped (its `computed` length falls) and which generation gives
+its cells up when they run short, and how many drafted tokens each decode may verify.
 Promises: first come, first served: the head of the queue starts before anything
 behind it, once it has a session and (`Admission.fits`) its cells; a planned step's
 tokens never exceed the free cells: idle sessions' cells go first (snapshots, then the
@@ -16,6 +16,9 @@ that cannot fit even with everything else freed fails, with the numbers. The
 scheduler's decode-first order and budget are kept as they come: a step holds what
 `get_work` handed out, less the tasks of the generations preempted for it. Every
 drop, deferral, preemption and admission is recorded as an event in the ledger.
+Drafts take only what is left of the step's token budget and free cells after the
+decodes and prompt chunks (speculation never delays a prompt), as `DraftBudget`
+grants them.
 Never: runs a forward, delivers tokens or settles a generation (its failures go to
 the `fail` callback the loop gives it); touches the scheduler except through the task
 book.
@@ -23,9 +26,10 @@ book.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cellbatch.executor import Executor
@@ -38,11 +42,13 @@ from cellbatch.metrics import (
     SessionReclaimed,
 )
 from cellbatch.runner.admission import Admission, AdmissionPolicy, Occupancy
+from cellbatch.runner.draft_budget import DraftBudget
 from cellbatch.runner.generation import Generation, GenerationStatus, SessionRecord
 from cellbatch.runner.sessions import SessionBook
 from cellbatch.runner.tasks import TaskBook
 from cellbatch.scheduler import Scheduler
-from cellbatch.types import Input, InvalidArgumentError, KVUsage, Task, Token
+from cellbatch.speculative import SpeculativeConfig
+from cellbatch.types import Input, InvalidArgumentError, KVUsage, Output, Task, Token
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +67,9 @@ class PlannedStep:
 class StepPlanner:
     """Decides each step (engine thread only)."""
 
-    # Six parameters: the executor and scheduler it plans for, the session book it takes
-    # sessions and cells from, the ledger it reports to, the admission policy, and the
-    # loop's one way to end a generation.
+    # Seven parameters: the executor and scheduler it plans for, the session book it
+    # takes sessions and cells from, the ledger it reports to, the admission policy, the
+    # loop's one way to end a generation, and whether (how) decodes speculate.
     def __init__(
         self,
         executor: Executor,
@@ -72,6 +78,7 @@ class StepPlanner:
         ledger: MetricsLedger,
         policy: AdmissionPolicy,
         fail: Fail,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self._executor = executor
         self._sessions = sessions
@@ -79,6 +86,8 @@ class StepPlanner:
         self._fail = fail
         self._admission = Admission(policy)
         self._tasks = TaskBook(scheduler)
+        self._max_step_tokens = scheduler.max_batch_tokens
+        self._drafts = DraftBudget(speculative) if speculative is not None else None
         self._admitted = itertools.count(1)
 
     # -- the queue -----------------------------------------------------------------
@@ -225,11 +234,41 @@ class StepPlanner:
             tasks = self._make_room(tasks)
         owned = [(task, self._tasks.take(task.tid)) for task in tasks]
         work = [(task, owner) for task, owner in owned if owner is not None]
+        inputs = [task.input for task, _ in work]
+        if self._drafts is not None:
+            self._grant_drafts(work, inputs)
         return PlannedStep(
             tuple(task for task, _ in work),
             tuple(owner for _, owner in work),
-            tuple(task.input for task, _ in work),
+            tuple(inputs),
         )
+
+    def ran(self, step: PlannedStep, outputs: Sequence[Output | None], seconds: float) -> None:
+        """A step ran: what its verifications kept, and its time, teach the draft budget."""
+        if self._drafts is None:
+            return
+        width = 0
+        for generation, inp, output in zip(step.owners, step.inputs, outputs, strict=True):
+            width += inp.size
+            if output is not None and output.drafted:
+                width += output.drafted
+                self._drafts.verified(generation, output.drafted, len(output.tokens) - 1)
+        self._drafts.observe(width, seconds)
+
+    def _grant_drafts(self, work: list[tuple[Task, Generation]], inputs: list[Input]) -> None:
+        """Let the step's decodes verify drafts, as many as the draft budget grants
+        within the step's spare tokens and free cells."""
+        assert self._drafts is not None
+        step_tokens = sum(inp.size for inp in inputs)
+        spare = self._max_step_tokens - step_tokens
+        usage = self.usage()
+        if usage is not None:
+            spare = min(spare, usage.free_cells - step_tokens)
+        decodes = [index for index, (task, _) in enumerate(work) if task.is_decode]
+        grants = self._drafts.grant([work[i][1] for i in decodes], step_tokens, spare)
+        for index, granted in zip(decodes, grants, strict=True):
+            if granted:
+                inputs[index] = dataclasses.replace(inputs[index], max_drafts=granted)
 
     def decode_next(self, work: list[tuple[Generation, Token]]) -> None:
         """Queue each generation's next one-token decode of the token it was given."""
