@@ -27,6 +27,7 @@ import torch
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
+from cellbatch.engine.drafters import load_draft, make_drafter
 from cellbatch.engine.limits import (
     DEFAULT_MAX_BATCH_TOKENS,
     EngineShape,
@@ -44,6 +45,7 @@ from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.runner import AdmissionPolicy, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
+from cellbatch.speculative import SpeculativeConfig, parse_speculative_config
 from cellbatch.types import (
     Constraint,
     GenConfig,
@@ -75,7 +77,10 @@ class Engine:
         model_path: Path | None = None,
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
         prefix_cache_entries: int = 0,
+        speculative: SpeculativeConfig | str | Mapping[str, object] | None = None,
+        draft: ModelBackend | None = None,
     ) -> None:
+        self.speculative = parse_speculative_config(speculative)
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -88,15 +93,17 @@ class Engine:
         self.constraints = ConstraintCompiler.for_tokenizer(
             tokenizer, backend.geometry.vocab_size, self.stop_tokens
         )
+        executor_shape = ExecutorShape(
+            max_sessions=self.shape.max_sessions,
+            max_session_tokens=self.shape.max_session_tokens,
+            max_cells=self.shape.max_cells,
+            max_batch_tokens=self.shape.max_batch_tokens,
+            kv_dtype=self.kv_dtype,
+        )
         self.executor = backend.executor(
-            ExecutorShape(
-                max_sessions=self.shape.max_sessions,
-                max_session_tokens=self.shape.max_session_tokens,
-                max_cells=self.shape.max_cells,
-                max_batch_tokens=self.shape.max_batch_tokens,
-                kv_dtype=self.kv_dtype,
-            ),
+            executor_shape,
             self.constraints,
+            make_drafter(self.speculative, backend, executor_shape, draft),
         )
         self.scheduler = DecodeFirstScheduler.create(
             max_batch_tokens=self.shape.max_batch_tokens,
@@ -111,6 +118,7 @@ class Engine:
             stop_tokens=sorted(self.stop_tokens),
             admission=self.admission,
             prefix_cache_entries=prefix_cache_entries,
+            speculative=self.speculative,
         )
         self._closed = False
 
@@ -128,6 +136,7 @@ class Engine:
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
+        speculative: SpeculativeConfig | str | Mapping[str, object] | None = None,
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder, a GGUF file (default: the embedded
@@ -141,10 +150,14 @@ class Engine:
         kernels have a vector int8 path, AVX512-VNNI or AVX2, and the model runs in the
         dtype `auto` picks, else float), "float" (the model's dtype) or "int8" (quantised
         per group of 32: see quantized.resolve_activations). `progress` hears
-        of each phase of the load as it ends (what it did, and its seconds). The options
-        are checked before anything loads."""
+        of each phase of the load as it ends (what it did, and its seconds).
+        `speculative` (a `SpeculativeConfig`, or vLLM's JSON object or text for one)
+        turns on speculative decoding: prompt lookup, or a draft model loaded with the
+        same options; the tokens stay the same. The options are checked before anything
+        loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
         check_activations(activations)
+        speculative = parse_speculative_config(speculative)
         if model is not None and is_program(model):
             return cls.from_program(
                 model,
@@ -157,6 +170,7 @@ class Engine:
                 admission=admission,
                 prefix_cache_entries=prefix_cache_entries,
                 progress=progress,
+                speculative=speculative,
                 **shape,
             )
         _set_threads(threads)
@@ -171,6 +185,7 @@ class Engine:
         except FileNotFoundError:
             tokenizer = None  # token-id prompts still work; text prompts say why not
         clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
+        draft = load_draft(speculative, backend, kernels, quantize, activations, progress)
         engine = cls(
             backend,
             tokenizer,
@@ -179,6 +194,8 @@ class Engine:
             prefix_cache_entries=prefix_cache_entries,
             kv_dtype=resolved_kv,
             model_path=path,
+            speculative=speculative,
+            draft=draft,
         )
         clock.done("started the engine")
         return engine
@@ -197,6 +214,7 @@ class Engine:
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
+        speculative: SpeculativeConfig | str | Mapping[str, object] | None = None,
         **shape: Any,
     ) -> Engine:
         """Load a program file (`cellbatch export`) and run it with a ProgramExecutor: no
@@ -215,6 +233,8 @@ class Engine:
         )
         widest = backend.max_step_tokens or DEFAULT_MAX_BATCH_TOKENS
         shape.setdefault("max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, widest))
+        speculative = parse_speculative_config(speculative)
+        draft = load_draft(speculative, backend, "auto", "auto", "auto", progress)
         clock = PhaseClock(progress)
         engine = cls(
             backend,
@@ -224,6 +244,8 @@ class Engine:
             prefix_cache_entries=prefix_cache_entries,
             kv_dtype=backend.program.kv_dtype,
             model_path=backend.program.path,
+            speculative=speculative,
+            draft=draft,
         )
         clock.done("started the engine")
         return engine
