@@ -376,8 +376,10 @@ def test_missing_model_is_an_error_before_loading(cli, tmp_path: Path) -> None:
         (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),
         (("--stop", ""), "--stop needs a non-empty string"),
         (("--report-json", "/nonexistent-folder/r.json"), "is not a writable folder"),
+        (("--speculative-config", '{"method": "eagle"}'), "method must be one of ngram"),
+        (("--speculative-config", "ngram"), "--speculative-config: the speculative config is"),
     ],
-    ids=["no-new-tokens", "empty-stop", "unwritable-report"],
+    ids=["no-new-tokens", "empty-stop", "unwritable-report", "bad-method", "not-json"],
 )
 def test_options_that_could_only_fail_later_are_refused_before_loading(
     tmp_path: Path,
@@ -559,6 +561,33 @@ def test_results_do_not_depend_on_how_many_sessions_run_at_once(
         assert [g["tokens"] for g in other_seed.generations] != [
             g["tokens"] for g in together.generations
         ]
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_speculative_decoding_gives_the_same_tokens_and_reports_its_drafts(
+    cli, tmp_path: Path, temperature: str
+) -> None:
+    prompts = write_lines(tmp_path / "p.txt", PROMPTS)
+    options = ("--prompts-file", str(prompts), "--temperature", temperature, "--seed", "3")
+    plain = cli(*options)
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    speculating = cli(*options, "--speculative-config", config)
+    assert plain.code == speculating.code == 0
+    assert [g["tokens"] for g in speculating.generations] == [
+        g["tokens"] for g in plain.generations
+    ]
+    assert speculating.report["config"]["speculative"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+        "model": None,
+        "disable_by_batch_size": None,
+    }
+    engine = speculating.report["engine"]
+    for key in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"):
+        assert key in engine
+    assert plain.report["config"]["speculative"] is None
 
 
 # -- the default model ----------------------------------------------------------------

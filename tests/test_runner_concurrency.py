@@ -2,9 +2,10 @@
 
 Several client threads open sessions, run multi-turn greedy generations, clone,
 cancel, close and raise from callbacks, over a KV pool small enough to force
-preemption. Afterwards: every handle settled exactly once, every session's context
-holds exactly what was delivered, every uncancelled greedy turn equals the same
-context run alone, and no KV cell is left in use.
+preemption; without speculation, with prompt lookup and with a draft model.
+Afterwards: every handle settled exactly once, every session's context holds exactly
+what was delivered, every uncancelled greedy turn equals the same context run alone,
+and no KV cell is left in use.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from cellbatch.engine import Engine, EngineShape, ModuleBackend
 from cellbatch.model.loading import load_model
 from cellbatch.runner import GenerationHandle, Session
+from cellbatch.speculative import SpeculativeConfig
 from cellbatch.types import FinishReason, GenConfig, GenerationUpdate
 from fake_executor import wait_until
 from tiny_models import make_tiny_checkpoint
@@ -40,13 +42,22 @@ def llama(tmp_path_factory: pytest.TempPathFactory):
     return load_model(folder, "float32")
 
 
-@pytest.fixture
-def engine(llama) -> Iterator[Engine]:
+@pytest.fixture(params=["plain", "ngram", "draft_model"])
+def engine(request: pytest.FixtureRequest, llama) -> Iterator[Engine]:
+    """The engine without speculation, with prompt lookup, and with the model drafting
+    for itself (its own cells beside the target's, following every clone and rewind)."""
     torch.set_num_threads(1)  # tests/conftest.py puts the count back after the test
     config, module = llama
+    backend = ModuleBackend(module, config)
     # Room for about four sessions' contexts: the clients' load preempts.
     shape = EngineShape(max_sessions=16, max_cells=400, max_batch_tokens=64)
-    made = Engine(ModuleBackend(module, config), None, shape=shape)
+    speculative = None
+    if request.param == "ngram":
+        speculative = SpeculativeConfig("ngram", prompt_lookup_min=1)
+    elif request.param == "draft_model":
+        speculative = SpeculativeConfig("draft_model", model="tiny")
+    draft = backend if request.param == "draft_model" else None
+    made = Engine(backend, None, shape=shape, speculative=speculative, draft=draft)
     yield made
     made.close()
 

@@ -21,7 +21,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +29,12 @@ from cellbatch.types import Constraint, InvalidArgumentError, Token
 
 # Compiled grammars kept per compiler (a server sees the same few schemas again and again).
 MAX_CACHED_GRAMMARS = 256
+
+
+class MaskSource(Protocol):
+    """What `mask_rows` asks for a row's mask."""
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
 
 
 class ConstraintMatcher:
@@ -41,6 +47,15 @@ class ConstraintMatcher:
         """Advances past `token`; False when the grammar did not allow it (the mask
         made that impossible, so this means a bug or a token the caller forced)."""
         return bool(self._matcher.consume_token(token))
+
+    def allowed_prefix(self, tokens: Sequence[Token]) -> int:
+        """How many leading `tokens` the grammar allows from here, without advancing."""
+        return int(self._matcher.validate_tokens(list(tokens))) if tokens else 0
+
+    def rollback(self, count: int) -> None:
+        """Takes back the last `count` tokens consumed."""
+        if count:
+            self._matcher.rollback(count)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed tokens into row `row` of an int32 bitmask [R, words]
@@ -199,12 +214,14 @@ DISALLOWED = torch.finfo(torch.float32).min
 def mask_rows(
     logits: torch.Tensor,
     rows: Sequence[int],
-    matchers: Sequence[ConstraintMatcher],
+    matchers: Sequence[MaskSource],
     fallback: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`logits` [R, V] (float32) with row rows[i] limited to what matchers[i] allows
     (disallowed tokens at DISALLOWED); a new tensor, the input untouched (its raw rows
-    give logprobs). Tensor ops over all the rows at once: no per-token Python.
+    give logprobs). The masks are filled in the order given (a verified run's rows ask
+    one matcher in turn, advanced draft by draft). Tensor ops over all the rows at
+    once: no per-token Python.
 
     Logits already at -inf (token rules' bans) count as DISALLOWED. A row where nothing
     the matcher allows is left (the rules banned all of it: `min_tokens` holding back the

@@ -175,12 +175,34 @@ class EngineMetrics:
     ttft_max: float = 0.0
     prompt_tokens: int = 0  # fed by generations that started
     generated_tokens: int = 0  # delivered to callers
+    # Speculative decoding (vLLM's spec_decode counters): verifications of drafts, the
+    # drafted tokens they verified, the drafts kept, and the drafts kept at each position
+    # (index i: the (i+1)-th draft of a verification).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     init_time: float = 0.0
     first_step_start: float | None = None
     last_step_end: float | None = None
 
     def copy(self) -> EngineMetrics:
-        return dataclasses.replace(self, finished=dict(self.finished))
+        return dataclasses.replace(
+            self,
+            finished=dict(self.finished),
+            spec_accepted_per_position=list(self.spec_accepted_per_position),
+        )
+
+    def record_verified(self, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` drafts kept the first `accepted`."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        per_position = self.spec_accepted_per_position
+        if len(per_position) < drafted:
+            per_position.extend([0] * (drafted - len(per_position)))
+        for position in range(accepted):
+            per_position[position] += 1
 
     def _mark_step(self, start: float, end: float) -> None:
         if self.first_step_start is None:
@@ -282,6 +304,18 @@ class EngineMetrics:
     def ttft_mean(self) -> float | None:
         return self.ttft_sum / self.ttft_count if self.ttft_count else None
 
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Drafted tokens kept, of those verified."""
+        return (
+            self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+        )
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens a verification gave: the drafts it kept and its own next token."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else None
+
     def as_dict(self) -> dict[str, Any]:
         derived = (
             "wall_time",
@@ -295,10 +329,22 @@ class EngineMetrics:
             "mean_step_time",
             "mean_context",
             "ttft_mean",
+            "spec_acceptance_rate",
+            "spec_mean_acceptance_length",
         )
         out = dataclasses.asdict(self)
         out.update({name: getattr(self, name) for name in derived})
         return out
+
+    def _speculation_lines(self) -> list[str]:
+        if not self.spec_drafts:
+            return []
+        rate = self.spec_acceptance_rate or 0.0
+        return [
+            f"speculation   {self.spec_drafts} verifications, {self.spec_draft_tokens} drafted, "
+            f"{self.spec_accepted_tokens} accepted ({rate:.1%}); mean acceptance length "
+            f"{self.spec_mean_acceptance_length:.2f}"
+        ]
 
     def report(self) -> str:
         finished = ", ".join(f"{name} {count}" for name, count in self.finished.items() if count)
@@ -325,6 +371,7 @@ class EngineMetrics:
                 "prompt tokens reused",
                 f"ttft          n={self.ttft_count}, mean {_ms(self.ttft_mean)}, "
                 f"min {_ms(self.ttft_min)}, max {_ms(self.ttft_max)}",
+                *self._speculation_lines(),
                 f"tokens        {self.prompt_tokens} prompt, {self.generated_tokens} generated",
                 f"throughput    {self.generated_tokens_per_s:.1f} generated/s, "
                 f"{self.input_tokens_per_s:.1f} input/s, "
@@ -352,6 +399,8 @@ class StepDone:
     prefill_tokens: int
     context: int
     generated_tokens: int
+    # Per verification of drafts in the step: (drafts verified, drafts kept).
+    verified: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,6 +516,8 @@ def _apply(metrics: EngineMetrics, event: MetricsEvent) -> None:
                 event.context,
             )
             metrics.generated_tokens += event.generated_tokens
+            for drafted, accepted in event.verified:
+                metrics.record_verified(drafted, accepted)
         case GenerationFinished():
             metrics.record_finish(event.reason)
             if event.ttft is not None:

@@ -39,6 +39,9 @@ class Scheduler(Protocol):
     @property
     def max_prefill_chunk(self) -> int: ...
 
+    @property
+    def max_batch_tokens(self) -> int: ...
+
 
 @dataclass(eq=False)
 class _Entry:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Token = int
 SessionId = int
@@ -28,6 +30,70 @@ class InvalidArgumentError(ValueError):
 
 class OutOfResourcesError(RuntimeError):
     """The request is well formed but does not fit (sessions, cells, tokens)."""
+
+
+# -- config fields: a value of another fitting type (a list for a tuple, a tuple or set
+# for a frozenset, an int for a float) becomes the declared type when a config is built;
+# anything else is refused there, naming the field.
+
+
+def _set(config: object, name: str, value: object) -> None:
+    object.__setattr__(config, name, value)  # a frozen dataclass's own __post_init__
+
+
+def coerce_int(name: str, value: object) -> int:
+    """An integer; bools, floats and strings are refused (`True` tokens is a mistake)."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+
+
+def coerce_float(name: str, value: object) -> float:
+    """A real number; ints are accepted, bools and strings refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _items(name: str, value: object, what: str) -> list[Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(
+            f"{name} must be a collection of {what} (a tuple, list or set), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return list(value)
+
+
+def coerce_tokens(name: str, value: object) -> tuple[Token, ...]:
+    """Token ids in order, from any collection of integers >= 0."""
+    items = _items(name, value, "token ids")
+    tokens = tuple(coerce_int(f"{name}[{i}]", item) for i, item in enumerate(items))
+    if any(token < 0 for token in tokens):
+        raise InvalidArgumentError(f"{name} must hold token ids >= 0, got {list(tokens)}")
+    return tokens
+
+
+def coerce_token_set(name: str, value: object) -> frozenset[Token]:
+    """A frozenset of token ids, from any collection of integers >= 0."""
+    return frozenset(coerce_tokens(name, value))
+
+
+def coerce_strings(name: str, value: object) -> tuple[str, ...]:
+    """A tuple of strings; one string alone is a tuple of one (as OpenAI's `stop`)."""
+    if isinstance(value, str):
+        return (value,)
+    items = _items(name, value, "strings")
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise InvalidArgumentError(
+                f"{name}[{index}] must be a string, got {type(item).__name__} {item!r}"
+            )
+    return tuple(items)
 
 
 MAX_LOGPROBS = 20
@@ -115,6 +181,16 @@ class Constraint:
         return cls("grammar", grammar, gbnf=gbnf)
 
 
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one generation picks its tokens, and what it reports about them.
@@ -158,6 +234,7 @@ class SamplingParams:
     min_tokens_held: frozenset[Token] = frozenset()
 
     def __post_init__(self) -> None:
+        self._coerce()
         if not self.temperature >= 0.0:
             raise InvalidArgumentError(
                 f"temperature must be >= 0 (0 is greedy), got {self.temperature}"
@@ -204,6 +281,37 @@ class SamplingParams:
                     f"got {value!r}"
                 )
 
+    def _coerce(self) -> None:
+        """Each field as its declared type (see `coerce_int` and the others)."""
+        for name in _FLOAT_FIELDS:
+            _set(self, name, coerce_float(name, getattr(self, name)))
+        for name in ("top_k", "min_tokens"):
+            _set(self, name, coerce_int(name, getattr(self, name)))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidArgumentError(
+                f"constraint must be a Constraint (Constraint.json_schema(...), .regex(...), "
+                f"...) or None, got {type(self.constraint).__name__}"
+            )
+        bias: object = self.logit_bias
+        pairs = _items("logit_bias", bias.items() if isinstance(bias, Mapping) else bias, "pairs")
+        coerced = []
+        for index, pair in enumerate(pairs):
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+                raise InvalidArgumentError(
+                    f"logit_bias[{index}] must be a (token id, bias) pair, got {pair!r}"
+                )
+            coerced.append((coerce_int("logit_bias token", pair[0]), coerce_float("bias", pair[1])))
+        _set(self, "logit_bias", tuple(coerced))
+        if self.allowed_tokens is not None:
+            _set(self, "allowed_tokens", coerce_token_set("allowed_tokens", self.allowed_tokens))
+        sequences = _items("banned_sequences", self.banned_sequences, "token id sequences")
+        _set(
+            self,
+            "banned_sequences",
+            tuple(coerce_tokens(f"banned_sequences[{i}]", s) for i, s in enumerate(sequences)),
+        )
+        _set(self, "min_tokens_held", coerce_token_set("min_tokens_held", self.min_tokens_held))
+
     @property
     def restricted(self) -> bool:
         """Whether a token rule changes the logits (see the class docstring)."""
@@ -243,7 +351,9 @@ class Input:
     """One slice of work for one session: a decode token or one prompt chunk.
 
     The slice is payload[offset:offset+size]; it starts at absolute position
-    position + offset (position is the base of the whole payload).
+    position + offset (position is the base of the whole payload). `max_drafts` > 0
+    (an output-producing input only) lets a speculative executor draft up to that many
+    tokens after the slice and verify them in the same forward.
     """
 
     sid: SessionId
@@ -252,6 +362,7 @@ class Input:
     size: int
     payload: Sequence[Token]
     position: Position
+    max_drafts: int = 0
 
     @property
     def start(self) -> Position:
@@ -276,6 +387,9 @@ class Output:
     # before it (None where the generation never computed the logits before it: the
     # first token of a fresh session, or the first after a cloned prefix).
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    # Drafted tokens the executor verified for this input; the first len(tokens) - 1 of
+    # them were accepted (they are `tokens` but the last).
+    drafted: int = 0
 
 
 @dataclass(frozen=True)
@@ -360,8 +474,29 @@ class GenConfig:
     include_stop_string: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidArgumentError(
+                f"sampling must be a SamplingParams, got {type(self.sampling).__name__}"
+            )
+        if self.stop_tokens is not None:
+            _set(self, "stop_tokens", coerce_token_set("stop_tokens", self.stop_tokens))
+        _set(
+            self, "extra_stop_tokens", coerce_token_set("extra_stop_tokens", self.extra_stop_tokens)
+        )
+        _set(self, "stop_strings", coerce_strings("stop_strings", self.stop_strings))
+        if self.seed is not None:
+            seed = coerce_int("seed", self.seed)
+            if seed < 0:
+                raise InvalidArgumentError(
+                    f"seed must be >= 0 or None (nondeterministic), got {seed}"
+                )
+            _set(self, "seed", seed)
+        if not isinstance(self.include_stop_string, bool):
+            raise InvalidArgumentError(
+                f"include_stop_string must be True or False, got {self.include_stop_string!r}"
+            )
         # A malformed max_new_tokens is the runner's to refuse, with its own message.
-        min_tokens = getattr(self.sampling, "min_tokens", 0)
+        min_tokens = self.sampling.min_tokens
         if isinstance(self.max_new_tokens, int) and 0 < self.max_new_tokens < min_tokens:
             raise InvalidArgumentError(
                 f"min_tokens ({min_tokens}) is above max_new_tokens "

@@ -27,6 +27,7 @@ from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.transformer import PackedTransformer
 from cellbatch.types import BatchInput, Input, InvalidArgumentError, SamplingParams, SessionId
+from scripted_drafter import ScriptedDrafter, decode_run
 
 VOCAB = 64
 CONFIG = ModelConfig(
@@ -138,6 +139,37 @@ def staggered(
             assert out is not None
             tokens[index].append(out[0])
     return tokens
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"decode_widths": (4, 16), "min_prefill_tokens": 17}],
+    ids=["verified-on-prefill", "verified-as-decode-rows"],
+)
+def test_verified_drafts_give_the_tokens_of_one_at_a_time_decoding(weights, options) -> None:
+    """Drafts verified through the decode graphs (or the wide path) keep exactly the
+    tokens that decoding one token a step gives, and more than one a step is kept."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    greedy = SamplingParams()
+    expected = decode_run(
+        cuda_executor(weights, RecordedCapture(), **options), prompts, 30, 0, greedy
+    )
+    drafter = ScriptedDrafter(dict(enumerate(expected)))  # a fresh table's sessions: 0, 1, 2
+    executor = CudaExecutor(
+        copy.deepcopy(weights),
+        CONFIG,
+        SHAPE,
+        CudaOptions(**options),  # type: ignore[arg-type]
+        capture=RecordedCapture(),
+        drafter=drafter,
+    )
+    executor.initialize()
+    got = decode_run(executor, prompts, 8, 3, greedy)
+    assert drafter.proposed > 0
+    for prompt, tokens, want in zip(prompts, got, expected, strict=True):
+        assert tokens == want[: len(tokens)]
+        assert len(tokens) - len(prompt) > 8  # more than a token a step: drafts were kept
+    assert executor.graphs.stats.replays > 0
 
 
 def test_default_widths_are_powers_of_two_up_to_the_decodes() -> None:

@@ -45,6 +45,7 @@ from program_steps import (
     SEEDED,
     run_scenario,
 )
+from scripted_drafter import ScriptedDrafter, decode_run
 
 CONFIG = ModelConfig(
     architecture="llama",
@@ -222,3 +223,26 @@ def test_runs_without_model_code_in_a_fresh_process() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("min_prefill", [MIN_PREFILL, 16])
+def test_verified_drafts_give_the_module_executors_tokens(model, min_prefill: int) -> None:
+    """Verified runs on the program's methods (on prefill, or as decode rows: one
+    session's run in one call or cut across two) keep exactly the tokens one-at-a-time
+    decoding draws."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    module = ModuleExecutor(model, CONFIG, SCENARIO_SHAPE)
+    module.initialize()
+    expected = decode_run(module, prompts, 30, 0)
+    calls: list[str] = []
+    drafter = ScriptedDrafter(dict(enumerate(expected)))  # a fresh table's sessions: 0, 1, 2
+    program = ProgramExecutor(
+        stand_in_program(model, calls, min_prefill=min_prefill), SCENARIO_SHAPE, drafter=drafter
+    )
+    program.initialize()
+    got = decode_run(program, prompts, 8, 3)
+    assert drafter.proposed > 0
+    for prompt, tokens, want in zip(prompts, got, expected, strict=True):
+        assert tokens == want[: len(tokens)]
+        assert len(tokens) - len(prompt) > 8  # more than a token a step: drafts were kept
+    assert ("decode_8" in calls) == (min_prefill == 16)

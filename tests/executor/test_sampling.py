@@ -242,25 +242,43 @@ def test_malformed_shapes_are_refused() -> None:
 def test_a_fixed_seed_repeats_its_coins_and_tokens() -> None:
     policy = SamplingParams(temperature=0.8, top_p=0.9)
     first, second = SessionSampler(policy, seed=42), SessionSampler(policy, seed=42)
-    coins = [first.next_coin() for _ in range(20)]
-    assert coins == [second.next_coin() for _ in range(20)]
+    coins = [first.coin(index) for index in range(20)]
+    assert coins == [second.coin(index) for index in range(20)]
     assert all(0.0 <= coin < 1.0 for coin in coins)
     assert len(set(coins)) == 20
     other = SessionSampler(policy, seed=43)
-    assert [other.next_coin() for _ in range(20)] != coins
+    assert [other.coin(index) for index in range(20)] != coins
+
+
+def test_a_coin_depends_only_on_the_seed_and_the_index() -> None:
+    """Any order of asking gives each index its coin: a speculative step draws several
+    positions at once, a preempted generation asks again for indices it passed."""
+    sampler = SessionSampler(SamplingParams(temperature=1.0), seed=7)
+    forward = [sampler.coin(index) for index in range(64)]
+    assert [sampler.coin(index) for index in reversed(range(64))] == forward[::-1]
+    assert SessionSampler(SamplingParams(temperature=1.0), seed=7).coin(31) == forward[31]
+
+
+def test_coins_are_uniform() -> None:
+    sampler = SessionSampler(SamplingParams(temperature=1.0), seed=3)
+    coins = np.array([sampler.coin(index) for index in range(20_000)])
+    histogram, _ = np.histogram(coins, bins=10, range=(0.0, 1.0))
+    assert np.all(np.abs(histogram / len(coins) - 0.1) < 0.01)
+    pairs = np.corrcoef(coins[:-1], coins[1:])[0, 1]
+    assert abs(pairs) < 0.03  # consecutive indices are not correlated
 
 
 def test_no_seed_is_nondeterministic() -> None:
     policy = SamplingParams(temperature=1.0)
-    draws = {SessionSampler(policy, seed=None).next_coin() for _ in range(5)}
+    draws = {SessionSampler(policy, seed=None).coin(0) for _ in range(5)}
     assert len(draws) == 5
 
 
-def test_row_carries_the_policy_and_coin() -> None:
+def test_row_carries_the_policy_and_the_coin_of_its_index() -> None:
     sampler = SessionSampler(
         SamplingParams(temperature=0.7, top_p=0.8, top_k=12, min_p=0.05), seed=0
     )
-    assert sampler.row(0.25) == pytest.approx((0.7, 0.8, 12.0, 0.05, 0.25))
+    assert sampler.row(5) == pytest.approx((0.7, 0.8, 12.0, 0.05, sampler.coin(5)))
     assert sampler.params.top_k == 12
 
 

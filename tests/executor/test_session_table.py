@@ -280,6 +280,13 @@ def _draw(table: SessionTable, sids: list[int], logits: torch.Tensor) -> list[in
     return [output.tokens[0] for output in outputs]
 
 
+def _draw_next(table: SessionTable, sids: list[int], logits: torch.Tensor) -> list[int]:
+    """`_draw` after feeding each session one more token (0): each draw is its session's
+    next token, so it takes the coin of the next index."""
+    _run(table, _batch(*(_decode(sid, 0, table.position(sid)) for sid in sids)))
+    return _draw(table, sids, logits)
+
+
 def test_each_session_row_is_sampled_with_its_own_policy() -> None:
     table = _table()
     greedy, top2, unset = table.open(), table.open(), table.open()
@@ -287,7 +294,7 @@ def test_each_session_row_is_sampled_with_its_own_policy() -> None:
     table.set_sampling(top2, SamplingParams(temperature=5.0, top_k=2), seed=1)
     row = _logits(1)
     top_two = set(row[0].topk(2).indices.tolist())
-    drawn = [_draw(table, [greedy, top2, unset], row.repeat(3, 1)) for _ in range(60)]
+    drawn = [_draw_next(table, [greedy, top2, unset], row.repeat(3, 1)) for _ in range(60)]
     argmax = int(row.argmax())
     assert all(tokens[0] == argmax and tokens[2] == argmax for tokens in drawn)
     assert {tokens[1] for tokens in drawn} == top_two
@@ -300,9 +307,9 @@ def test_session_draws_follow_its_seeded_coins() -> None:
     table.set_sampling(sid, params, seed=11)
     logits = _logits(1)
     reference = SessionSampler(params, seed=11)
-    for _ in range(10):
-        expected = sample_rows(logits, torch.tensor([reference.next_row()]))
-        assert _draw(table, [sid], logits) == expected.tolist()
+    for index in range(10):
+        expected = sample_rows(logits, torch.tensor([reference.row(index)]))
+        assert _draw_next(table, [sid], logits) == expected.tolist()
 
 
 def test_a_fixed_seed_gives_the_same_tokens_whatever_shares_the_batch() -> None:
@@ -312,7 +319,7 @@ def test_a_fixed_seed_gives_the_same_tokens_whatever_shares_the_batch() -> None:
     alone = _table()
     sid = alone.open()
     alone.set_sampling(sid, params, seed=2024)
-    solo = [_draw(alone, [sid], logits)[0] for _ in range(30)]
+    solo = [_draw_next(alone, [sid], logits)[0] for _ in range(30)]
 
     crowded = _table()
     others = [crowded.open() for _ in range(3)]
@@ -325,7 +332,7 @@ def test_a_fixed_seed_gives_the_same_tokens_whatever_shares_the_batch() -> None:
         sids = [*others[: step % 4], sid, *others[step % 4 :]]
         batch_logits = _logits(len(sids), seed=step + 100)
         batch_logits[sids.index(sid)] = logits[0]
-        shared.append(_draw(crowded, sids, batch_logits)[sids.index(sid)])
+        shared.append(_draw_next(crowded, sids, batch_logits)[sids.index(sid)])
     assert shared == solo
     assert len(set(solo)) > 1  # really sampled, not greedy
 
@@ -336,9 +343,9 @@ def test_set_sampling_reseeds_each_generation() -> None:
     params = SamplingParams(temperature=1.0)
     logits = _logits(1)
     table.set_sampling(sid, params, seed=5)
-    first = [_draw(table, [sid], logits)[0] for _ in range(20)]
+    first = [_draw_next(table, [sid], logits)[0] for _ in range(20)]
     table.set_sampling(sid, params, seed=5)
-    assert [_draw(table, [sid], logits)[0] for _ in range(20)] == first
+    assert [_draw_next(table, [sid], logits)[0] for _ in range(20)] == first
 
 
 def test_sample_refuses_unknown_sessions_and_mismatched_logits() -> None:

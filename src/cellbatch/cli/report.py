@@ -98,6 +98,7 @@ def build_report(run: RunRecord, engine: Engine, metrics: EngineMetrics) -> dict
             "weight_kernel": engine.weights.kernel,
             "weights_bytes_by_format": engine.weights.bytes_by_format,
             "admission": engine.admission.value,
+            "speculative": asdict(engine.speculative) if engine.speculative else None,
             "threads": _threads(),
             "placement": engine.placement.reason if engine.placement else "",
             "max_new_tokens": run.config.max_new_tokens,

@@ -272,7 +272,8 @@ class _ReplicaCollector(Collector):
             if call in ready:
                 with contextlib.suppress(ray.exceptions.RayError):
                     figures[str(replica)] = ray.get(call)
-        yield from EngineFiguresCollector(lambda: figures).collect()
+        method = backend.replicas.infos[0].speculative if backend.replicas.infos else None
+        yield from EngineFiguresCollector(lambda: figures, method).collect()
         replicas = [str(r) for r in range(len(calls))]
         up = GaugeMetricFamily(
             "cellbatch_replica_up", "1 if the replica answered this scrape.", labels=["replica"]

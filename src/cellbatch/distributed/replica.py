@@ -43,6 +43,7 @@ class ReplicaInfo:
     tokenizer: Tokenizer | None
     model: str
     threads: int
+    speculative: str | None = None  # its speculative method, where it speculates
 
 
 class Delivery(NamedTuple):
@@ -73,6 +74,7 @@ class Replica:
             tokenizer=engine.tokenizer,
             model=str(engine.model_path),
             threads=self.threads,
+            speculative=engine.speculative.method if engine.speculative is not None else None,
         )
 
     def pid(self) -> int:

@@ -22,6 +22,7 @@ import torch
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.cuda_executor import CudaExecutor, CudaOptions
+from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.program import Program, load_program, read_tokenizer
@@ -89,10 +90,14 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def executor(
-        self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
+        self,
+        shape: ExecutorShape,
+        constraints: ConstraintCompiler | None = None,
+        drafter: Drafter | None = None,
     ) -> CellExecutor:
         """A new executor over this model (initialised by the Runner's engine thread);
-        `constraints` compiles its generations' constraints."""
+        `constraints` compiles its generations' constraints, `drafter` drafts for the
+        decodes that speculate."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,11 +142,16 @@ class ModuleBackend(ModelBackend):
         return FileMappings().bytes_of(list(self.module.parameters()))
 
     def executor(
-        self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
+        self,
+        shape: ExecutorShape,
+        constraints: ConstraintCompiler | None = None,
+        drafter: Drafter | None = None,
     ) -> CellExecutor:
         if self.cuda is not None:
-            return CudaExecutor(self.module, self.config, shape, self.cuda, constraints)
-        return ModuleExecutor(self.module, self.config, shape, constraints)
+            return CudaExecutor(
+                self.module, self.config, shape, self.cuda, constraints, drafter=drafter
+            )
+        return ModuleExecutor(self.module, self.config, shape, constraints, drafter)
 
     @classmethod
     def load(
@@ -216,9 +226,12 @@ class ProgramBackend(ModelBackend):
         return self.program.manifest.max_step_tokens
 
     def executor(
-        self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
+        self,
+        shape: ExecutorShape,
+        constraints: ConstraintCompiler | None = None,
+        drafter: Drafter | None = None,
     ) -> CellExecutor:
-        return ProgramExecutor(self.program, shape, constraints)
+        return ProgramExecutor(self.program, shape, constraints, drafter)
 
     @classmethod
     def load(

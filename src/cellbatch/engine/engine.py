@@ -27,6 +27,7 @@ import torch
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
+from cellbatch.engine.drafters import load_draft, make_drafter
 from cellbatch.engine.limits import (
     DEFAULT_MAX_BATCH_TOKENS,
     EngineShape,
@@ -57,6 +58,7 @@ from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
 from cellbatch.model.weights_cache import cache_directory
 from cellbatch.runner import AdmissionPolicy, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
+from cellbatch.speculative import SpeculativeConfig, parse_speculative_config
 from cellbatch.types import (
     Constraint,
     GenConfig,
@@ -89,9 +91,12 @@ class Engine:
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
         prefix_cache_entries: int = 0,
         memory: KVMemory | None = None,
+        speculative: SpeculativeConfig | str | Mapping[str, object] | None = None,
+        draft: ModelBackend | None = None,
     ) -> None:
         """`memory`: what the KV pool may take (default: the machine's available memory
         now, see engine.limits)."""
+        self.speculative = parse_speculative_config(speculative)
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -111,16 +116,18 @@ class Engine:
         self.constraints = ConstraintCompiler.for_tokenizer(
             tokenizer, backend.geometry.vocab_size, self.stop_tokens
         )
+        executor_shape = ExecutorShape(
+            max_sessions=self.shape.max_sessions,
+            max_session_tokens=self.shape.max_session_tokens,
+            max_cells=self.shape.max_cells,
+            max_batch_tokens=self.shape.max_batch_tokens,
+            kv_dtype=self.kv_dtype,
+            max_decode_sequences=self.shape.max_decode_sequences,
+        )
         self.executor = backend.executor(
-            ExecutorShape(
-                max_sessions=self.shape.max_sessions,
-                max_session_tokens=self.shape.max_session_tokens,
-                max_cells=self.shape.max_cells,
-                max_batch_tokens=self.shape.max_batch_tokens,
-                kv_dtype=self.kv_dtype,
-                max_decode_sequences=self.shape.max_decode_sequences,
-            ),
+            executor_shape,
             self.constraints,
+            make_drafter(self.speculative, backend, executor_shape, draft),
         )
         self.scheduler = DecodeFirstScheduler.create(
             max_batch_tokens=self.shape.max_batch_tokens,
@@ -135,6 +142,7 @@ class Engine:
             stop_tokens=sorted(self.stop_tokens),
             admission=self.admission,
             prefix_cache_entries=prefix_cache_entries,
+            speculative=self.speculative,
         )
         self._closed = False
 
@@ -157,6 +165,7 @@ class Engine:
         weight_sharing: bool = True,
         numa: str | int = "auto",
         weights_cache: str | Path | None = "auto",
+        speculative: SpeculativeConfig | str | Mapping[str, object] | None = None,
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder, a GGUF file (default: the embedded
@@ -182,11 +191,14 @@ class Engine:
         the weights are float (bf16 by default: `quantize` "auto" means float there) and a
         CudaExecutor runs them, with `cuda_graph` (one captured graph per decode width,
         replayed; off: eager, vLLM's --enforce-eager) and `weight_sharing` (one copy of the
-        weights for every method and graph). The options are checked before anything
-        loads."""
+        weights for every method and graph). `speculative` (a `SpeculativeConfig`, or
+        vLLM's JSON object or text for one) turns on speculative decoding: prompt lookup,
+        or a draft model loaded with the same options; the tokens stay the same. The
+        options are checked before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
         check_activations(activations)
         cache_directory(weights_cache)
+        speculative = parse_speculative_config(speculative)
         for name, flag in (("cuda_graph", cuda_graph), ("weight_sharing", weight_sharing)):
             if not isinstance(flag, bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")
@@ -211,6 +223,7 @@ class Engine:
                 prefix_cache_entries=prefix_cache_entries,
                 progress=progress,
                 numa=numa,
+                speculative=speculative,
                 **shape,
             )
         clock = PhaseClock(progress)
@@ -243,6 +256,9 @@ class Engine:
         except FileNotFoundError:
             tokenizer = None  # token-id prompts still work; text prompts say why not
         clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
+        draft = load_draft(
+            speculative, backend, kernels, quantize, activations, progress, weights_cache
+        )
         engine = cls(
             backend,
             tokenizer,
@@ -251,6 +267,8 @@ class Engine:
             prefix_cache_entries=prefix_cache_entries,
             kv_dtype=resolved_kv,
             model_path=path,
+            speculative=speculative,
+            draft=draft,
         )
         engine.placement = placement
         clock.done("started the engine")
@@ -271,6 +289,7 @@ class Engine:
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
         numa: str | int = "auto",
+        speculative: SpeculativeConfig | str | Mapping[str, object] | None = None,
         **shape: Any,
     ) -> Engine:
         """Load a program file (`cellbatch export`) and run it with a ProgramExecutor: no
@@ -289,6 +308,8 @@ class Engine:
         )
         widest = backend.max_step_tokens or DEFAULT_MAX_BATCH_TOKENS
         shape.setdefault("max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, widest))
+        speculative = parse_speculative_config(speculative)
+        draft = load_draft(speculative, backend, "auto", "auto", "auto", progress)
         clock = PhaseClock(progress)
         engine = cls(
             backend,
@@ -298,6 +319,8 @@ class Engine:
             prefix_cache_entries=prefix_cache_entries,
             kv_dtype=backend.program.kv_dtype,
             model_path=backend.program.path,
+            speculative=speculative,
+            draft=draft,
         )
         engine.placement = placement
         clock.done("started the engine")

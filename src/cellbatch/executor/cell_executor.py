@@ -1,15 +1,19 @@
 """CellExecutor: what every executor over a cell KV cache shares (docs/design.md#executors).
 
 Owns: the CellCache, the KVPool and the SessionTable of one model; the session methods of
-the `Executor` protocol; and `run_forward`, one forward over a range of a packed step:
+the `Executor` protocol; `execute`, one packed step: drafts for the inputs the step lets
+speculate (from its `Drafter`, when it has one), the step packed with them, its
+forwards, then every output row sampled in one call (a verified run keeps its drafts
+while they equal the draws); and `run_forward`, one forward over a range of the step:
 declare and place its tokens on the cell cache, grow the pool, plan its attention, run
-the subclass's forward, gather prompt logprobs and sample every wanted row with its own
-session's policy in one call.
-Promises: a subclass differs only in how a packed step maps onto forwards (`execute`) and
-in what runs one forward (the `Forward` it hands `run_forward`); everything else
-(packing, `select_rows`, sampling, scoring, cell placement, the refusal of a step short
-of cells) is this one code. The cache, pool and table exist from `initialize()` on (the
-engine thread calls it first); before, reading them raises saying so.
+the subclass's forward, gather prompt logprobs, return its output rows' logits.
+Promises: a subclass differs only in how a packed step maps onto forwards (`slices`:
+what runs each, the `Forward` it hands `run_forward`); everything else (drafting,
+packing, `select_rows`, sampling and verification, scoring, cell placement, the refusal
+of a step short of cells) is this one code. The drafter follows every session change
+(rewinds, truncations, clones, closes). The cache, pool and table exist from
+`initialize()` on (the engine thread calls it first); before, reading them raises
+saying so.
 Never: imports model code (a program executor runs without it), schedules, keeps
 generation state, or calls back into the runner.
 """
@@ -17,7 +21,7 @@ generation state, or calls back into the runner.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,10 +29,12 @@ import torch
 
 from cellbatch.cache import AttentionPlan, CellCache, KVPool
 from cellbatch.constraint import ConstraintCompiler
+from cellbatch.executor.drafting import Draft, Drafter, DraftRequest
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
     BatchInput,
     BatchOutput,
+    Input,
     InvalidArgumentError,
     KVUsage,
     ModelGeometry,
@@ -75,10 +81,12 @@ class CellExecutor(ABC):
         geometry: ModelGeometry,
         shape: ExecutorShape,
         constraints: ConstraintCompiler | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.geometry = geometry
         self.shape = shape
         self.constraints = constraints  # compiles the generations' constraints
+        self.drafter = drafter  # None: no input is ever given drafts to verify
         self._cells: _Cells | None = None
 
     # -- lifecycle -----------------------------------------------------------
@@ -90,6 +98,8 @@ class CellExecutor(ABC):
             cache, self.shape.max_sessions, self.shape.max_session_tokens, self.constraints
         )
         self._cells = _Cells(cache, pool, table)
+        if self.drafter is not None:
+            self.drafter.initialize()
 
     def new_pool(self, device: torch.device | None = None, initial_cells: int = 256) -> KVPool:
         """The KV pool `initialize` builds (a subclass may place it on a device)."""
@@ -145,15 +155,22 @@ class CellExecutor(ABC):
 
     def close_session(self, sid: SessionId) -> None:
         self.table.close(sid)
+        if self.drafter is not None:
+            self.drafter.close(sid)
 
     def clone(self, source: SessionId, upto: int) -> SessionId | None:
         try:
-            return self.table.clone(source, upto)
+            clone = self.table.clone(source, upto)
         except (InvalidArgumentError, OutOfResourcesError):
             return None
+        if self.drafter is not None:
+            self.drafter.clone(source, clone, upto)
+        return clone
 
     def truncate(self, sid: SessionId, length: int) -> None:
         self.table.truncate(sid, length)
+        if self.drafter is not None:
+            self.drafter.forget(sid, length)
 
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         """Installs the policy; a token rule naming a token outside the vocabulary is
@@ -177,13 +194,50 @@ class CellExecutor(ABC):
     # -- steps ---------------------------------------------------------------
 
     @abstractmethod
-    def execute(self, batch: BatchInput) -> BatchOutput:
-        """One packed step: each input's tokens fed, each output sampled (see Executor)."""
+    def slices(self, total: int) -> Iterable[tuple[int, int, Forward]]:
+        """(offset, length, forward) of each forward covering a packed step of `total`
+        tokens, in order."""
 
-    def pack(self, batch: BatchInput) -> PackedStep:
+    @torch.inference_mode()
+    def execute(self, batch: BatchInput) -> BatchOutput:
+        """One packed step: each input's tokens fed (an input the step lets speculate
+        followed by its drafts), every output row sampled once all its forwards ran
+        (see Executor)."""
+        drafts = self._drafts(batch)
+        verified = _with_drafts(batch, drafts) if any(drafts) else batch
+        step = self.pack(verified, [len(draft) for draft in drafts] if any(drafts) else None)
+        logits: list[torch.Tensor] = []
+        owners: list[np.ndarray] = []
+        for offset, length, forward in self.slices(step.num_tokens):
+            rows, inputs = self.run_forward(step, offset, length, forward)
+            if inputs.size:
+                logits.append(rows)
+                owners.append(inputs)
+        outputs: list[Output | None] = [None] * len(batch.inputs)
+        if owners:
+            order = np.concatenate(owners)
+            # An input's rows are consecutive on the axis: its first row names it.
+            firsts = np.flatnonzero(np.r_[True, order[1:] != order[:-1]])
+            indices = order[firsts].tolist()
+            sampled = self.table.sample(
+                [batch.inputs[i].sid for i in indices],
+                logits[0] if len(logits) == 1 else torch.cat(logits),
+                [drafts[i] for i in indices] if step.drafts is not None else None,
+            )
+            for index, output in zip(indices, sampled, strict=True):
+                outputs[index] = output
+                if output.drafted and self.drafter is not None:
+                    # Its cells hold the input's tokens before the drafts and the drafts
+                    # it kept (all its tokens but the last, a new prediction).
+                    item = batch.inputs[index]
+                    kept = len(output.tokens) - 1
+                    self.drafter.accepted(item.sid, item.start + item.size + kept)
+        return BatchOutput(tuple(outputs))
+
+    def pack(self, batch: BatchInput, drafts: Sequence[int] | None = None) -> PackedStep:
         """The batch on one token axis; refused (cache untouched) when the whole step
         cannot get its cells, so that a step short of cells is never half placed."""
-        step = self.table.pack(batch)
+        step = self.table.pack(batch, drafts)
         if step.num_tokens > self.cache.free_cells():
             raise OutOfResourcesError(
                 f"a step of {step.num_tokens} tokens needs {step.num_tokens} free KV cells, "
@@ -192,16 +246,11 @@ class CellExecutor(ABC):
         return step
 
     def run_forward(
-        self,
-        batch: BatchInput,
-        step: PackedStep,
-        offset: int,
-        length: int,
-        outputs: list[Output | None],
-        forward: Forward,
-    ) -> None:
+        self, step: PackedStep, offset: int, length: int, forward: Forward
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """One forward over step tokens [offset, offset + length): places them, runs
-        `forward`, and fills `outputs` for the inputs whose output row it holds."""
+        `forward`, gathers the prompt logprobs its rows give, and returns the logits of
+        its output rows with the input each row samples for."""
         end = offset + length
         seq_ids = step.seq_ids[offset:end]
         positions = step.positions[offset:end]
@@ -222,11 +271,55 @@ class CellExecutor(ABC):
             scored = torch.from_numpy(picked.scored)
             self.table.score(step, picked.rows[picked.scored] + offset, logits[scored])
         wanted = picked.inputs >= 0
-        if not wanted.any():
-            return
-        indices = picked.inputs[wanted].tolist()
         # Every row is wanted in a decode step: no copy of the logits (32 x 49,152 floats).
         rows = logits if wanted.all() else logits[torch.from_numpy(wanted)]
-        sampled = self.table.sample([batch.inputs[i].sid for i in indices], rows)
-        for index, output in zip(indices, sampled, strict=True):
-            outputs[index] = output
+        return rows, picked.inputs[wanted]
+
+    def _drafts(self, batch: BatchInput) -> list[Draft]:
+        """Per input, the drafted tokens it verifies this step (none for most): up to
+        its `max_drafts`, within the session's token limit and the free cells, and only
+        as many as its constraint allows."""
+        drafts: list[Draft] = [()] * len(batch.inputs)
+        drafter = self.drafter
+        if drafter is None:
+            return drafts
+        for item in batch.inputs:
+            drafter.forget(item.sid, item.start)  # what the step rewinds, it rewinds there too
+        spare = self.cache.free_cells() - sum(item.size for item in batch.inputs)
+        requests: list[tuple[int, DraftRequest]] = []
+        for index, item in enumerate(batch.inputs):
+            end = item.start + item.size
+            limit = min(item.max_drafts, self.shape.max_session_tokens - end, spare)
+            if limit <= 0 or not item.produce_output or item.sid not in self.table:
+                continue
+            spare -= limit
+            context = np.concatenate(
+                [self.table.history(item.sid, item.start), np.asarray(item.tokens, np.int64)]
+            )
+            requests.append((index, DraftRequest(item.sid, context, limit)))
+        if not requests:
+            return drafts
+        for (index, request), draft in zip(
+            requests, drafter.propose([request for _, request in requests]), strict=True
+        ):
+            drafts[index] = self.table.allowed(request.sid, draft[: request.limit])
+        return drafts
+
+
+def _with_drafts(batch: BatchInput, drafts: Sequence[Draft]) -> BatchInput:
+    """The batch with each input's drafts fed after its tokens."""
+    return BatchInput(
+        tuple(
+            item
+            if not draft
+            else Input(
+                item.sid,
+                True,
+                item.offset,
+                item.size + len(draft),
+                (*item.payload[: item.offset + item.size], *draft),
+                item.position,
+            )
+            for item, draft in zip(batch.inputs, drafts, strict=True)
+        )
+    )

@@ -5,20 +5,21 @@ Owns: a model on a torch device and its KV pool there; the static input buffers 
 decode call shape (a width W and a key bucket: `DecodeBuffers`); the `StepGraphs` over
 them; the map of a packed step onto calls (`plan_calls` with the decode widths and the
 prefill lower bound); and, with weight sharing off, one copy of the weights per method.
-Promises: the same SessionTable, packing, cell placement, scoring and sampling as every
-`CellExecutor`: only the forwards differ. A step's runs of one-token slices run as rows
-of the narrowest decode width that holds them (`decode_<W>`: the widths of `CudaOptions`,
-by default powers of two up to the engine's decodes per step); padding rows take token 0
-at position 0, write the scratch cell and attend to it alone, so one graph serves any
-mix of sessions. Slices of at least `min_prefill_tokens` run the model eagerly over
-their own shapes (the dynamic prefill path). With `cuda_graph`, each (width, key bucket)
-is captured on first use and replayed after; pool growth moves the K/V tensors a graph
-read, so every graph is dropped then and captured again on next use (counted in
-`stats`). Eager decode calls run the same padded shapes as the graphs, so a graph's
-logits are the eager ones, bit for bit. The weights are loaded once and every method and
-graph reads them, unless `weight_sharing` is off (a copy per method, as a runtime
-without sharing holds). Sampling runs where the logits are (on the GPU) through the same
-`sample_rows` and coins as the host's; `sample_on_host` copies the rows to the CPU first.
+Promises: the same SessionTable, packing, drafting and verification, cell placement,
+scoring and sampling as every `CellExecutor`: only the forwards differ (`slices`). A
+step's runs of one-token slices run as rows of the narrowest decode width that holds
+them (`decode_<W>`: the widths of `CudaOptions`, by default powers of two up to the
+engine's decodes per step); padding rows take token 0 at position 0, write the scratch
+cell and attend to it alone, so one graph serves any mix of sessions. Slices of at least
+`min_prefill_tokens` run the model eagerly over their own shapes (the dynamic prefill
+path). With `cuda_graph`, each (width, key bucket) is captured on first use and replayed
+after; pool growth moves the K/V tensors a graph read, so every graph is dropped then
+and captured again on next use (counted in `stats`). Eager decode calls run the same
+padded shapes as the graphs, so a graph's logits are the eager ones, bit for bit. The
+weights are loaded once and every method and graph reads them, unless `weight_sharing`
+is off (a copy per method, as a runtime without sharing holds). Sampling runs where the
+logits are (on the GPU) through the same `sample_rows` and coins as the host's;
+`sample_on_host` copies the rows to the CPU first.
 Never: captures a wide (prefill) step, syncs with the host inside a decode forward, or
 lets a padding row's write reach a real cell.
 """
@@ -26,7 +27,7 @@ lets a padding row's write reach a real cell.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -36,7 +37,8 @@ import torch
 
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, KVPool
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
+from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.graphs import CudaGraphCapture, GraphCapture, StepGraphs
 from cellbatch.executor.step_plan import plan_calls
 from cellbatch.model.config import ModelConfig
@@ -49,7 +51,7 @@ from cellbatch.model.device_attention import (
     row_table,
 )
 from cellbatch.model.transformer import PackedTransformer
-from cellbatch.types import BatchInput, BatchOutput, InvalidArgumentError, Output
+from cellbatch.types import InvalidArgumentError
 
 # The pool a GPU starts with: each growth drops every graph, so it starts larger there.
 CUDA_INITIAL_CELLS = 4096
@@ -125,8 +127,9 @@ class CudaExecutor(CellExecutor):
         options: CudaOptions = CudaOptions(),
         constraints: ConstraintCompiler | None = None,
         capture: GraphCapture | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
-        super().__init__(model.geometry, shape, constraints)
+        super().__init__(model.geometry, shape, constraints, drafter)
         self.model = model
         self.config = config
         self.options = options
@@ -197,19 +200,14 @@ class CudaExecutor(CellExecutor):
 
     # -- steps -----------------------------------------------------------------
 
-    @torch.inference_mode()
-    def execute(self, batch: BatchInput) -> BatchOutput:
-        step = self.pack(batch)
-        outputs: list[Output | None] = [None] * len(batch.inputs)
-        calls = plan_calls(
-            step.num_tokens, self.shape.max_batch_tokens, self.min_prefill_tokens, self.widths
-        )
-        for call in calls:
-            forward: Callable[..., torch.Tensor] = self.wide_forward
+    def slices(self, total: int) -> Iterator[tuple[int, int, Forward]]:
+        for call in plan_calls(
+            total, self.shape.max_batch_tokens, self.min_prefill_tokens, self.widths
+        ):
+            forward: Forward = self.wide_forward
             if call.width is not None:
                 forward = partial(self.decode_forward, call.width)
-            self.run_forward(batch, step, call.offset, call.length, outputs, forward)
-        return BatchOutput(tuple(outputs))
+            yield call.offset, call.length, forward
 
     def decode_forward(
         self,

@@ -1,9 +1,9 @@
 """ModuleExecutor: runs packed steps through one torch module (docs/design.md#executors).
 
 Owns: the model module (sessions, cells and sampling are `CellExecutor`'s).
-Promises: `execute` packs the batch, cuts it into slices of at most
-`max_batch_tokens`, and runs one forward per slice (`CellExecutor.run_forward`: placed
-on the cell cache, every wanted row sampled with its own session's policy in one call);
+Promises: a packed step (`CellExecutor.execute`) is cut into slices of at most
+`max_batch_tokens`, one forward each (`CellExecutor.run_forward`: placed on the cell
+cache), and every wanted row is sampled with its own session's policy in one call;
 outputs[i] is None exactly when inputs[i] asks for none. The forward returns logits only
 for the output rows, plus the rows of a session whose prompt logprobs are asked (so at
 most `max_batch_tokens` rows a slice). A refused or failed batch raises, its message
@@ -14,6 +14,7 @@ Never: schedules, keeps generation state, or calls back into the runner.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,9 +22,9 @@ import torch
 
 from cellbatch.cache import AttentionPlan
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
+from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.step_plan import plan_slices
-from cellbatch.types import BatchInput, BatchOutput, Output
 
 if TYPE_CHECKING:
     from cellbatch.model.config import ModelConfig
@@ -40,18 +41,15 @@ class ModuleExecutor(CellExecutor):
         config: ModelConfig,
         shape: ExecutorShape,
         constraints: ConstraintCompiler | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
-        super().__init__(config.geometry, shape, constraints)
+        super().__init__(config.geometry, shape, constraints, drafter)
         self.model = model
         self.config = config
 
-    @torch.inference_mode()
-    def execute(self, batch: BatchInput) -> BatchOutput:
-        step = self.pack(batch)
-        outputs: list[Output | None] = [None] * len(batch.inputs)
-        for piece in plan_slices(step.num_tokens, self.shape.max_batch_tokens, 1):
-            self.run_forward(batch, step, piece.offset, piece.length, outputs, self.forward)
-        return BatchOutput(tuple(outputs))
+    def slices(self, total: int) -> Iterator[tuple[int, int, Forward]]:
+        for piece in plan_slices(total, self.shape.max_batch_tokens, 1):
+            yield piece.offset, piece.length, self.forward
 
     def forward(
         self,

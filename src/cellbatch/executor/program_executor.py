@@ -28,11 +28,12 @@ import torch
 
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
+from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.step_plan import plan_calls
 from cellbatch.export.manifest import MethodSpec
 from cellbatch.export.program import Program
-from cellbatch.types import BatchInput, BatchOutput, InvalidArgumentError, Output
+from cellbatch.types import InvalidArgumentError
 
 # Dynamic sizes of a method start at 2 (torch.export specialises 0 and 1).
 MIN_DYNAMIC = 2
@@ -46,8 +47,9 @@ class ProgramExecutor(CellExecutor):
         program: Program,
         shape: ExecutorShape,
         constraints: ConstraintCompiler | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
-        super().__init__(program.manifest.model, shape, constraints)
+        super().__init__(program.manifest.model, shape, constraints, drafter)
         self.program = program
         manifest = program.manifest
         self._prefill = manifest.prefill
@@ -85,13 +87,9 @@ class ProgramExecutor(CellExecutor):
 
     # -- steps ---------------------------------------------------------------
 
-    @torch.inference_mode()
-    def execute(self, batch: BatchInput) -> BatchOutput:
-        step = self.pack(batch)
-        outputs: list[Output | None] = [None] * len(batch.inputs)
-        for offset, length, method in self.calls(step.num_tokens):
-            self.run_forward(batch, step, offset, length, outputs, partial(self.forward, method))
-        return BatchOutput(tuple(outputs))
+    def slices(self, total: int) -> Iterator[tuple[int, int, Forward]]:
+        for offset, length, method in self.calls(total):
+            yield offset, length, partial(self.forward, method)
 
     def calls(self, total: int) -> Iterator[tuple[int, int, MethodSpec]]:
         """(offset, length, method) of each call covering a step of `total` tokens, in

@@ -4,7 +4,7 @@ Owns: `sample_rows`, which draws one token per logits row with that row's own
 policy in a single vectorised call; `apply_penalties`, the repetition, presence
 and frequency penalties on logits rows; `token_logprobs`, the raw log-probabilities
 reported for chosen tokens; and `SessionSampler`, one generation's policy plus its
-private random generator.
+coins, one per token it draws, each a function of the seed and the token's index.
 Promises: greedy rows (temperature 0) are the exact argmax of the logits they are
 given; other rows sample softmax(logits / temperature) in float32, first without
 the tokens min_p drops (probability below min_p times the most likely token's),
@@ -21,9 +21,9 @@ Never: draws randomness itself (coins are inputs), loops over rows in Python
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from cellbatch.types import MAX_LOGPROBS, InvalidArgumentError, SamplingParams, TokenLogprob
@@ -47,6 +47,20 @@ ParamsRow = tuple[float, float, float, float, float]
 
 # The params row of a session without a policy: greedy (min_p and the coin are unused).
 GREEDY_ROW: ParamsRow = (0.0, 1.0, 0.0, 0.0, 0.0)
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment
+_TO_UNIT = 2.0**-53
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's output function: a bijection on 64-bit integers that spreads every
+    input bit over the output (Steele, Lea and Flood, 2014)."""
+    value &= _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -245,10 +259,13 @@ def token_logprobs(
 
 
 class SessionSampler:
-    """One generation's sampling policy and its own coin generator.
+    """One generation's sampling policy and its coins.
 
-    A fixed seed gives a fixed coin sequence, hence the same tokens whatever else
-    shares the batch; seed None draws a nondeterministic seed.
+    The coin of the generation's i-th token is a function of (seed, i) alone
+    (`coin(i)`): the same seed gives the same coins whatever else shares the batch,
+    however the tokens are grouped into steps (a speculative step draws several
+    positions at once) and however often a preempted generation replays its context.
+    Seed None draws a nondeterministic seed.
     """
 
     def __init__(self, params: SamplingParams, seed: int | None) -> None:
@@ -256,25 +273,22 @@ class SessionSampler:
             raise InvalidArgumentError(f"seed must be >= 0 or None (nondeterministic), got {seed}")
         self.params = params
         self.seed = seed
-        self._generator = np.random.default_rng(seed)
+        self._key = _mix64(secrets.randbits(64) if seed is None else seed)
 
-    def next_coin(self) -> float:
-        """The generation's next uniform draw in [0, 1)."""
-        return float(self._generator.random())
+    def coin(self, index: int) -> float:
+        """The uniform draw in [0, 1) of the generation's `index`-th token (from 0):
+        SplitMix64's output for counter `index` of this seed's stream, 53 bits."""
+        return (_mix64(self._key + (index + 1) * _GOLDEN_GAMMA) >> 11) * _TO_UNIT
 
-    def row(self, coin: float) -> ParamsRow:
-        """The `sample_rows` params row for this policy with the given coin."""
+    def row(self, index: int) -> ParamsRow:
+        """The `sample_rows` params row of the generation's `index`-th token."""
         return (
             float(self.params.temperature),
             float(self.params.top_p),
             float(self.params.top_k),
             float(self.params.min_p),
-            coin,
+            self.coin(index),
         )
-
-    def next_row(self) -> ParamsRow:
-        """`row(next_coin())`: the params row of the generation's next token."""
-        return self.row(self.next_coin())
 
     def penalty_row(self) -> tuple[float, float, float]:
         """The `apply_penalties` row of this policy: (repetition, presence, frequency)."""

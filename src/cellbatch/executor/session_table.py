@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from cellbatch.cache import CellCache
-from cellbatch.constraint import ConstraintCompiler, ConstraintMatcher, mask_rows
+from cellbatch.constraint import ConstraintCompiler, ConstraintMatcher, MaskSource, mask_rows
 from cellbatch.executor.sampling import (
     GREEDY_ROW,
     NUM_PARAMS,
@@ -59,7 +59,9 @@ class PackedStep:
     input: the token-axis row of its last token where it produces output, else -1.
     score_ranges [inputs, 2], when some session scores its prompt, holds each input's
     token-axis rows [from, to) whose logits score that prompt (from == to: none); it
-    never holds an output row. None: no input scores.
+    never holds an output row. None: no input scores. drafts, when some input verifies
+    drafted tokens, holds per input how many of its last tokens are drafts: their rows
+    and the row before them are all output rows (None: none does).
     """
 
     tokens: np.ndarray
@@ -67,6 +69,7 @@ class PackedStep:
     seq_ids: np.ndarray
     logit_indices: np.ndarray
     score_ranges: np.ndarray | None = None
+    drafts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -145,20 +148,20 @@ class _PromptScores:
 class _Session:
     seq: int
     sampler: SessionSampler | None = None  # None: no generation installed yet; samples greedily
-    # history[:fed]: the token ids of the positions the session's cells hold, plus what
-    # the step being run feeds: the context penalties count over, and the next tokens
-    # prompt logprobs score.
+    # history[p]: the token id at position p, for the positions the session's cells hold
+    # (the cache's length of `seq` says how many) and what the step being run feeds: the
+    # context penalties count over, drafts are looked up in, and prompt logprobs score.
     history: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    fed: int = 0
     generated_from: int | None = None  # the position of the generation's first sampled token
     prompt: _PromptScores | None = None  # while the generation's prompt is being scored
     matcher: ConstraintMatcher | None = None  # the generation's constraint, where it has one
     rules: TokenRules | None = None  # the generation's token rules, where it has any
 
-    def produced(self) -> np.ndarray:
-        """The tokens the generation has produced so far (its draws fed back)."""
-        start = self.generated_from if self.generated_from is not None else self.fed
-        return self.history[start : self.fed]
+    def produced(self, fed: int) -> np.ndarray:
+        """The tokens the generation has produced before position `fed` (its draws fed
+        back)."""
+        start = self.generated_from if self.generated_from is not None else fed
+        return self.history[start:fed]
 
     def record(self, start: int, tokens: np.ndarray, capacity: int) -> None:
         end = start + len(tokens)
@@ -167,7 +170,19 @@ class _Session:
             grown[:start] = self.history[:start]
             self.history = grown
         self.history[start:end] = tokens
-        self.fed = end
+
+
+class _AfterDraft:
+    """A constraint's mask for the row after a draft, in a verified run: the draft is
+    consumed first (`mask_rows` fills the rows in order, so the matcher has consumed the
+    drafts before this one already); `SessionTable.sample` rolls them back after."""
+
+    def __init__(self, matcher: ConstraintMatcher, draft: Token) -> None:
+        self._matcher, self._draft = matcher, draft
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.consume(self._draft)
+        self._matcher.fill(bitmask, row)
 
 
 class SessionTable:
@@ -244,7 +259,6 @@ class SessionTable:
                 f"must be in [0, {held}]"
             )
         self.cache.seq_rewind(seq, length)
-        session.fed = min(session.fed, length)
 
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         """Install a generation's policy; its coins restart from `seed` (None: random).
@@ -269,6 +283,20 @@ class SessionTable:
             None if params.prompt_logprobs is None else _PromptScores(params.prompt_logprobs)
         )
 
+    def history(self, sid: SessionId, upto: int) -> np.ndarray:
+        """The token ids of the session's positions [0, upto) (a view: do not change)."""
+        session = self._session(sid)
+        upto = min(upto, self.cache.seq_length(session.seq))
+        return session.history[:upto]
+
+    def allowed(self, sid: SessionId, draft: Sequence[Token]) -> tuple[Token, ...]:
+        """The longest prefix of `draft` the session's constraint allows after what it
+        has drawn (all of it without a constraint)."""
+        matcher = self._session(sid).matcher
+        if matcher is None or not draft:
+            return tuple(draft)
+        return tuple(draft[: matcher.allowed_prefix(draft)])
+
     def position(self, sid: SessionId) -> int:
         """The session's committed length: the next position it would write."""
         return self.cache.seq_length(self._session(sid).seq)
@@ -277,17 +305,27 @@ class SessionTable:
         """The cache sequence id holding the session."""
         return self._session(sid).seq
 
-    def pack(self, batch: BatchInput) -> PackedStep:
+    def pack(self, batch: BatchInput, drafts: Sequence[int] | None = None) -> PackedStep:
         """Lay `batch` onto one token axis, checking every input before rewinding any.
 
         A start below the session's committed length rewinds it to that start (the
         first input of that session in the batch only; never to 0 of a non-empty one);
         a start above it is a gap. Later inputs of a session must abut the earlier.
         A session scoring its prompt gets `score_ranges` for the rows whose logits
-        give entries it lacks.
+        give entries it lacks. `drafts[i]` > 0: the last drafts[i] tokens of output-
+        producing input i are drafts to verify (each of them, and the token before
+        them, gets an output row).
         """
         if not batch.inputs:
             raise InvalidArgumentError("pack: the batch has no inputs")
+        if drafts is not None:
+            for index, (item, count) in enumerate(zip(batch.inputs, drafts, strict=True)):
+                if count and not (item.produce_output and 0 < count < item.size):
+                    raise InvalidArgumentError(
+                        f"pack: input {index} (session {item.sid}) verifies {count} drafts "
+                        f"of its {item.size} tokens; drafts end an output-producing input "
+                        "and leave at least one token before them"
+                    )
         # Where each sequence stands mid-batch: the cache still holds the state
         # before this step, so the batch's own writes are tracked here.
         cursor: dict[int, int] = {}
@@ -364,81 +402,178 @@ class SessionTable:
             seq_ids=np.repeat(np.asarray([s.seq for s in sessions], dtype=np.int64), size_array),
             logit_indices=np.where(produces, ends - 1, -1),
             score_ranges=self._score_ranges(sessions, starts, sizes, produces, ends),
+            drafts=np.asarray(drafts, dtype=np.int64) if drafts and any(drafts) else None,
         )
 
-    def sample(self, sids: Sequence[SessionId], logits: torch.Tensor) -> list[Output]:
-        """Draw row i of `logits` [R, V] with session `sids[i]`'s policy, all in one call;
-        row i must be the logits of the last token the session fed in this step.
+    def sample(
+        self,
+        sids: Sequence[SessionId],
+        logits: torch.Tensor,
+        drafts: Sequence[Sequence[Token]] | None = None,
+    ) -> list[Output]:
+        """Draw each session's next token with its own policy, every row in one call.
+
+        Without `drafts`, row i of `logits` [R, V] is the logits of the last token
+        session `sids[i]` fed in this step. With them, session i owns 1 + len(drafts[i])
+        consecutive rows: those of its last fed tokens, the token before its drafts and
+        then each draft (the drafts are the last tokens it fed). Each row is drawn as
+        one-at-a-time decoding would draw the token at its position: that token's coin,
+        penalties and token rules over the context before it, the constraint's mask
+        after the drafts before it. A session keeps its drafts while they equal its own
+        draws, and returns those and the draw after them (`Output.drafted`: how many
+        drafts it verified); the cells of the drafts it did not keep are rewound.
 
         Penalties change the rows of the sessions that use them first, then token rules
         (logit bias, allowed tokens, banned sequences, min_tokens), then constraints
-        mask theirs (and take the drawn token); the logprobs
-        (where a policy asks) come from the raw rows. A generation's first output
-        carries its prompt logprobs when its policy asks. A session without an
-        installed policy samples greedily.
+        mask theirs (and take the kept tokens); the logprobs (where a policy asks) come
+        from the raw rows. A generation's first output carries its prompt logprobs when
+        its policy asks. A session without an installed policy samples greedily.
         """
-        if logits.dim() != 2 or logits.shape[0] != len(sids):
+        counts = [1] * len(sids) if drafts is None else [1 + len(d) for d in drafts]
+        if logits.dim() != 2 or logits.shape[0] != sum(counts) or len(counts) != len(sids):
             raise InvalidArgumentError(
-                f"sample: {len(sids)} sessions need logits of shape [{len(sids)}, vocab], "
-                f"got {tuple(logits.shape)}"
+                f"sample: {len(sids)} sessions drawing {sum(counts)} rows need logits of "
+                f"shape [{sum(counts)}, vocab], got {tuple(logits.shape)}"
             )
         sessions = [self._session(sid) for sid in sids]
-        params = np.empty((len(sids), NUM_PARAMS), dtype=np.float32)
-        policies: list[SamplingParams | None] = []
-        for row, session in enumerate(sessions):
-            sampler = session.sampler
-            params[row] = GREEDY_ROW if sampler is None else sampler.next_row()
-            policies.append(None if sampler is None else sampler.params)
+        # Per row: its session, and the position of the token it draws (the session's
+        # rows end where its cells end once the step is placed).
+        owners: list[_Session] = []
+        targets: list[int] = []
+        firsts: list[int] = []
+        for session, count in zip(sessions, counts, strict=True):
+            first = self.cache.seq_length(session.seq) - count + 1
             if session.generated_from is None:
-                session.generated_from = session.fed  # where this draw's token goes
-        penalised = [row for row, policy in enumerate(policies) if policy and policy.penalised]
-        asking = [
-            (row, policy.logprobs)
-            for row, policy in enumerate(policies)
-            if policy and policy.logprobs is not None
-        ]
-        drawn = self._penalise(logits, sessions, penalised) if penalised else logits
+                session.generated_from = first
+            firsts.append(first)
+            owners.extend([session] * count)
+            targets.extend(range(first, first + count))
+        drawn, params = self._policies(logits, owners, targets, sessions, counts, drafts)
+        tokens = sample_rows(drawn, torch.from_numpy(params)).tolist()
+        kept_counts = []
+        row = 0
+        for index, (session, count) in enumerate(zip(sessions, counts, strict=True)):
+            draws = tokens[row : row + count]
+            kept = 1
+            while kept < count and draws[kept - 1] == drafts[index][kept - 1]:  # type: ignore[index]
+                kept += 1
+            kept_counts.append(kept)
+            if kept < count:  # the rejected drafts' cells
+                self.cache.seq_rewind(session.seq, firsts[index] + kept - 1)
+            matcher = session.matcher
+            if matcher is not None:
+                matcher.rollback(count - 1)  # the drafts its masks consumed
+                for token in draws[:kept]:
+                    matcher.consume(token)
+            row += count
+        logprobs = self._logprobs(logits, sessions, counts, kept_counts, tokens)
+        outputs = []
+        row = 0
+        for index, (sid, session, count) in enumerate(zip(sids, sessions, counts, strict=True)):
+            kept = kept_counts[index]
+            outputs.append(
+                Output(
+                    sid,
+                    tuple(tokens[row : row + kept]),
+                    logprobs.get(index, ()),
+                    self._prompt_scores(session, firsts[index]),
+                    drafted=count - 1,
+                )
+            )
+            row += count
+        return outputs
+
+    def _policies(
+        self,
+        logits: torch.Tensor,
+        owners: Sequence[_Session],
+        targets: Sequence[int],
+        sessions: Sequence[_Session],
+        counts: Sequence[int],
+        drafts: Sequence[Sequence[Token]] | None,
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """The rows to draw from (penalties, token rules, constraints applied) and their
+        `sample_rows` params, row r drawing its owner's token at position targets[r]."""
+        params = np.empty((len(owners), NUM_PARAMS), dtype=np.float32)
+        penalised: list[int] = []
+        for row, (session, target) in enumerate(zip(owners, targets, strict=True)):
+            sampler = session.sampler
+            if sampler is None:
+                params[row] = GREEDY_ROW
+                continue
+            assert session.generated_from is not None
+            # The coin of the generation's token at this position, whatever step draws it.
+            params[row] = sampler.row(target - session.generated_from)
+            if sampler.params.penalised:
+                penalised.append(row)
+        drawn = self._penalise(logits, owners, targets, penalised) if penalised else logits
         restricted = [
-            (row, session.rules, session.produced())
-            for row, session in enumerate(sessions)
+            (row, session.rules, session.produced(target))
+            for row, (session, target) in enumerate(zip(owners, targets, strict=True))
             if session.rules is not None
         ]
         if restricted:
             drawn = apply_token_rules(drawn, logits, restricted)
-        constrained = [
-            (row, session.matcher)
-            for row, session in enumerate(sessions)
-            if session.matcher is not None
-        ]
+        constrained: list[tuple[int, MaskSource]] = []
+        row = 0
+        for index, (session, count) in enumerate(zip(sessions, counts, strict=True)):
+            if session.matcher is not None:
+                constrained.append((row, session.matcher))
+                for draft in drafts[index] if drafts is not None else ():
+                    row += 1
+                    constrained.append((row, _AfterDraft(session.matcher, draft)))
+            row += count if session.matcher is None else 1
         if constrained:
             # Where the token rules leave nothing the constraint allows, the constraint wins.
             drawn = mask_rows(
                 drawn,
                 [row for row, _ in constrained],
-                [m for _, m in constrained],
+                [source for _, source in constrained],
                 fallback=logits if restricted else None,
             )
-        tokens = sample_rows(drawn, torch.from_numpy(params)).tolist()
-        for row, matcher in constrained:
-            matcher.consume(tokens[row])
-        logprobs: dict[int, TokenLogprob] = {}
-        if asking:
-            rows = [row for row, _ in asking]
-            found = token_logprobs(
+        return drawn, params
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor,
+        sessions: Sequence[_Session],
+        counts: Sequence[int],
+        kept: Sequence[int],
+        tokens: Sequence[Token],
+    ) -> dict[int, tuple[TokenLogprob, ...]]:
+        """Per session whose policy asks, its kept tokens' logprobs from their raw rows
+        (one call for all of them)."""
+        rows: list[int] = []
+        tops: list[int] = []
+        asking: list[int] = []
+        row = 0
+        for index, session in enumerate(sessions):
+            sampler = session.sampler
+            if sampler is not None and sampler.params.logprobs is not None:
+                asking.append(index)
+                rows.extend(range(row, row + kept[index]))
+                tops.extend([sampler.params.logprobs] * kept[index])
+            row += counts[index]
+        if not asking:
+            return {}
+        found = iter(
+            token_logprobs(
                 logits.index_select(0, torch.tensor(rows, device=logits.device)),
                 [tokens[row] for row in rows],
-                [top for _, top in asking],
+                tops,
             )
-            logprobs = dict(zip(rows, found, strict=True))
-        outputs = []
-        for row, (sid, session, token) in enumerate(zip(sids, sessions, tokens, strict=True)):
-            prompt: tuple[TokenLogprob | None, ...] = ()
-            if session.prompt is not None:
-                session.prompt.reach(session.fed - 1, session.history)
-                prompt, session.prompt = tuple(session.prompt.entries), None
-            chosen = logprobs.get(row)
-            outputs.append(Output(sid, (int(token),), () if chosen is None else (chosen,), prompt))
-        return outputs
+        )
+        return {index: tuple(next(found) for _ in range(kept[index])) for index in asking}
+
+    @staticmethod
+    def _prompt_scores(session: _Session, first: int) -> tuple[TokenLogprob | None, ...]:
+        """The generation's prompt logprobs, on its first output only (`first`: where the
+        output's first token goes)."""
+        if session.prompt is None:
+            return ()
+        session.prompt.reach(first - 1, session.history)
+        scores, session.prompt = tuple(session.prompt.entries), None
+        return scores
 
     def score(self, step: PackedStep, rows: np.ndarray, logits: torch.Tensor) -> None:
         """Gather prompt logprobs from the logits [len(rows), V] of `step`'s token-axis
@@ -459,20 +594,27 @@ class SessionTable:
                 step.positions[rows[mine]],
                 logits[torch.from_numpy(mine).to(logits.device)],
                 session.history,
-                session.fed,
+                self.cache.seq_length(seq),
             )
 
     def _penalise(
-        self, logits: torch.Tensor, sessions: Sequence[_Session], rows: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        sessions: Sequence[_Session],
+        fed: Sequence[int],
+        rows: Sequence[int],
     ) -> torch.Tensor:
         """A float32 copy of `logits` whose `rows` carry their sessions' penalties over
-        their context and their generation's tokens (the raw rows stay for logprobs)."""
+        their context before position fed[row] and their generation's tokens there (the
+        raw rows stay for logprobs)."""
         vocab = logits.shape[1]
         # One key per (penalised row, token): row * vocab + token.
         context = np.concatenate(
-            [p * vocab + sessions[r].history[: sessions[r].fed] for p, r in enumerate(rows)]
+            [p * vocab + sessions[r].history[: fed[r]] for p, r in enumerate(rows)]
         )
-        generated = np.concatenate([p * vocab + sessions[r].produced() for p, r in enumerate(rows)])
+        generated = np.concatenate(
+            [p * vocab + sessions[r].produced(fed[r]) for p, r in enumerate(rows)]
+        )
         pairs = np.unique(context)
         repeated, times = np.unique(generated, return_counts=True)
         counts = np.zeros(len(pairs), dtype=np.float32)
@@ -545,9 +687,10 @@ def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
     """The logits rows a forward over step tokens [offset, offset + length) must return.
 
     Rows are relative to the slice (what the forward indexes its own hidden states
-    with), ascending: each output row (its input in `inputs`) and each row of the
-    slice in the step's score_ranges (`scored`). A slice with no wanted row returns
-    its last row with input index -1, so every forward yields some logits.
+    with), ascending: each output row (its input in `inputs`; an input verifying m
+    drafts has m + 1, its last token's and the m before it) and each row of the slice in
+    the step's score_ranges (`scored`). A slice with no wanted row returns its last row
+    with input index -1, so every forward yields some logits.
     """
     if offset < 0 or length < 1 or offset + length > step.num_tokens:
         raise InvalidArgumentError(
@@ -555,9 +698,17 @@ def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
             f"{step.num_tokens}-token step"
         )
     end = offset + length
-    wanted = (step.logit_indices >= offset) & (step.logit_indices < end)
-    inputs = np.flatnonzero(wanted).astype(np.int64)
+    inputs = np.flatnonzero(step.logit_indices >= 0).astype(np.int64)
     rows = step.logit_indices[inputs]
+    if step.drafts is not None:
+        counts = step.drafts[inputs] + 1
+        firsts = rows - counts + 1
+        inputs = np.repeat(inputs, counts)
+        rows = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(
+            int(counts.sum()), dtype=np.int64
+        )
+    inside = (rows >= offset) & (rows < end)
+    inputs, rows = inputs[inside], rows[inside]
     scored_rows = np.zeros(0, dtype=np.int64)
     if step.score_ranges is not None:
         low = np.clip(step.score_ranges[:, 0], offset, end)

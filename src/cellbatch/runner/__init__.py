@@ -7,12 +7,16 @@ Modules, each with one job (imports only go down this list):
 - `generation`: engine-side session records and generation state, and how a generation
   stops;
 - `session`: `Session`, a caller's face for one conversation;
-- `admission`: the waiting queue, admission, the choice of what to preempt, and the
-  occupancy (running, waiting) the loop publishes;
+- `admission`: the waiting queue and running set, the policy's arithmetic (what a
+  generation needs, whether it fits, which one gives way first), and the occupancy
+  (running, waiting) the loop publishes;
 - `batch`: the check of an executor's answer to a batch;
-- `sessions`, `tasks`, `pressure`: the engine thread's books of sessions and tasks, and
-  what it does when KV cells run short;
-- `loop`: `EngineLoop`, what the engine thread does, tying them together;
+- `sessions`, `tasks`: the engine thread's books of sessions (and snapshots) and of
+  tasks (ids, owners, a turn's feed cut into prompt chunks);
+- `step_planner`: `StepPlanner`, the one owner of what runs next: admission, the
+  step's tasks, the cells they take and who gives cells up;
+- `loop`: `EngineLoop`, what the engine thread does: commands, then the planner's
+  step through the executor, then the tokens delivered;
 - `runner`: `Runner`, the face that starts the engine thread and posts to its inbox.
 """
 

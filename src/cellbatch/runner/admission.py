@@ -10,7 +10,7 @@ would then be running, and the most recently admitted running generation is the 
 preempted when a step lacks cells; under "reserve" a generation starts only when its
 worst case (what it feeds plus every token it may generate) fits beside the worst
 cases of those running, and nothing is ever preempted.
-Never: calls the executor or the scheduler, or ends a generation; the runner loop
+Never: calls the executor or the scheduler, or ends a generation; the step planner
 acts on what this decides.
 """
 
@@ -44,7 +44,7 @@ def cells_to_feed(generation: Generation) -> int:
     state = generation.state
     assert state is not None
     pending_delta = 0 if generation.admitted else len(generation.delta)
-    return len(state.context) - state.resident + pending_delta
+    return len(state.context) - state.computed + pending_delta
 
 
 class Occupancy(NamedTuple):
@@ -102,7 +102,9 @@ class Admission:
         elif generation in self.waiting:
             self.waiting.remove(generation)
 
-    def newest_running(self) -> Generation | None:
+    def preemption_victim(self) -> Generation | None:
+        """The running generation that gives its cells up first: the most recently
+        admitted."""
         return next(reversed(self._running), None)
 
     def need(self, generation: Generation) -> int:

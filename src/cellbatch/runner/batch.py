@@ -2,7 +2,8 @@
 
 Owns: `check_outputs`, the one validation of a `BatchOutput` against its inputs.
 Promises: returns the outputs when each `outputs[i]` answers `inputs[i]` (an Output
-of the same session holding tokens where output was asked, None where not, its
+of the same session holding tokens where output was asked, None where not, no more
+verified drafts than the input allowed and at most one token beyond them, its
 logprobs, when it has any, one per token); raises `BatchFailure` naming the first
 problem otherwise.
 Never: looks at token values or keeps state.
@@ -43,6 +44,12 @@ def check_outputs(inputs: Sequence[Input], result: BatchOutput | None) -> Sequen
             )
         elif not out.tokens:
             raise BatchFailure(f"output {i} (session {inp.sid}) holds no tokens")
+        elif out.drafted and (out.drafted > inp.max_drafts or len(out.tokens) > out.drafted + 1):
+            raise BatchFailure(
+                f"output {i} (session {inp.sid}) verified {out.drafted} drafts and returned "
+                f"{len(out.tokens)} tokens, but the input allowed {inp.max_drafts} drafts; a "
+                "verification returns at most its drafts and one more token"
+            )
         elif out.logprobs and len(out.logprobs) != len(out.tokens):
             raise BatchFailure(
                 f"output {i} (session {inp.sid}) holds {len(out.tokens)} tokens but "

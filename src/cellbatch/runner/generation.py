@@ -52,11 +52,15 @@ SettledCallback = Callable[[GenerationHandle], None]
 class SessionRecord:
     """Engine-side truth about one session.
 
-    Invariant: `resident <= committed <= len(context)`. `context` is everything the
+    Invariant: `computed <= committed <= len(context)`. `context` is everything the
     session holds: what it held before each turn, each turn's delta and exactly the
-    tokens delivered. `committed` of them have been fed to the model at some time;
-    `resident` of them are in the executor's cells now (fewer after the runner drops
-    the session's cells under KV pressure: they are fed again on the next turn).
+    tokens delivered. `computed` is the one number that says how far the session has
+    been computed: its first `computed` context tokens are in the executor's cells, and
+    the next input the runner sends starts there (as vLLM's `num_computed_tokens`
+    catches up to a request's tokens). It falls when the runner drops cells under KV
+    pressure (those tokens are fed again) and rises when a step runs. `committed` of
+    the context tokens have been fed at some time (the session's position, as its face
+    reports it); the rest are fed by the next turn.
     """
 
     __slots__ = (
@@ -65,18 +69,18 @@ class SessionRecord:
         "close_requested",
         "closed",
         "committed",
+        "computed",
         "context",
         "last_used",
         "poisoned",
-        "resident",
         "sid",
     )
 
-    def __init__(self, sid: SessionId, context: Sequence[Token] = (), resident: int = 0) -> None:
+    def __init__(self, sid: SessionId, context: Sequence[Token] = (), computed: int = 0) -> None:
         self.sid = sid
         self.context: list[Token] = list(context)
-        self.committed = resident
-        self.resident = resident
+        self.committed = computed
+        self.computed = computed
         self.active: Generation | None = None
         self.poisoned = ""  # why, once an executor failure hit this session
         self.close_requested = False  # by its face; done once no waiting submission needs it
@@ -90,8 +94,8 @@ class SessionRecord:
         return tuple(self.context[self.committed :])
 
     def advance(self, end: int) -> None:
-        """The executor now holds positions [0, end)."""
-        self.resident = end
+        """The session is computed up to `end`: the executor holds positions [0, end)."""
+        self.computed = end
         self.committed = max(self.committed, end)
 
 

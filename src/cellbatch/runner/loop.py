@@ -1,24 +1,26 @@
 """The engine loop: what the runner's one engine thread does
 (docs/design.md#runner-sessions-and-handles).
 
-Owns: everything the engine thread touches (the executor, the consuming
-side of the scheduler, every session's record and every live generation); the
-waiting queue of generations (through `Admission`), including submitted ones that
-wait for a session of their own; the engine's `MetricsLedger`, which it and its
-books record events in; the KV usage and occupancy it publishes after each step.
+Owns: everything the engine thread touches (the executor, every session's record and
+every live generation, the `StepPlanner` that decides each step and through it the
+consuming side of the scheduler and the waiting queue, including submitted
+generations that wait for a session of their own); the engine's `MetricsLedger`,
+which it and its books record events in; the KV usage and occupancy it publishes
+after each step.
 Promises: commands from any thread reach the engine through one FIFO inbox and run
-between forwards; every generation settles exactly once, its outcome published
-before waiters wake and before `on_settled`; once a generation has started,
-ending it by any route leaves its session's context = what it held before + the
-delta + exactly the tokens delivered; an executor failure poisons only the
-sessions of the failed batch; a shortage of KV cells never fails work in flight:
-waiting generations wait, and under "optimistic" admission the newest running
-generation is preempted (its cells dropped, its context recomputed when it
-resumes, its random stream untouched), idle sessions' cells being dropped first.
-Only a generation whose context cannot fit the whole pool fails, with the numbers.
+between forwards; each step runs what the planner planned, and moves each session's
+`computed` to what the executor fed and the generation kept; every generation settles
+exactly once, its outcome published before waiters wake and before `on_settled`;
+once a generation has started, ending it by any route leaves its session's context =
+what it held before + the delta + exactly the tokens delivered; an executor failure
+poisons only the sessions of the failed batch; a shortage of KV cells never fails
+work in flight (the planner defers, drops idle cells or preempts: see
+`step_planner`); only a generation whose context cannot fit the whole pool fails,
+with the numbers.
 Never: raises on the engine thread because of a caller or an executor (errors
 become `failed` generations), blocks a caller that closes a session, runs two
-forwards at once, or changes a counter except by recording an event.
+forwards at once, decides what runs next, or changes a counter except by recording
+an event.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
-import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -34,19 +35,17 @@ from time import perf_counter
 
 from cellbatch.executor import Executor
 from cellbatch.metrics import (
-    Admitted,
     EngineMetrics,
     GenerationFinished,
     GenerationStarted,
     Initialized,
     MetricsLedger,
     PrefillTurnStarted,
-    PromptFed,
     SessionRefused,
     StepDone,
     StepFailed,
 )
-from cellbatch.runner.admission import Admission, AdmissionPolicy, Occupancy
+from cellbatch.runner.admission import AdmissionPolicy, Occupancy
 from cellbatch.runner.batch import BatchFailure, check_outputs
 from cellbatch.runner.commands import (
     CancelGeneration,
@@ -65,11 +64,11 @@ from cellbatch.runner.generation import (
     GenerationStatus,
     SessionRecord,
 )
-from cellbatch.runner.pressure import KVPressure
 from cellbatch.runner.session import Session, TurnDefaults
 from cellbatch.runner.sessions import SessionBook
-from cellbatch.runner.tasks import TaskBook
+from cellbatch.runner.step_planner import PlannedStep, StepPlanner
 from cellbatch.scheduler import Scheduler
+from cellbatch.speculative import SpeculativeConfig
 from cellbatch.types import (
     BatchInput,
     FinishReason,
@@ -80,6 +79,7 @@ from cellbatch.types import (
     Output,
     SessionId,
     Task,
+    Token,
 )
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class EngineLoop:
         defaults: TurnDefaults,
         policy: AdmissionPolicy,
         prefix_cache_entries: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self._executor = executor
         self._scheduler = scheduler
@@ -129,15 +130,12 @@ class EngineLoop:
         self._published_lock = threading.Lock()
         self._kv: KVUsage | None = None
         self._occupancy = Occupancy(0, 0)
-        # Invariant: a generation is in _admission iff it is live and has passed its
-        # checks; the books' invariants are in their modules.
+        # Invariant: a generation is in the planner's queue or running set iff it is live
+        # and has passed its checks; the books' invariants are in their modules.
         self._sessions = SessionBook(executor, self._ledger, prefix_cache_entries)
-        self._admission = Admission(policy)
-        self._tasks = TaskBook(scheduler)
-        self._pressure = KVPressure(
-            executor, self._sessions, self._admission, self._tasks, self._ledger, self._fail
+        self._planner = StepPlanner(
+            executor, scheduler, self._sessions, self._ledger, policy, self._fail, speculative
         )
-        self._admitted = itertools.count(1)
         self._step_index = 0
 
     # -- any thread ----------------------------------------------------------------
@@ -195,8 +193,7 @@ class EngineLoop:
             applied = self._apply_queued()
             if self.stop_requested:
                 return
-            if self._admission.waiting:
-                self._admit()
+            self._planner.admit()
             if self._step():
                 continue
             if applied:
@@ -251,9 +248,9 @@ class EngineLoop:
                 self._close(command.state)
             elif isinstance(command, Sync):
                 syncs.append(command.future)
-        for generation in [*self._admission.waiting, *self._admission.running]:
+        for generation in self._planner.live():
             self._end(generation, reason, error)
-        self._tasks.clear()
+        self._planner.clear()
         for state in self._sessions.states():
             self._sessions.close(state)
         try:
@@ -315,99 +312,24 @@ class EngineLoop:
             generation.state.active = generation  # waiting for cells already counts as active
         else:
             self._sessions.hold_source(generation)
-        self._admission.enqueue(generation)
+        self._planner.enqueue(generation)
 
     def _count_start(self, generation: Generation) -> None:
         self._ledger.record(PrefillTurnStarted() if generation.feeds_only else GenerationStarted())
 
-    def _admit(self) -> None:
-        """Start waiting generations in arrival order while they can get a session
-        and the cells they need."""
-        while (generation := self._admission.head()) is not None:
-            if generation.state is None and not self._give_session(generation):
-                if self._admission.running_count() == 0:
-                    self._end(
-                        generation,
-                        FinishReason.FAILED,
-                        f"no session available: all {len(self._sessions)} are open and idle; "
-                        "close sessions or raise max_sessions",
-                    )
-                    continue
-                return  # a running generation will free its session
-            if not self._pressure.cells_for(generation):
-                return
-            self._begin(generation)
-
-    def _give_session(self, generation: Generation) -> bool:
-        """Find the session a submission runs on; False when none is free yet."""
-        try:
-            state = self._sessions.for_submission(generation)
-        except Exception as exc:
-            self._end(generation, FinishReason.FAILED, f"the executor refused a session: {exc!r}")
-            return True
-        if state is None:
-            return False
-        generation.state = state
-        state.active = generation
-        return True
-
-    def _begin(self, generation: Generation) -> None:
-        """Run the head: queue its feed (everything its session lacks) as prompt chunks."""
-        state = generation.state
-        assert state is not None
-        first_admission = generation.status is GenerationStatus.WAITING
-        self._admission.start(generation)
-        generation.admitted_order = next(self._admitted)
-        if first_admission:
-            state.context.extend(generation.delta)
-            if state.resident == len(state.context):
-                # Nothing new to feed (an empty delta after a prefill turn, say): feed the
-                # last token again, for the logits of the first new token.
-                self._sessions.drop_cells(state, len(state.context) - 1)
-            generation.metrics.prompt_tokens = len(state.context) - state.committed
-            self._ledger.record(PromptFed(generation.metrics.prompt_tokens))
-            try:
-                self._executor.set_sampling(
-                    state.sid, generation.executor_sampling(), generation.config.seed
-                )
-            except InvalidArgumentError as exc:  # a policy the executor cannot run
-                self._end(generation, FinishReason.FAILED, str(exc))
-                return
-            except Exception as exc:
-                self._end(generation, FinishReason.FAILED, f"executor.set_sampling raised {exc!r}")
-                return
-        self._ledger.record(
-            Admitted(self._admission.running_count(), state.committed - state.resident)
-        )
-        self._submit([(generation, self._tasks.prompt_tasks(generation))])
-
-    def _submit(self, work: list[tuple[Generation, list[Task]]]) -> None:
-        for generation in self._tasks.submit(work):
-            tasks = dict(work)[generation]
-            self._end(
-                generation,
-                FinishReason.FAILED,
-                f"the scheduler refused the generation's tasks ({len(tasks)} tasks, sizes "
-                f"{[task.input.size for task in tasks]}); this is a bug in the runner or the "
-                "scheduler's limits",
-            )
-
     # -- engine thread: steps ------------------------------------------------------
 
     def _step(self) -> bool:
-        """Run one batch; False when there was no work."""
-        tasks = self._scheduler.get_work()
-        if not tasks:
+        """Run one planned step; False when there was no work."""
+        step = self._planner.next_step()
+        if step is None:
             return False
-        if self._admission.policy is AdmissionPolicy.OPTIMISTIC:
-            tasks = self._pressure.make_room(tasks)
-            if not tasks:
-                return True
+        if not step.tasks:
+            return True  # its tasks' generations were preempted: plan again at once
         self._step_index += 1
-        inputs = tuple(task.input for task in tasks)
         start = perf_counter()
         try:
-            outputs = check_outputs(inputs, self._executor.execute(BatchInput(inputs)))
+            outputs = check_outputs(step.inputs, self._executor.execute(BatchInput(step.inputs)))
         except (BatchFailure, InvalidArgumentError, OutOfResourcesError) as failure:
             outputs, why = (), str(failure)
         except Exception as exc:
@@ -417,64 +339,57 @@ class EngineLoop:
         if self.stop_requested:
             return True  # shutdown discards what was in flight
         if outputs:
-            self._finish_batch(tasks, outputs, start, end)
+            self._planner.ran(step, outputs, end - start)
+            self._finish_batch(step, outputs, start, end)
         else:
-            self._fail_batch(tasks, why, start, end)
+            self._fail_batch(step, why, start, end)
         self._refresh_kv()
         return True
 
-    def _fail_batch(self, tasks: list[Task], why: str, start: float, end: float) -> None:
+    def _fail_batch(self, step: PlannedStep, why: str, start: float, end: float) -> None:
         self._ledger.record(StepFailed(start, end))
-        failed: dict[Generation, None] = {}  # ordered set
-        for task in tasks:
-            generation = self._tasks.take(task.tid)
-            if generation is not None:
-                failed[generation] = None
-            state = self._sessions.get(task.sid)
+        for inp in step.inputs:
+            state = self._sessions.get(inp.sid)
             if state is not None and not state.poisoned:
                 state.poisoned = why
-        for generation in failed:
+        for generation in dict.fromkeys(step.owners):  # an ordered set
             self._end(generation, FinishReason.FAILED, f"the executor failed on this batch: {why}")
 
     def _finish_batch(
-        self, tasks: list[Task], outputs: Sequence[Output | None], start: float, end: float
+        self, step: PlannedStep, outputs: Sequence[Output | None], start: float, end: float
     ) -> None:
-        step = self._step_index
+        index = self._step_index
         generated = 0
-        next_decodes: list[tuple[Generation, list[Task]]] = []
+        next_decodes: list[tuple[Generation, Token]] = []
         cancelled: dict[Generation, None] = {}  # ordered set
-        for task, output in zip(tasks, outputs, strict=True):
+        for task, generation, output in zip(step.tasks, step.owners, outputs, strict=True):
             inp = task.input
-            end_position = inp.start + inp.size
-            generation = self._tasks.take(task.tid)
-            if generation is None:
-                continue
             state = generation.state
             assert state is not None
             # The executor consumed the input, whatever happened to the generation: the
             # session's cells hold it now, so the next turn continues after it.
-            state.advance(end_position)
+            state.advance(inp.start + inp.size)
             if generation.ended:
                 continue
-            generation.count_step(task.is_decode, inp.size, start, step)
+            generation.count_step(task.is_decode, inp.size, start, index)
             if generation.cancel_requested:
                 cancelled[generation] = None  # ended once the whole batch is counted
             elif output is not None:
                 generated += self._accept(generation, output, end, next_decodes)
-            elif generation.feeds_only and state.resident == len(state.context):
+            elif generation.feeds_only and state.computed == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
-        self._ledger.record(_step_done(tasks, start, end, generated))
+        self._ledger.record(_step_done(step.tasks, outputs, start, end, generated))
         for generation in cancelled:
             self._end(generation, FinishReason.CANCELLED, "cancelled by the caller")
         if next_decodes:
-            self._submit(next_decodes)
+            self._planner.decode_next(next_decodes)
 
     def _accept(
         self,
         generation: Generation,
         output: Output,
         now: float,
-        next_decodes: list[tuple[Generation, list[Task]]],
+        next_decodes: list[tuple[Generation, Token]],
     ) -> int:
         """Deliver the tokens the generation keeps (with their logprobs) and queue its
         next decode; returns how many it kept."""
@@ -485,8 +400,8 @@ class EngineLoop:
         count = len(kept)
         state.context.extend(kept)
         # The executor already fed all but the last of an accepted run; tokens past
-        # what we keep are not committed, and the next input's lower start rewinds them.
-        state.advance(state.resident + count - 1)
+        # what we keep are not computed, and the next input's lower start rewinds them.
+        state.advance(state.computed + count - 1)
         generation.metrics.record_tokens(count, now)
         if reason is not None:
             self._end(generation, reason, last=update)
@@ -495,9 +410,7 @@ class EngineLoop:
         if failure:
             self._end(generation, FinishReason.FAILED, failure)
             return count
-        next_decodes.append(
-            (generation, [self._tasks.decode_task(state.sid, kept[-1], state.resident)])
-        )
+        next_decodes.append((generation, kept[-1]))
         return count
 
     def _end(
@@ -512,10 +425,9 @@ class EngineLoop:
         if generation.ended:
             return
         was_admitted = generation.admitted
-        generation.move(GenerationStatus.ENDED)
         state = generation.state
-        if self._admission.is_running(generation) and state is not None:
-            self._tasks.cancel(state.sid)
+        self._planner.remove(generation)
+        generation.move(GenerationStatus.ENDED)
         if (
             reason is FinishReason.CANCELLED
             and not was_admitted
@@ -526,7 +438,6 @@ class EngineLoop:
             # unfed, as a turn cancelled after it began does: what a session holds after
             # a cancel never depends on whether the turn had left the queue.
             state.context.extend(generation.delta)
-        self._admission.remove(generation)
         self._sessions.release_source(generation)
         if state is not None and state.active is generation:
             state.active = None
@@ -547,19 +458,27 @@ class EngineLoop:
         self._end(generation, FinishReason.FAILED, why)
 
     def _refresh_kv(self) -> None:
-        usage = self._pressure.usage()
-        occupancy = self._admission.occupancy()
+        usage = self._planner.usage()
+        occupancy = self._planner.occupancy()
         with self._published_lock:
             self._kv, self._occupancy = usage, occupancy
 
 
-def _step_done(tasks: Sequence[Task], start: float, end: float, generated: int) -> StepDone:
-    """The step's figures: decodes, distinct prefilling sessions and their tokens, and
-    the context (each session's length after the step, once per session)."""
+def _step_done(
+    tasks: Sequence[Task],
+    outputs: Sequence[Output | None],
+    start: float,
+    end: float,
+    generated: int,
+) -> StepDone:
+    """The step's figures: decodes, distinct prefilling sessions and their tokens, the
+    context (each session's length after the step, once per session) and the drafts
+    verified (how many, and how many were kept, by position)."""
     decodes = prefill_tokens = 0
     prefill_sids: set[SessionId] = set()
     context: dict[SessionId, int] = {}
-    for task in tasks:
+    verified: list[tuple[int, int]] = []
+    for task, output in zip(tasks, outputs, strict=True):
         inp = task.input
         context[inp.sid] = inp.start + inp.size
         if task.is_decode:
@@ -567,6 +486,15 @@ def _step_done(tasks: Sequence[Task], start: float, end: float, generated: int) 
         else:
             prefill_tokens += inp.size
             prefill_sids.add(inp.sid)
+        if output is not None and output.drafted:
+            verified.append((output.drafted, len(output.tokens) - 1))
     return StepDone(
-        start, end, decodes, len(prefill_sids), prefill_tokens, sum(context.values()), generated
+        start,
+        end,
+        decodes,
+        len(prefill_sids),
+        prefill_tokens,
+        sum(context.values()),
+        generated,
+        tuple(verified),
     )

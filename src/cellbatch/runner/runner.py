@@ -36,6 +36,7 @@ from cellbatch.runner.handle import GenerationHandle
 from cellbatch.runner.loop import EngineLoop, InitializationState
 from cellbatch.runner.session import Session, TurnDefaults, start_generation
 from cellbatch.scheduler import DecodeFirstScheduler, Scheduler
+from cellbatch.speculative import SpeculativeConfig
 from cellbatch.text_stream import Detokenizer
 from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError, KVUsage, Token
 
@@ -110,7 +111,9 @@ class Runner:
     "reserve" (start only what fits at its worst case, never preempt);
     `prefix_cache_entries` > 0 keeps that many finished submissions' sessions as
     snapshots, so that a later submission sharing a prefix with one starts from its
-    cells (they give way first under pressure). Use it as a context manager, or
+    cells (they give way first under pressure). `speculative` (the config the
+    executor's drafter was built from) lets decodes verify drafted tokens, as many
+    as pay for themselves (`runner.draft_budget`). Use it as a context manager, or
     call `shutdown()`.
     """
 
@@ -124,6 +127,7 @@ class Runner:
         stop_tokens: Sequence[Token] = (),
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
         prefix_cache_entries: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         missing = [
             name for name in _EXECUTOR_METHODS if not callable(getattr(executor, name, None))
@@ -156,6 +160,7 @@ class Runner:
             self._defaults,
             policy,
             prefix_cache_entries,
+            speculative,
         )
         self._engine = _EngineThread(self._loop, self._inbox)
         self._engine.start()

@@ -57,7 +57,7 @@ class SessionBook:
     def copy(self, source: SessionRecord, upto: int) -> SessionRecord | None:
         """A new session holding `source`'s first `upto` context tokens, sharing the
         cells `source` has for them; None when the executor refuses."""
-        shared = min(upto, source.resident)
+        shared = min(upto, source.computed)
         state = self._add(self._executor.clone(source.sid, shared), shared, source.context[:upto])
         if state is not None:
             state.committed = min(upto, source.committed)
@@ -99,11 +99,11 @@ class SessionBook:
     def finished(self, state: SessionRecord, reusable: bool) -> None:
         """A submission's session after its generation: kept as a snapshot of what its
         cells hold when the cache is on and the session is `reusable`, else closed."""
-        if not reusable or self._snapshots.capacity == 0 or state.resident == 0:
+        if not reusable or self._snapshots.capacity == 0 or state.computed == 0:
             self.close(state)
             return
-        del state.context[state.resident :]
-        state.committed = state.resident
+        del state.context[state.computed :]
+        state.committed = state.computed
         for evicted in self._snapshots.keep(state):
             self.close(evicted)
 
@@ -185,7 +185,7 @@ class SessionBook:
         """Keep only the session's first `length` positions in cells (cells it shares
         stay with the other owners); its next turn feeds the rest again."""
         self._executor.truncate(state.sid, length)
-        state.resident = length
+        state.computed = length
 
     def idle_victim(
         self, is_running: Callable[[Generation], bool], exclude: SessionRecord | None
@@ -199,7 +199,7 @@ class SessionBook:
         candidates = [
             state
             for state in self._states.values()
-            if state.resident > 0
+            if state.computed > 0
             and state is not exclude
             and state.clone_waiters == 0
             and (state.active is None or not is_running(state.active))
@@ -207,7 +207,7 @@ class SessionBook:
         return min(candidates, key=lambda state: state.last_used, default=None)
 
     def _take_over(self, source: SessionRecord, upto: int) -> SessionRecord:
-        if upto < source.resident:
+        if upto < source.computed:
             self.drop_cells(source, upto)
         del source.context[upto:]
         source.committed = min(source.committed, upto)
@@ -215,11 +215,11 @@ class SessionBook:
         return source
 
     def _add(
-        self, sid: SessionId | None, resident: int, context: Iterable[int]
+        self, sid: SessionId | None, computed: int, context: Iterable[int]
     ) -> SessionRecord | None:
         if sid is None:
             return None
-        state = SessionRecord(sid, list(context), resident)
+        state = SessionRecord(sid, list(context), computed)
         self._states[sid] = state
         return state
 

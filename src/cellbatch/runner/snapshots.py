@@ -47,10 +47,10 @@ class SnapshotCache:
         return any(entry is state for entry in self._entries.values())
 
     def keep(self, state: SessionRecord) -> list[SessionRecord]:
-        """Add an idle session holding exactly `state.context[:state.resident]`; returns
+        """Add an idle session holding exactly `state.context[:state.computed]`; returns
         the sessions to close: the new one if its key is held already (that entry is
         refreshed instead), or the least recently used beyond capacity."""
-        key = tuple(state.context[: state.resident])
+        key = tuple(state.context[: state.computed])
         if key in self._entries:
             self._entries.move_to_end(key)
             return [state]

@@ -6,7 +6,7 @@ Promises: every task handed to the scheduler is in the book until its step has r
 its session's queued tasks were cancelled, or the book was cleared; a turn's chunks
 share one base position with increasing offsets, at most `max_prefill_chunk` each,
 and only the last asks for output (none for a prefill turn).
-Never: decides what runs or when; the scheduler and the runner loop do.
+Never: decides what runs or when; the step planner (through the scheduler) does.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class TaskBook:
         """The chunks that feed everything the generation's session lacks."""
         state = generation.state
         assert state is not None
-        feed = tuple(state.context[state.resident :])
+        feed = tuple(state.context[state.computed :])
         size, chunk = len(feed), self._max_prefill_chunk
         return [
             Task(
@@ -43,12 +43,16 @@ class TaskBook:
                     offset,
                     min(chunk, size - offset),
                     feed,
-                    state.resident,
+                    state.computed,
                 ),
                 is_decode=False,
             )
             for offset in range(0, size, chunk)
         ]
+
+    def next_batch(self) -> list[Task]:
+        """The scheduler's next batch: decodes first, then prompt chunks."""
+        return self._scheduler.get_work()
 
     def decode_task(self, sid: SessionId, token: Token, position: int) -> Task:
         return Task(next(self._tids), Input(sid, True, 0, 1, (token,), position), is_decode=True)

@@ -67,7 +67,11 @@ class LocalBackend:
         return True, {"status": "ok"}
 
     def collector(self) -> Collector:
-        return EngineFiguresCollector(lambda: {"": engine_figures(self.engine)})
+        speculative = self.engine.speculative
+        return EngineFiguresCollector(
+            lambda: {"": engine_figures(self.engine)},
+            speculative.method if speculative is not None else None,
+        )
 
     def stopping(self) -> bool:
         return self.engine.runner.stopping()

@@ -2,8 +2,9 @@
 
 Owns: one `CollectorRegistry` per server with the request counters and latency
 histograms the server observes, and the collector of the engine's own figures
-(tokens, preemptions, KV cells, prefix-cache hits) read at scrape time: one engine's,
-or several replicas' summed and each labelled `replica`.
+(tokens, preemptions, KV cells, prefix-cache hits, speculative decoding's drafts and
+acceptance) read at scrape time: one engine's, or several replicas' summed and each
+labelled `replica`.
 Promises: `/metrics` output parses with `prometheus_client`'s parser; the engine
 figures are read once per scrape, never kept twice.
 Never: observes anything on the engine thread.
@@ -11,7 +12,7 @@ Never: observes anything on the engine thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -93,11 +94,31 @@ ENGINE_FIGURES = {
 }
 
 
+# Speculative decoding, vLLM's spec_decode counters (each labelled `method`; the
+# acceptance rate is accepted / draft tokens, per position too).
+SPEC_FIGURES = {
+    "cellbatch_spec_decode_num_drafts": "Verifications of drafted tokens.",
+    "cellbatch_spec_decode_num_draft_tokens": "Drafted tokens verified.",
+    "cellbatch_spec_decode_num_accepted_tokens": "Drafted tokens accepted.",
+}
+PER_POSITION = "cellbatch_spec_decode_num_accepted_tokens_per_pos"
+
+
 def engine_figures(engine: Engine) -> dict[str, float]:
-    """The ENGINE_FIGURES of one engine, now."""
+    """The ENGINE_FIGURES of one engine, now, and its SPEC_FIGURES (accepted tokens
+    per position under PER_POSITION + "_" + the position)."""
     metrics = engine.metrics()
     kv = engine.kv_usage()
-    return {
+    spec: dict[str, float] = {
+        "cellbatch_spec_decode_num_drafts": metrics.spec_drafts,
+        "cellbatch_spec_decode_num_draft_tokens": metrics.spec_draft_tokens,
+        "cellbatch_spec_decode_num_accepted_tokens": metrics.spec_accepted_tokens,
+        **{
+            f"{PER_POSITION}_{position}": count
+            for position, count in enumerate(metrics.spec_accepted_per_position)
+        },
+    }
+    return spec | {
         "cellbatch_prompt_tokens": metrics.prompt_tokens,
         "cellbatch_generation_tokens": metrics.generated_tokens,
         "cellbatch_preemptions": metrics.preemptions,
@@ -114,13 +135,22 @@ class EngineFiguresCollector(Collector):
     by replica name ("" for the one engine of a plain server). Each figure is the sum
     over the engines; with named replicas, `cellbatch_replica_*` families also give
     each one's own, labelled `replica` (a separate name, so that summing a family never
-    counts an engine twice)."""
+    counts an engine twice). With `speculative` (the engines' method), the SPEC_FIGURES
+    too, summed and labelled `method`, the accepted tokens per position labelled
+    `position`, and the acceptance rate (accepted / drafted) as a gauge."""
 
-    def __init__(self, read: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+    def __init__(
+        self,
+        read: Callable[[], Mapping[str, Mapping[str, float]]],
+        speculative: str | None = None,
+    ) -> None:
         self._read = read
+        self._method = speculative
 
     def collect(self) -> Iterator[Metric]:
         engines = self._read()
+        if self._method is not None:
+            yield from _speculation(engines.values(), self._method)
         named = {name: figures for name, figures in engines.items() if name}
         for name, (counter, documentation) in ENGINE_FIGURES.items():
             family = CounterMetricFamily if counter else GaugeMetricFamily
@@ -135,3 +165,37 @@ class EngineFiguresCollector(Collector):
                 for replica, figures in named.items():
                     each.add_metric([replica], figures[name])
                 yield each
+
+
+def _speculation(engines: Iterable[Mapping[str, float]], method: str) -> Iterator[Metric]:
+    totals: dict[str, float] = {}
+    for figures in engines:
+        for name, value in figures.items():
+            if name in SPEC_FIGURES or name.startswith(PER_POSITION):
+                totals[name] = totals.get(name, 0.0) + value
+    for name, documentation in SPEC_FIGURES.items():
+        family = CounterMetricFamily(name, documentation, labels=["method"])
+        family.add_metric([method], totals.get(name, 0.0))
+        yield family
+    per_position = CounterMetricFamily(
+        PER_POSITION,
+        "Drafted tokens accepted, by their place in the draft (from 0).",
+        labels=["method", "position"],
+    )
+    positions = {
+        int(name.rsplit("_", 1)[1]): value
+        for name, value in totals.items()
+        if name.startswith(PER_POSITION)
+    }
+    for position in sorted(positions):
+        per_position.add_metric([method, str(position)], positions[position])
+    yield per_position
+    drafted = totals.get("cellbatch_spec_decode_num_draft_tokens", 0.0)
+    accepted = totals.get("cellbatch_spec_decode_num_accepted_tokens", 0.0)
+    rate = GaugeMetricFamily(
+        "cellbatch_spec_decode_acceptance_rate",
+        "Drafted tokens accepted, of those verified (0 before any).",
+        labels=["method"],
+    )
+    rate.add_metric([method], accepted / drafted if drafted else 0.0)
+    yield rate
