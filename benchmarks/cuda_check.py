@@ -196,10 +196,14 @@ def transformers_from(folder: Path, dtype: torch.dtype, device: str) -> Any:
 class StandInBackend(ModuleBackend):
     """On the CPU: the CUDA executor with the CPU stand-in for graphs (RecordedCapture)."""
 
-    def executor(self, shape: ExecutorShape, constraints: Any = None) -> CudaExecutor:
+    def executor(
+        self, shape: ExecutorShape, constraints: Any = None, drafter: Any = None
+    ) -> CudaExecutor:
         assert self.cuda is not None
         capture = RecordedCapture() if self.cuda.cuda_graph else None
-        return CudaExecutor(self.module, self.config, shape, self.cuda, constraints, capture)
+        return CudaExecutor(
+            self.module, self.config, shape, self.cuda, constraints, capture, drafter
+        )
 
 
 def engine_over(module: Any, config: Any, options: CudaOptions, **shape: Any) -> Engine:

@@ -169,7 +169,8 @@ def test_verified_drafts_give_the_tokens_of_one_at_a_time_decoding(weights, opti
     for prompt, tokens, want in zip(prompts, got, expected, strict=True):
         assert tokens == want[: len(tokens)]
         assert len(tokens) - len(prompt) > 8  # more than a token a step: drafts were kept
-    assert executor.graphs.stats.replays > 0
+    # Runs of 12 tokens take the wide path by default, decode_16's graph with its options.
+    assert (executor.graphs.stats.replays > 0) == bool(options)
 
 
 def test_default_widths_are_powers_of_two_up_to_the_decodes() -> None:
