@@ -99,10 +99,11 @@ def sampled_logits(executor: ModuleExecutor | ProgramExecutor) -> dict[int, list
     seen: dict[int, list[torch.Tensor]] = defaultdict(list)
     sample = executor.table.sample
 
-    def recording(sids, rows):
+    def recording(sids, rows, drafts=None):
+        assert drafts is None  # the scenario does not speculate: one row per session
         for sid, row in zip(sids, rows, strict=True):
             seen[sid].append(row.clone())
-        return sample(sids, rows)
+        return sample(sids, rows, drafts)
 
     executor.table.sample = recording  # type: ignore[method-assign]
     run_scenario(executor, VOCAB, GREEDY)
