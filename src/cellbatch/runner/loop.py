@@ -496,7 +496,7 @@ class EngineLoop:
             self._end(generation, FinishReason.FAILED, failure)
             return count
         next_decodes.append(
-            (generation, [self._tasks.decode_task(state.sid, kept[-1], state.resident)])
+            (generation, [self._tasks.decode_task(generation, kept[-1], state.resident)])
         )
         return count
 
