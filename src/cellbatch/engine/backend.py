@@ -69,6 +69,11 @@ class ModelBackend(ABC):
         """The widest step it can run, where it has one (a program's widest method)."""
         return None
 
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        """The sizes its embeddings may be shortened to (ModelConfig's); None: none."""
+        return None
+
     @abstractmethod
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
@@ -107,6 +112,10 @@ class ModuleBackend(ModelBackend):
     @property
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        return self.config.matryoshka_dimensions
 
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
