@@ -31,16 +31,16 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -48,11 +48,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cellbatch.engine import Engine
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
+from cellbatch.server.batch_features import BatchFeatures, BatchSettings
+from cellbatch.server.checks import check_fields, check_model, error_body, parse, read_body
+from cellbatch.server.documented import answers_of, document_request_bodies, generation_answers
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
-    CHAT_ONLY_FIELDS,
-    UNSUPPORTED_FIELDS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -60,20 +61,15 @@ from cellbatch.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorBody,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     dump,
-    refused_fields,
 )
 from cellbatch.server.responses import Responses
 from cellbatch.server.service import EngineService, Job, until_disconnected
 from cellbatch.types import FinishReason
-
-ModelT = TypeVar("ModelT", bound=BaseModel)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +83,7 @@ class ServerSettings:
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 10.0
     tool_call_parser: str | None = None  # a tool_calls.formats name; None: the template's
+    batches: BatchSettings = field(default_factory=BatchSettings)  # files, batches, embeddings
 
 
 def create_app(
@@ -105,24 +102,40 @@ def create_app(
     planner = RequestPlanner(backend, settings.tool_call_parser)
     metrics.watch(backend.collector(), service.load)
     responses = Responses(backend, settings.served_model_name)
+    names = (settings.served_model_name, *settings.model_aliases)
+    batch = BatchFeatures(
+        settings.batches, backend, planner, responses, names, settings.max_request_bytes
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = asyncio.create_task(_cancel_after_grace(service, stopping, settings))
+        batch.start()
         try:
             yield
         finally:
             watcher.cancel()
+            await batch.stop()  # before the engine: no batch line sees the stop
             service.cancel_all()
             await asyncio.to_thread(backend.close)
 
     app = FastAPI(title="cellbatch", lifespan=lifespan)
     app.state.service = service
     app.state.planner = planner
+    app.state.batch = batch
+    for router in batch.routers():
+        app.include_router(router)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameter(request: Request, error: RequestValidationError) -> JSONResponse:
+        # A path or query parameter (or a form field) FastAPI checked: a 400, not a 422.
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "query")
+        return _error_response(ApiError(400, f"{where}: {first.get('msg')}", where or None))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -160,8 +173,6 @@ def create_app(
         serving, body = await backend.health()
         return JSONResponse(body, status_code=200 if serving else 503)
 
-    names = (settings.served_model_name, *settings.model_aliases)
-
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         cards = [ModelCard(id=name, max_model_len=planner.context_limit) for name in names]
@@ -184,11 +195,11 @@ def create_app(
 
     async def generate(request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat/completions"
-        body = await _read_body(request, settings)
+        body = await read_body(request, settings.max_request_bytes)
         parsed: ChatCompletionRequest | CompletionRequest = (
-            _parse(ChatCompletionRequest, body) if chat else _parse(CompletionRequest, body)
+            parse(ChatCompletionRequest, body) if chat else parse(CompletionRequest, body)
         )
-        _check_fields(parsed, names, warned)
+        check_fields(parsed, names, warned)
         service.admit()
         plan = (
             planner.plan_chat(parsed)
@@ -203,35 +214,39 @@ def create_app(
 
     warned: set[str] = set()
 
-    @app.post("/v1/completions", responses=_answers(CompletionResponse, CompletionResponse))
+    @app.post(
+        "/v1/completions", responses=generation_answers(CompletionResponse, CompletionResponse)
+    )
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
     @app.post(
-        "/v1/chat/completions", responses=_answers(ChatCompletionResponse, ChatCompletionChunk)
+        "/v1/chat/completions",
+        responses=generation_answers(ChatCompletionResponse, ChatCompletionChunk),
     )
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat/completions")
 
-    @app.post("/tokenize", responses=_answers_of(TokenizeResponse))
+    @app.post("/tokenize", responses=answers_of(TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
-        parsed = _parse(TokenizeRequest, await _read_body(request, settings))
-        _check_model(parsed.model, names)
+        parsed = parse(TokenizeRequest, await read_body(request, settings.max_request_bytes))
+        check_model(parsed.model, names)
         return JSONResponse(dump(planner.tokenize(parsed)))
 
-    @app.post("/detokenize", responses=_answers_of(DetokenizeResponse))
+    @app.post("/detokenize", responses=answers_of(DetokenizeResponse))
     async def detokenize(request: Request) -> JSONResponse:
-        parsed = _parse(DetokenizeRequest, await _read_body(request, settings))
-        _check_model(parsed.model, names)
+        parsed = parse(DetokenizeRequest, await read_body(request, settings.max_request_bytes))
+        check_model(parsed.model, names)
         return JSONResponse(dump(planner.detokenize(parsed)))
 
-    _document_request_bodies(
+    document_request_bodies(
         app,
         {
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
             "/tokenize": TokenizeRequest,
             "/detokenize": DetokenizeRequest,
+            **batch.request_bodies(),
         },
     )
     return app
@@ -268,115 +283,6 @@ class RequireApiKey:
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-# Unknown field names remembered so as to warn once each; past this many, no more
-# warnings (a client sending random names cannot grow the set without bound).
-MAX_WARNED_FIELDS = 1024
-
-
-def _check_fields(
-    request: CompletionRequest | ChatCompletionRequest,
-    names: tuple[str, ...],
-    warned: set[str],
-) -> None:
-    """Refuse a model that is not served and the fields that ask for what the server
-    does not do; log each unknown field name once."""
-    _check_model(request.model, names)
-    refused = refused_fields(request.model_extra)
-    if refused and refused[0] in CHAT_ONLY_FIELDS:
-        raise ApiError(
-            400,
-            f"{refused[0]} works on /v1/chat/completions only: a completion has no tool "
-            "calls; send the request there as messages",
-            refused[0],
-        )
-    if refused:
-        raise ApiError(
-            400,
-            f"{refused[0]} is not supported by this server, and a request that asks for it "
-            "is refused rather than answered without it; leave it out",
-            refused[0],
-        )
-    for name in request.model_extra or ():
-        # An unsupported field that passed asks for nothing: not unknown, nothing to say.
-        known = name in UNSUPPORTED_FIELDS or name in warned
-        if not known and len(warned) < MAX_WARNED_FIELDS:
-            warned.add(name)
-            log.warning("ignoring the unknown request field %r (said once per field name)", name)
-
-
-def _check_model(model: str | None, names: tuple[str, ...]) -> None:
-    if model is not None and model not in names:
-        raise ApiError(
-            404,
-            f"the model `{model}` does not exist; this server serves "
-            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
-            "model",
-            code="model_not_found",
-        )
-
-
-# The error answers the routes document, each in OpenAI's shape.
-ERROR_STATUSES = {
-    400: "a bad request",
-    401: "a missing or wrong API key",
-    404: "the model is not served",
-    413: "the body is too large",
-    429: "too many requests wait",
-    500: "the generation failed",
-}
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {
-        status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]}
-        for status in statuses
-    }
-
-
-def _answers_of(body: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI answers of a plain JSON route: its body, or an error in OpenAI's shape."""
-    success = {"model": body, "description": f"a {body.__name__}"}
-    return {200: success, **_errors(400, 401, 404, 413)}
-
-
-def _answers(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI answers of a generation route: its body, or (stream: true) a stream
-    of `chunk` events; errors in OpenAI's shape."""
-    success: dict[str, Any] = {
-        "model": body,
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-        "description": f"a {body.__name__}, or with stream: true server-sent events, "
-        f"each a {chunk.__name__}, then [DONE]",
-    }
-    return {200: success, **_errors(*ERROR_STATUSES)}
-
-
-def _document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """FastAPI documents the bodies it parses itself; these routes read theirs (the size
-    limit comes first), so the published schema gets their models here."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                schema["paths"][path]["post"]["requestBody"] = {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
-                        }
-                    },
-                }
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _collect(
@@ -435,7 +341,7 @@ async def _stream(
             yield _event(chunk)
         failure = responses.failure(job)
         if failure is not None:
-            yield _event(_error_body(failure))
+            yield _event(error_body(failure))
         elif include_usage:
             yield _event(responses.usage_chunk(job, stream_id, created, chat))
         yield format_sse_event(data_str="[DONE]")
@@ -447,41 +353,11 @@ def _event(model: BaseModel) -> bytes:
     return format_sse_event(data_str=model.model_dump_json())
 
 
-async def _read_body(request: Request, settings: ServerSettings) -> bytes:
-    limit = settings.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {declared} bytes, above the {limit}-byte limit")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is above the {limit}-byte limit")
-    return bytes(body)
-
-
-def _parse(model: type[ModelT], body: bytes) -> ModelT:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        if first.get("type") == "json_invalid":
-            raise ApiError(400, f"the body is not valid JSON: {first.get('msg')}") from None
-        raise ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None) from None
-
-
-def _error_body(error: ApiError) -> ErrorResponse:
-    return ErrorResponse(
-        error=ErrorBody(message=error.message, type=error.kind, param=error.param, code=error.code)
-    )
-
-
 def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
     if error.status == 429:
         headers = {**(headers or {}), "Retry-After": "1"}
     return JSONResponse(
-        _error_body(error).model_dump(mode="json"), status_code=error.status, headers=headers
+        error_body(error).model_dump(mode="json"), status_code=error.status, headers=headers
     )
 
 

@@ -57,7 +57,7 @@ class RequestPlanner:
         )
 
     def plan_completion(self, request: CompletionRequest) -> Plan:
-        prompts = self._completion_prompts(request.prompt)
+        prompts = self.token_prompts(request.prompt)
         if request.max_tokens == 0 and not request.echo:
             raise ApiError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
         drop = request.max_tokens == 0
@@ -187,7 +187,10 @@ class RequestPlanner:
             raise ApiError(400, f"the tools' schemas: {error}", "tools") from error
         return constraint
 
-    def _completion_prompts(self, prompt: object) -> list[list[Token]]:
+    def token_prompts(self, prompt: object, param: str = "prompt") -> list[list[Token]]:
+        """The token prompts of a completion's `prompt` (or an embedding's `input`,
+        named by `param`): a string, token ids, or a list of either; each checked
+        against the vocabulary."""
         if isinstance(prompt, str):
             texts: list[str | list[int]] = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -195,15 +198,17 @@ class RequestPlanner:
         else:
             texts = list(prompt)  # type: ignore[call-overload]
         if not texts:
-            raise ApiError(400, "prompt is empty", "prompt")
+            raise ApiError(400, f"{param} is empty", param)
         prompts = []
         for text in texts:
             tokens = self._tokenizer("encode text").encode(text) if isinstance(text, str) else text
             if not tokens:
-                raise ApiError(400, "a prompt is empty: it must hold at least one token", "prompt")
+                raise ApiError(
+                    400, f"an item of {param} is empty: it must hold at least one token", param
+                )
             vocab = self.backend.vocab_size
             if any(not 0 <= t < vocab for t in tokens):
-                raise ApiError(400, f"a token id is outside the vocabulary [0, {vocab})", "prompt")
+                raise ApiError(400, f"a token id is outside the vocabulary [0, {vocab})", param)
             prompts.append(list(tokens))
         return prompts
 
