@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from cellbatch.executor.step_plan import rows_in_slice
 from cellbatch.types import InvalidArgumentError
 
 
@@ -112,12 +113,6 @@ class SlicePooling(NamedTuple):
 
 def slice_pooling(plan: PoolingPlan, offset: int, length: int) -> SlicePooling:
     end = offset + length
-    low = np.clip(plan.ranges[:, 0], offset, end)
-    high = np.clip(plan.ranges[:, 1], offset, end)
-    spans = np.flatnonzero(high > low)
-    counts = high[spans] - low[spans]
-    # Each span's rows: its low, then one more per row (a ramp restarted per span).
-    firsts = np.repeat(low[spans] - (np.cumsum(counts) - counts), counts)
-    rows = firsts + np.arange(int(counts.sum()), dtype=np.int64)
+    rows, inputs = rows_in_slice(plan.ranges, offset, end)
     done = np.flatnonzero((plan.done_rows >= offset) & (plan.done_rows < end)).astype(np.int64)
-    return SlicePooling(rows - offset, np.repeat(spans.astype(np.int64), counts), done)
+    return SlicePooling(rows - offset, inputs, done)

@@ -40,6 +40,7 @@ from cellbatch.executor.sampling import (
     sample_rows,
     token_logprobs,
 )
+from cellbatch.executor.step_plan import rows_in_slice
 from cellbatch.executor.token_rules import TokenRules, apply_token_rules
 from cellbatch.types import (
     MAX_POSITION,
@@ -474,7 +475,11 @@ class SessionTable:
             )
 
     def pool(
-        self, batch: BatchInput, step: PackedStep, offset: int, picked: SlicePooling,
+        self,
+        batch: BatchInput,
+        step: PackedStep,
+        offset: int,
+        picked: SlicePooling,
         hidden: torch.Tensor,
     ) -> None:
         """Pool the final-norm hidden states [len(picked.rows), H] of a slice starting at
@@ -599,13 +604,7 @@ def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
     rows = step.logit_indices[inputs]
     scored_rows = np.zeros(0, dtype=np.int64)
     if step.score_ranges is not None:
-        low = np.clip(step.score_ranges[:, 0], offset, end)
-        high = np.clip(step.score_ranges[:, 1], offset, end)
-        spans = np.flatnonzero(high > low)
-        counts = high[spans] - low[spans]
-        # Each span's rows: its low, then one more per row (a ramp restarted per span).
-        firsts = np.repeat(low[spans] - (np.cumsum(counts) - counts), counts)
-        scored_rows = firsts + np.arange(int(counts.sum()), dtype=np.int64)
+        scored_rows, _ = rows_in_slice(step.score_ranges, offset, end)
     if rows.size == 0 and scored_rows.size == 0:
         return SliceRows(
             np.array([length - 1], dtype=np.int64),

@@ -2,7 +2,8 @@
 
 Owns: `plan_slices`, which cuts a step's token axis into slices of at most
 `max_batch_tokens`, each run by the wide (multi-token) method or as one-token
-decode forwards, and `pick_width`, the narrowest static method width for a slice.
+decode forwards, `pick_width`, the narrowest static method width for a slice, and
+`rows_in_slice`, the rows of per-input row ranges that fall in one slice.
 Promises: slices cover [0, total) in order, without overlap; a wide slice is at
 least `min_prefill_tokens` long and longer than one token; a non-wide slice is
 exactly one token.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from cellbatch.types import InvalidArgumentError
 
@@ -77,3 +80,16 @@ def pick_width(length: int, widths: Iterable[int]) -> int:
         f"no static width holds {length} tokens (widths {available}); "
         "cut the step into slices no wider than the widest method"
     )
+
+
+def rows_in_slice(ranges: np.ndarray, offset: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The token-axis rows of `ranges` ([inputs, 2]: each input's rows [from, to)) that
+    lie in [offset, end), ascending, and the input each belongs to."""
+    low = np.clip(ranges[:, 0], offset, end)
+    high = np.clip(ranges[:, 1], offset, end)
+    spans = np.flatnonzero(high > low)
+    counts = high[spans] - low[spans]
+    # Each span's rows: its low, then one more per row (a ramp restarted per span).
+    firsts = np.repeat(low[spans] - (np.cumsum(counts) - counts), counts)
+    rows = firsts + np.arange(int(counts.sum()), dtype=np.int64)
+    return rows, np.repeat(spans.astype(np.int64), counts)

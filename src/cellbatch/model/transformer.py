@@ -419,7 +419,7 @@ class PackedTransformer(nn.Module):
         """`forward` on tensors alone, the form `cellbatch.export` traces: the plan flat
         (`cellbatch.cache.flatten_plan`) and the pool as its per-layer K and V tensors."""
         hidden = self._decode_layers(tokens, positions, cells, attention, k, v)
-        return self._logits(self._final_norm(hidden, logit_rows))[: logit_rows.shape[0]].float()
+        return self._head(hidden, logit_rows)
 
     def forward_pooled(
         self,
@@ -435,8 +435,7 @@ class PackedTransformer(nn.Module):
         after the final norm (transformers' `last_hidden_state`)."""
         prepared = self.attention.prepare(plan)
         hidden = self._decode_layers(tokens, positions, cells, prepared, kv.k, kv.v)
-        logits = self._logits(self._final_norm(hidden, logit_rows))[: logit_rows.shape[0]].float()
-        return logits, self._final_norm(hidden, hidden_rows)[: hidden_rows.shape[0]].float()
+        return self._head(hidden, logit_rows), self._final_norm(hidden, hidden_rows).float()
 
     def _decode_layers(
         self,
@@ -461,12 +460,18 @@ class PackedTransformer(nn.Module):
         out: torch.Tensor = hidden
         return out
 
-    def _final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The final norm of `rows` of `hidden`, padded with zero rows to `min_rows` (the
-        head's product then rounds as it does for any count; callers keep the first
-        len(rows))."""
+    def _head(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [len(rows), V] of `rows` of the last layer's output. The rows
+        are padded with zero rows to `min_rows` first, so that the head's product rounds
+        as it does for any count."""
         last = hidden[rows]
-        if last.shape[0] < self.min_rows:
-            last = F.pad(last, (0, 0, 0, self.min_rows - last.shape[0]))
-        normed: torch.Tensor = self.norm(last)
+        count = last.shape[0]
+        if count < self.min_rows:
+            last = F.pad(last, (0, 0, 0, self.min_rows - count))
+        return self._logits(self.norm(last))[:count].float()
+
+    def _final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm of `rows` of the last layer's output (a row's norm reads that
+        row alone)."""
+        normed: torch.Tensor = self.norm(hidden[rows])
         return normed
