@@ -164,9 +164,7 @@ class GenerationHandle:
                     sent_prompt = sent_prompt or bool(prompt)
                     reason, error, embedding = self._reason, self._error, self._embedding
                 if reason is not None:
-                    yield GenerationUpdate(
-                        tokens, reason, error, text, logprobs, prompt, embedding
-                    )
+                    yield GenerationUpdate(tokens, reason, error, text, logprobs, prompt, embedding)
                     return
                 if tokens or text:
                     yield GenerationUpdate(
