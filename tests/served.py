@@ -14,6 +14,7 @@ import uvicorn
 from cellbatch.engine import Engine
 from cellbatch.server.api import Backend
 from cellbatch.server.app import ServerSettings, create_app
+from cellbatch.server.batch_features import BatchSettings
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -47,12 +48,15 @@ def start_live_server(
     api_key: str | None = API_KEY,
     max_queued_requests: int = 256,
     tool_call_parser: str | None = None,
+    batches: BatchSettings | None = None,
     **engine: object,
 ) -> LiveServer:
     """A server over a new Engine of `model` (engine options as in from_pretrained)."""
     options = {"dtype": "float32", "kernels": "torch", "max_sessions": 16, **engine}
     made = Engine.from_pretrained(model, **options)  # type: ignore[arg-type]
-    base_url, server, thread = serve_in_thread(made, api_key, max_queued_requests, tool_call_parser)
+    base_url, server, thread = serve_in_thread(
+        made, api_key, max_queued_requests, tool_call_parser, batches=batches
+    )
     return LiveServer(made, base_url, server, thread)
 
 
@@ -62,6 +66,7 @@ def serve_in_thread(
     max_queued_requests: int = 256,
     tool_call_parser: str | None = None,
     served_model_name: str = MODEL_NAME,
+    batches: BatchSettings | None = None,
 ) -> tuple[str, uvicorn.Server, threading.Thread]:
     """The app over `backend` under uvicorn on a free port of 127.0.0.1, started."""
     settings = ServerSettings(
@@ -71,6 +76,7 @@ def serve_in_thread(
         max_request_bytes=64 * 1024,
         shutdown_timeout=2.0,
         tool_call_parser=tool_call_parser,
+        batches=batches or BatchSettings(),
     )
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

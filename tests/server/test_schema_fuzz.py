@@ -51,9 +51,26 @@ def api(tiny_chat_model: Path) -> Iterator[schemathesis.BaseSchema]:
     torch.set_num_threads(threads)
 
 
-READS = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics")]
+READS = [
+    ("GET", "/health"),
+    ("GET", "/v1/models"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/files"),
+    ("GET", "/v1/batches"),
+]
 GENERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
 TOKENS = [("POST", "/tokenize"), ("POST", "/detokenize")]
+# The Files, Batch and Embeddings APIs (drawn ids name nothing: their 404s are checked).
+BATCHES = [
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/files"),
+    ("GET", "/v1/files/{file_id}"),
+    ("GET", "/v1/files/{file_id}/content"),
+    ("DELETE", "/v1/files/{file_id}"),
+    ("POST", "/v1/batches"),
+    ("GET", "/v1/batches/{batch_id}"),
+    ("POST", "/v1/batches/{batch_id}/cancel"),
+]
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -64,7 +81,7 @@ CHECKS = [
 
 def test_the_schema_lists_every_route(api: schemathesis.BaseSchema) -> None:
     listed = {(op.ok().method.upper(), op.ok().path) for op in api.get_all_operations()}
-    assert listed == {*READS, *GENERATIONS, *TOKENS}
+    assert listed == {*READS, *GENERATIONS, *TOKENS, *BATCHES}
 
 
 def call_and_check(case: schemathesis.Case) -> None:
@@ -85,7 +102,7 @@ def test_the_reads_answer_as_documented(api: schemathesis.BaseSchema, method, pa
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize(("method", "path"), GENERATIONS + TOKENS)
+@pytest.mark.parametrize(("method", "path"), GENERATIONS + TOKENS + BATCHES)
 def test_no_request_drawn_from_the_schema_breaks_the_api(
     api: schemathesis.BaseSchema, method: str, path: str, mode: GenerationMode
 ) -> None:

@@ -7,8 +7,8 @@ storage (SQLite under the data folder; without one, in memory with the files in 
 temporary folder that goes with the server), the file and batch stores, the embedder,
 the line runner and the batch worker, gives the app their routers and request bodies,
 and starts and stops the worker with the app.
-Promises: the worker starts (resuming every unfinished batch) when the app starts, and
-stops before the backend closes, so that no line is answered from a generation the
+Promises: the worker starts (resuming every unfinished batch) each time the app starts,
+and stops before the backend closes, so that no line is answered from a generation the
 server's own stop cut short; batch lines hold at most `concurrency` sessions (by
 default three quarters of the engine's), which leaves interactive requests sessions to
 start on.
@@ -100,7 +100,7 @@ class BatchFeatures:
         self.worker.start()
 
     async def stop(self) -> None:
+        """Stop the worker. The storage stays open (an app may be started again, as
+        schemathesis does around each request); it closes, and a temporary folder goes,
+        with this object."""
         await self.worker.stop()
-        self.storage.close()
-        if self._temporary is not None:
-            self._temporary.cleanup()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Self
 
 # Purposes a client may upload a file for (OpenAI's); only `batch` files feed batches.
 UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
@@ -51,12 +52,23 @@ class FileObject(BaseModel):
     status_details: str | None = None
 
 
-class FileList(BaseModel):
+class _Page(BaseModel):
+    """A page of a list (OpenAI's cursor pages: `after` the last id to go on)."""
+
     object: Literal["list"] = "list"
-    data: list[FileObject]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+    @classmethod
+    def of(cls, data: list[Any], more: bool) -> Self:
+        first, last = (data[0].id, data[-1].id) if data else (None, None)
+        page = {"data": data, "first_id": first, "last_id": last, "has_more": more}
+        return cls.model_validate(page)
+
+
+class FileList(_Page):
+    data: list[FileObject]
 
 
 class FileDeleted(BaseModel):
@@ -149,12 +161,8 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
+class BatchList(_Page):
     data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,22 +42,40 @@ log = logging.getLogger(__name__)
 
 
 class Slots:
-    """The sessions batch lines may hold at once, taken and given back by count."""
+    """The sessions batch lines may hold at once, taken in turn (first come, first
+    served) and given back by count; giving back never waits, so a task's done callback
+    can do it whatever ended the task."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.free = total
-        self._changed = asyncio.Condition()
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     async def take(self, count: int) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.free >= count)
+        if not self._waiting and self.free >= count:
             self.free -= count
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((count, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.give(count)  # granted as the waiter was cancelled: hand it on
+            raise
 
-    async def give(self, count: int) -> None:
-        async with self._changed:
-            self.free += count
-            self._changed.notify_all()
+    def give(self, count: int) -> None:
+        self.free += count
+        while self._waiting:
+            wanted, granted = self._waiting[0]
+            if granted.done():  # its taker was cancelled while it waited
+                self._waiting.popleft()
+            elif self.free >= wanted:
+                self._waiting.popleft()
+                self.free -= wanted
+                granted.set_result(None)
+            else:
+                return
 
 
 @dataclass
@@ -114,11 +134,6 @@ class BatchWorker:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-
-    async def wait_idle(self) -> None:
-        """Wait until no batch runs (tests and benchmarks)."""
-        while self._batches:
-            await asyncio.gather(*self._batches.values(), return_exceptions=True)
 
     # -- one batch -----------------------------------------------------------------
 
@@ -189,18 +204,18 @@ class BatchWorker:
                 weight = min(_sessions(line.read), slots.total)
                 await slots.take(weight)
                 if record.id in self._cancelling:
-                    await slots.give(weight)
+                    slots.give(weight)
                     break
-                task = asyncio.create_task(self._line(record.id, line, line.read, weight))
+                task = asyncio.create_task(self._line(record.id, line, line.read))
                 flying.add(task)
                 task.add_done_callback(flying.discard)
+                task.add_done_callback(functools.partial(_give_back, slots, weight))
             while flying:
                 await asyncio.gather(*flying, return_exceptions=True)
         finally:
             self._in_flight.pop(record.id, None)
 
-    async def _line(self, batch_id: str, line: _Line, request: BatchInputLine, weight: int) -> None:
-        assert self._slots is not None
+    async def _line(self, batch_id: str, line: _Line, request: BatchInputLine) -> None:
         cancelled = failed_line(
             request.custom_id, "batch_cancelled", "the batch was cancelled while it ran"
         )
@@ -218,8 +233,6 @@ class BatchWorker:
             log.exception("batch %s, line %d failed", batch_id, line.number)
             failure = ApiError(500, f"internal error: {error!r}", kind="server_error")
             outcome = LineOutcome(request.custom_id, 500, error_body(failure).model_dump())
-        finally:
-            await self._slots.give(weight)
         await self._answer(batch_id, line.number, outcome)
 
     async def _answer(self, batch_id: str, number: int, outcome: LineOutcome) -> None:
@@ -287,3 +300,9 @@ def _sessions(line: BatchInputLine) -> int:
         return len(inputs) if many and isinstance(inputs, list) else 1
     n = body.get("n", 1)
     return n if isinstance(n, int) and n > 1 else 1
+
+
+def _give_back(slots: Slots, count: int, _task: asyncio.Task[None]) -> None:
+    """A line task's done callback: its sessions go back however the task ended (also
+    when it was cancelled before it ran)."""
+    slots.give(count)

@@ -114,12 +114,7 @@ def batches_router(
         after: str | None = None, limit: int = Query(20, ge=1, le=100)
     ) -> JSONResponse:
         records, more = await asyncio.to_thread(batches.page, after, limit)
-        page = BatchList(
-            data=[record.object() for record in records],
-            first_id=records[0].id if records else None,
-            last_id=records[-1].id if records else None,
-            has_more=more,
-        )
+        page = BatchList.of([record.object() for record in records], more)
         return JSONResponse(page.model_dump(mode="json"))
 
     @router.get("/v1/batches/{batch_id}", responses=answers_of(BatchObject, (401, 404)))

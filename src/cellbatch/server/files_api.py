@@ -122,12 +122,7 @@ def files_router(files: FileStore, batches: BatchStore, max_file_bytes: int) -> 
         after: str | None = None,
     ) -> JSONResponse:
         records, more = await asyncio.to_thread(files.page, purpose, limit, order == "asc", after)
-        page = FileList(
-            data=[record.object() for record in records],
-            first_id=records[0].id if records else None,
-            last_id=records[-1].id if records else None,
-            has_more=more,
-        )
+        page = FileList.of([record.object() for record in records], more)
         return JSONResponse(page.model_dump(mode="json"))
 
     @router.get("/v1/files/{file_id}", responses=answers_of(FileObject, (401, 404)))
