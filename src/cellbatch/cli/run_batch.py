@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from cellbatch.cli.options import UsageError, add_engine_options, engine_shape, load_engine, note
 from cellbatch.cli.report import memory_snapshot
-from cellbatch.cli.run import SESSION_CAP, ProgressBar
+from cellbatch.cli.run import ProgressBar
 from cellbatch.tool_calls.formats import FORMATS
 from cellbatch.types import DEFAULT_PRIORITY, POOLING_CHOICES
 
@@ -72,20 +72,34 @@ def add_run_batch_command(commands: Any) -> None:
         default="last",
         help="how /v1/embeddings lines pool the last hidden states (default: last token)",
     )
+    parser.add_argument(
+        "--prefix-cache-entries",
+        type=int,
+        default=64,
+        help="finished prompts kept for reuse, as serve's: lines sharing a prefix (a chat "
+        "template's system prompt) start from a finished line's cells",
+    )
     parser.add_argument("--report-json", type=Path, help="write the whole report here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_batch_command)
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
+    from cellbatch.engine.limits import DEFAULT_MAX_SESSIONS  # the engine (torch) loads here
+
     text = _check(args)
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         raise UsageError(f"{args.input_file} holds no requests")
-    max_sessions = args.max_sessions or min(len(lines), SESSION_CAP)
+    # The engine's default sessions, as serve's: with fewer sessions than lines, a line
+    # starts from a finished one's prefix (the prefix cache), where every line at once
+    # would feed every prompt whole.
+    max_sessions = args.max_sessions or min(len(lines), DEFAULT_MAX_SESSIONS)
     memory = {"before_load": memory_snapshot()}
     started = time.perf_counter()
-    engine = load_engine(args, engine_shape(args, max_sessions))
+    engine = load_engine(
+        args, engine_shape(args, max_sessions), prefix_cache_entries=args.prefix_cache_entries
+    )
     load_seconds = time.perf_counter() - started
     memory["after_load"] = memory_snapshot()
     with engine:
@@ -126,6 +140,8 @@ def _check(args: argparse.Namespace) -> str:
             raise UsageError(f"cannot write {path}: {folder} is not a writable folder")
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"model {args.model} does not exist (give a folder or a .gguf file)")
+    if args.prefix_cache_entries < 0:
+        raise UsageError(f"--prefix-cache-entries must be >= 0, got {args.prefix_cache_entries}")
     return text
 
 
