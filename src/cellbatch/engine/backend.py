@@ -86,6 +86,9 @@ class ModelBackend(ABC):
         """Bytes of the weights a file mapping holds (page cache: counted as available
         memory, but needed); 0 where every weight is in the process's own memory."""
         return 0
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        """The sizes its embeddings may be shortened to (ModelConfig's); None: none."""
+        return None
 
     @abstractmethod
     def executor(
@@ -135,6 +138,8 @@ class ModuleBackend(ModelBackend):
     @property
     def mapped_weights_bytes(self) -> int:
         return FileMappings().bytes_of(list(self.module.parameters()))
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        return self.config.matryoshka_dimensions
 
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None

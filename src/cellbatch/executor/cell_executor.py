@@ -10,6 +10,8 @@ in what runs one forward (the `Forward` it hands `run_forward`); everything else
 (packing, `select_rows`, sampling, scoring, cell placement, the refusal of a step short
 of cells) is this one code. The cache, pool and table exist from `initialize()` on (the
 engine thread calls it first); before, reading them raises saying so.
+A subclass whose forward can also give final-norm hidden states (`pools`) serves
+pooling sessions (embeddings); the others refuse them when their policy is installed.
 Never: imports model code (a program executor runs without it), schedules, keeps
 generation state, or calls back into the runner.
 """
@@ -25,6 +27,7 @@ import torch
 
 from cellbatch.cache import AttentionPlan, CellCache, KVPool
 from cellbatch.constraint import ConstraintCompiler
+from cellbatch.executor.pooling import slice_pooling
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
     BatchInput,
@@ -56,6 +59,12 @@ class ExecutorShape:
 Forward = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, np.ndarray], torch.Tensor
 ]
+# The same, also giving the float32 final-norm hidden states [len(hidden_rows), H] of the
+# rows `hidden_rows` (after the logit rows): (logits, hidden).
+PooledForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, np.ndarray, np.ndarray],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,10 @@ class _Cells:
 
 class CellExecutor(ABC):
     """Sessions over a cell KV cache; subclasses map packed steps onto forwards."""
+
+    # Whether its forwards can give hidden states (`PooledForward`), so that sessions may
+    # ask for `pooling`.
+    pools = False
 
     def __init__(
         self,
@@ -164,6 +177,12 @@ class CellExecutor(ABC):
         named += [token for sequence in params.banned_sequences for token in sequence]
         named += sorted(params.min_tokens_held)
         outside = [token for token in named if not 0 <= token < vocab]
+        if params.pooling is not None and not self.pools:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} cannot give hidden states, so it cannot pool them "
+                "(embeddings): an exported program returns logits only; load the model "
+                "itself (its folder or GGUF file) for embeddings"
+            )
         if outside:
             raise InvalidArgumentError(
                 f"token id {outside[0]} of the sampling rules is outside the vocabulary "
@@ -199,9 +218,11 @@ class CellExecutor(ABC):
         length: int,
         outputs: list[Output | None],
         forward: Forward,
+        pooled_forward: PooledForward | None = None,
     ) -> None:
         """One forward over step tokens [offset, offset + length): places them, runs
-        `forward`, and fills `outputs` for the inputs whose output row it holds."""
+        `forward` (`pooled_forward` when a pooling session needs hidden states of the
+        slice), and fills `outputs` for the inputs whose output row it holds."""
         end = offset + length
         seq_ids = step.seq_ids[offset:end]
         positions = step.positions[offset:end]
@@ -211,13 +232,24 @@ class CellExecutor(ABC):
         self.pool.ensure(self.cache.high_water())
         plan = self.cache.attention_plan(seq_ids, positions, cells)
         picked = select_rows(step, offset, length)
-        logits = forward(
+        pooling = slice_pooling(step.pooling, offset, length) if step.pooling else None
+        placed = (
             torch.from_numpy(step.tokens[offset:end]),
             torch.from_numpy(positions),
             torch.from_numpy(cells),
             plan,
             picked.rows,
         )
+        if pooling is not None and pooling.rows.size:
+            if pooled_forward is None:
+                raise InvalidArgumentError(f"{type(self).__name__} cannot pool hidden states")
+            logits, hidden = pooled_forward(*placed, pooling.rows)
+            self.table.pool(batch, step, offset, pooling, hidden)
+        else:
+            logits = forward(*placed)
+        if pooling is not None:
+            for index, output in self.table.pooled(batch, pooling.done):
+                outputs[index] = output
         if picked.scored.any():  # before sampling, which ends a prompt's scoring
             scored = torch.from_numpy(picked.scored)
             self.table.score(step, picked.rows[picked.scored] + offset, logits[scored])

@@ -459,6 +459,10 @@ class EngineLoop:
             generation.count_step(task.is_decode, inp.size, start, step)
             if generation.cancel_requested:
                 cancelled[generation] = None  # ended once the whole batch is counted
+            elif output is not None and output.embedding is not None:
+                # A pooling generation: its prompt's pooled hidden states end it.
+                pooled = GenerationUpdate((), embedding=output.embedding)
+                self._end(generation, FinishReason.TOKEN_LIMIT, last=pooled)
             elif output is not None:
                 generated += self._accept(generation, output, end, next_decodes)
             elif generation.feeds_only and state.resident == len(state.context):
@@ -496,7 +500,7 @@ class EngineLoop:
             self._end(generation, FinishReason.FAILED, failure)
             return count
         next_decodes.append(
-            (generation, [self._tasks.decode_task(state.sid, kept[-1], state.resident)])
+            (generation, [self._tasks.decode_task(generation, kept[-1], state.resident)])
         )
         return count
 

@@ -4,8 +4,10 @@ Owns: no state of its own; it acts on the session book, the admission queue and 
 task book when cells run short.
 Promises: an idle session's cells are dropped before a running generation's (least
 recently used first); a running generation gives way only under "optimistic"
-admission, newest first, going back to the head of the queue with its queued tasks
-cancelled and its cells dropped (its context is recomputed when it resumes); a
+admission, the least urgent first and the newest among those, going back to the head
+of the queue with its queued tasks cancelled and its cells dropped (its context is
+recomputed when it resumes), either for a step that lacks cells or for a more urgent
+generation that waits for cells (never for an equally or less urgent one); a
 generation that cannot fit even with everything else freed fails with the numbers,
 alone. Every drop, deferral and preemption is recorded as an event in the ledger.
 Never: runs a step or settles a generation itself (failures go to the `fail`
@@ -61,6 +63,16 @@ class KVPressure:
         if usage is None:
             return True
         while not self._admission.fits(generation, usage.free_cells):
+            running = self._admission.preemption_victim()
+            if (
+                running is not None
+                and running.priority > generation.priority
+                and self._admission.policy is AdmissionPolicy.OPTIMISTIC
+            ):
+                self._preempt(running)  # a less urgent generation gives way to this one
+                usage = self.usage()
+                assert usage is not None
+                continue
             if self._admission.running_count():
                 if not generation.deferred:
                     generation.deferred = True
@@ -86,7 +98,7 @@ class KVPressure:
 
     def make_room(self, tasks: list[Task]) -> list[Task]:
         """The batch, after freeing the cells it needs (optimistic admission): idle
-        sessions' cells first, then the newest running generations'. A lone
+        sessions' cells first, then running generations' (`preemption_victim`). A lone
         generation that cannot fit even so fails."""
         usage = self.usage()
         while usage is not None and sum(t.input.size for t in tasks) > usage.free_cells:
@@ -94,7 +106,7 @@ class KVPressure:
             if idle is not None:
                 self._reclaim(idle)
             else:
-                victim = self._admission.newest_running()
+                victim = self._admission.preemption_victim()
                 assert victim is not None and victim.state is not None
                 sid = victim.state.sid
                 if self._admission.running_count() == 1:
