@@ -86,6 +86,8 @@ class ModelBackend(ABC):
         """Bytes of the weights a file mapping holds (page cache: counted as available
         memory, but needed); 0 where every weight is in the process's own memory."""
         return 0
+
+    @property
     def matryoshka_dimensions(self) -> tuple[int, ...] | None:
         """The sizes its embeddings may be shortened to (ModelConfig's); None: none."""
         return None
@@ -138,6 +140,8 @@ class ModuleBackend(ModelBackend):
     @property
     def mapped_weights_bytes(self) -> int:
         return FileMappings().bytes_of(list(self.module.parameters()))
+
+    @property
     def matryoshka_dimensions(self) -> tuple[int, ...] | None:
         return self.config.matryoshka_dimensions
 

@@ -489,7 +489,7 @@ class PackedTransformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         cells: torch.Tensor,
-        attention: FlatAttentionPlan,
+        attention: StepAttention,
         k: list[torch.Tensor],
         v: list[torch.Tensor],
     ) -> torch.Tensor:
