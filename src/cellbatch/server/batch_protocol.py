@@ -90,7 +90,8 @@ class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     input_file_id: Annotated[str, Field(min_length=1)]
-    endpoint: str
+    # The route refuses the others with a message naming these.
+    endpoint: Annotated[str, Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})]
     completion_window: str
     metadata: (
         Annotated[

@@ -26,7 +26,7 @@ from cellbatch.engine.embedding import finish_embedding
 from cellbatch.server.api import ApiError, Backend, Interrupted
 from cellbatch.server.openapi import answers
 from cellbatch.server.planner import RequestPlanner
-from cellbatch.server.protocol import ErrorResponse
+from cellbatch.server.protocol import ErrorResponse, Text, TokenPrompt
 from cellbatch.server.routing import check_model, parse, read_body
 from cellbatch.types import DEFAULT_PRIORITY, POOLING_CHOICES, FinishReason, InvalidArgumentError
 
@@ -37,7 +37,12 @@ MAX_INPUTS = 2048
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | TokenPrompt
+        | Annotated[list[TokenPrompt], Field(min_length=1)]
+    )
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None

@@ -112,6 +112,7 @@ def files_router(files: FileStore, batches: BatchStore, max_file_bytes: int) -> 
                 400,
                 "a batch file must be UTF-8 text: one JSON request per line (JSONL)",
                 "file",
+                code="invalid_file_encoding",
             )
         return JSONResponse(record.object().model_dump(mode="json"))
 
