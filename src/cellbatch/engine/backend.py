@@ -88,6 +88,11 @@ class ModelBackend(ABC):
         memory, but needed); 0 where every weight is in the process's own memory."""
         return 0
 
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        """The sizes its embeddings may be shortened to (ModelConfig's); None: none."""
+        return None
+
     @abstractmethod
     def executor(
         self,
@@ -140,6 +145,10 @@ class ModuleBackend(ModelBackend):
     @property
     def mapped_weights_bytes(self) -> int:
         return FileMappings().bytes_of(list(self.module.parameters()))
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        return self.config.matryoshka_dimensions
 
     def executor(
         self,

@@ -7,22 +7,22 @@ cache), and every wanted row is sampled with its own session's policy in one cal
 outputs[i] is None exactly when inputs[i] asks for none. The forward returns logits only
 for the output rows, plus the rows of a session whose prompt logprobs are asked (so at
 most `max_batch_tokens` rows a slice). A refused or failed batch raises, its message
-saying why. Every row's result (token, logprobs) is independent of what else shares the
-step (the model pads its products to fixed shapes).
+saying why. Every row's result (token, logprobs, a pooling session's hidden states) is
+independent of what else shares the step (the model pads its products to fixed shapes).
 Never: schedules, keeps generation state, or calls back into the runner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
 
-from cellbatch.cache import AttentionPlan
+from cellbatch.cache import AttentionPlan, KVPool
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.step_plan import plan_slices
 
@@ -51,6 +51,9 @@ class ModuleExecutor(CellExecutor):
         for piece in plan_slices(total, self.shape.max_batch_tokens, 1):
             yield piece.offset, piece.length, self.forward
 
+    def pooled_forward(self) -> PooledForward:
+        return self.pooled
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -63,3 +66,39 @@ class ModuleExecutor(CellExecutor):
             tokens, positions, plan, self.pool, cells, torch.from_numpy(logit_rows)
         )
         return logits
+
+    def pooled(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        plan: AttentionPlan,
+        logit_rows: np.ndarray,
+        hidden_rows: np.ndarray,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, with the final-norm hidden states of `hidden_rows` too."""
+        return cast(_PoolingModel, self.model).forward_pooled(
+            tokens,
+            positions,
+            plan,
+            self.pool,
+            cells,
+            torch.from_numpy(logit_rows),
+            torch.from_numpy(hidden_rows),
+        )
+
+
+class _PoolingModel(Protocol):
+    """What `pooled` calls: PackedTransformer.forward_pooled (the executor imports no
+    model code)."""
+
+    def forward_pooled(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv: KVPool,
+        cells: torch.Tensor,
+        logit_rows: torch.Tensor,
+        hidden_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

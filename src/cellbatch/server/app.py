@@ -31,7 +31,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cellbatch.engine import Engine
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
+from cellbatch.server.batch_features import BatchFeatures, BatchSettings
 from cellbatch.server.messages_api import (
     MESSAGES_EVENTS,
     MESSAGES_PATH,
@@ -61,8 +62,6 @@ from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.openapi import GENERATION_STATUSES, Limits, answers, document
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
-    CHAT_ONLY_FIELDS,
-    UNSUPPORTED_FIELDS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -70,19 +69,17 @@ from cellbatch.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     dump,
-    refused_fields,
 )
 from cellbatch.server.responses import Responses
 from cellbatch.server.responses_api import RESPONSES_EVENTS, responses_router
 from cellbatch.server.responses_protocol import ResponsesRequest
-from cellbatch.server.routing import RouteContext, check_model, parse, read_body
+from cellbatch.server.routing import RouteContext, check_fields, error_body, parse, read_body
 from cellbatch.server.service import EngineService, Job
 from cellbatch.server.storage import Storage
 from cellbatch.types import FinishReason
@@ -101,6 +98,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # a tool_calls.formats name; None: the template's
     reasoning_parser: str = "auto"  # a reasoning parser's name, "none", or "auto": the template's
     data_dir: Path | None = None  # the database's folder (storage.py); None: kept in memory
+    batches: BatchSettings = field(default_factory=BatchSettings)  # files, batches, embeddings
 
 
 def create_app(
@@ -122,14 +120,26 @@ def create_app(
     storage = Storage(settings.data_dir)
     names = (settings.served_model_name, *settings.model_aliases)
     context = RouteContext(service, planner, responses, storage, names, settings.max_request_bytes)
+    batch = BatchFeatures(
+        settings.batches,
+        storage,
+        settings.data_dir,
+        backend,
+        planner,
+        responses,
+        names,
+        settings.max_request_bytes,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = asyncio.create_task(_cancel_after_grace(service, stopping, settings))
+        batch.start()
         try:
             yield
         finally:
             watcher.cancel()
+            await batch.stop()  # before the engine: no batch line sees the stop
             service.cancel_all()
             await asyncio.to_thread(backend.close)
 
@@ -137,6 +147,9 @@ def create_app(
     app.state.service = service
     app.state.planner = planner
     app.state.storage = storage
+    app.state.batch = batch
+    for router in batch.routers():
+        app.include_router(router)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -149,6 +162,13 @@ def create_app(
         param = str(first["loc"][-1]) if first.get("loc") else None
         message = f"{param}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})"
         return _error_response(ApiError(400, message, param), path=request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameter(request: Request, error: RequestValidationError) -> JSONResponse:
+        # A path or query parameter (or a form field) FastAPI checked: a 400, not a 422.
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "query")
+        return _error_response(ApiError(400, f"{where}: {first.get('msg')}", where or None))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -216,7 +236,7 @@ def create_app(
         parsed: ChatCompletionRequest | CompletionRequest = (
             parse(ChatCompletionRequest, body) if chat else parse(CompletionRequest, body)
         )
-        _check_fields(parsed, context)
+        check_fields(parsed, context.names, context.warned)
         service.admit()
         plan = (
             planner.plan_chat(parsed)
@@ -279,6 +299,7 @@ def create_app(
             "/v1/responses": ResponsesRequest,
             MESSAGES_PATH: MessagesRequest,
             f"{MESSAGES_PATH}/count_tokens": CountTokensRequest,
+            **batch.request_bodies(),
         },
         {
             "CompletionResponse": CompletionResponse,
@@ -341,31 +362,6 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def _check_fields(
-    request: CompletionRequest | ChatCompletionRequest, context: RouteContext
-) -> None:
-    """Refuse a model that is not served and the fields that ask for what the server
-    does not do; log each unknown field name once."""
-    check_model(request.model, context.names)
-    refused = refused_fields(request.model_extra)
-    if refused and refused[0] in CHAT_ONLY_FIELDS:
-        raise ApiError(
-            400,
-            f"{refused[0]} works on /v1/chat/completions only: a completion has no tool "
-            "calls; send the request there as messages",
-            refused[0],
-        )
-    if refused:
-        raise ApiError(
-            400,
-            f"{refused[0]} is not supported by this server, and a request that asks for it "
-            "is refused rather than answered without it; leave it out",
-            refused[0],
-        )
-    # An unsupported field that passed asks for nothing: not unknown, nothing to say.
-    context.note_unknown_fields(set(request.model_extra or ()) - set(UNSUPPORTED_FIELDS))
-
-
 async def _collect(
     context: RouteContext, job: Job, request: Request, endpoint: str, chat: bool
 ) -> Response:
@@ -403,7 +399,7 @@ async def _stream(
             yield _event(chunk)
         failure = responses.failure(job)
         if failure is not None:
-            yield _event(_error_body(failure))
+            yield _event(error_body(failure))
         elif include_usage:
             yield _event(responses.usage_chunk(job, stream_id, created, chat))
         yield format_sse_event(data_str="[DONE]")
@@ -415,12 +411,6 @@ def _event(model: BaseModel) -> bytes:
     return format_sse_event(data_str=model.model_dump_json())
 
 
-def _error_body(error: ApiError) -> ErrorResponse:
-    return ErrorResponse(
-        error=ErrorBody(message=error.message, type=error.kind, param=error.param, code=error.code)
-    )
-
-
 def _error_response(
     error: ApiError, headers: dict[str, str] | None = None, path: str = ""
 ) -> JSONResponse:
@@ -430,7 +420,7 @@ def _error_response(
     body = (
         anthropic_error(error)
         if path.startswith(MESSAGES_PATH)
-        else _error_body(error).model_dump(mode="json")
+        else error_body(error).model_dump(mode="json")
     )
     return JSONResponse(body, status_code=error.status, headers=headers)
 

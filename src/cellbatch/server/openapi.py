@@ -39,6 +39,7 @@ CROSS_FIELD_CODES = frozenset(
         "invalid_constraint",  # two constraints, or one the grammar library rejects
         "template_refused",  # a conversation the chat template raises on
         "empty_conversation",  # Responses input of reasoning items alone
+        "invalid_file_encoding",  # a batch file's bytes that are not UTF-8 text
     }
 )
 
