@@ -160,7 +160,7 @@ def test_a_pooling_policy_is_refused_where_the_executor_gives_logits_only() -> N
     from tiny_models import head_geometry
 
     class LogitsOnly(CellExecutor):
-        def execute(self, batch):  # type: ignore[no-untyped-def]
+        def slices(self, total):  # type: ignore[no-untyped-def]
             raise AssertionError("not run")
 
     executor = LogitsOnly(head_geometry(2, 1, 8), ExecutorShape(max_sessions=1))

@@ -56,9 +56,9 @@ def test_every_input_shape_and_both_encodings(live: LiveServer, tiny_chat_model:
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"input": ""}, "input", "empty"),
-        ({"input": []}, "input", "input is empty"),
-        ({"input": [[1, 2], []]}, "input", "empty"),
+        ({"input": ""}, "input", "at least 1 character"),
+        ({"input": []}, "input", "at least 1 item"),
+        ({"input": [[1, 2], []]}, "input.1", "at least 1 item"),
         ({"input": [10**7]}, "input", "outside the vocabulary"),
         ({"input": [1] * 400}, "input", "above the 255 an embedding input holds"),
         ({"input": "x", "dimensions": 7}, "dimensions", "not trained to shorten"),

@@ -103,6 +103,10 @@ class ReplicaBackend:
         info = self.replicas.info
         return embedding_size(info.hidden_size, info.matryoshka_dimensions, dimensions)
 
+    def embedding_sizes(self) -> tuple[int, tuple[int, ...] | None]:
+        info = self.replicas.info
+        return info.hidden_size, info.matryoshka_dimensions
+
     async def embed(
         self, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
     ) -> list[GenerationUpdate]:

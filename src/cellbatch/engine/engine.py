@@ -475,7 +475,7 @@ class Engine:
         normalised; see `cellbatch.engine.embedding.finish_embedding`). Every input is
         checked before any is submitted."""
         self._require_open()
-        if not self.executor.pools:
+        if self.executor.pooled_forward() is None:
             raise InvalidArgumentError(
                 f"this engine runs a {self.executor_kind}, which gives logits only: embeddings "
                 "need the model itself (load its folder or GGUF file, not a program)"

@@ -136,6 +136,11 @@ class Backend(Protocol):
         InvalidArgumentError for one the model does not allow."""
         ...
 
+    def embedding_sizes(self) -> tuple[int, tuple[int, ...] | None]:
+        """The model's hidden size and the sizes its embeddings may be shortened to
+        (None: none; empty: any), for the published schema."""
+        ...
+
     async def embed(
         self, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
     ) -> list[GenerationUpdate]:

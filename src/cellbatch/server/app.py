@@ -163,13 +163,6 @@ def create_app(
         message = f"{param}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})"
         return _error_response(ApiError(400, message, param), path=request.url.path)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_parameter(request: Request, error: RequestValidationError) -> JSONResponse:
-        # A path or query parameter (or a form field) FastAPI checked: a 400, not a 422.
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "query")
-        return _error_response(ApiError(400, f"{where}: {first.get('msg')}", where or None))
-
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         # Starlette's own answers (no such route, method not allowed), in OpenAI's shape.
@@ -307,7 +300,12 @@ def create_app(
             **RESPONSES_EVENTS,
             **MESSAGES_EVENTS,
         },
-        Limits(backend.vocab_size, planner.context_limit, backend.shape.max_sessions),
+        Limits(
+            backend.vocab_size,
+            planner.context_limit,
+            backend.shape.max_sessions,
+            backend.embedding_sizes(),
+        ),
         OPEN_PATHS if settings.api_key is not None else None,
     )
     return app

@@ -77,6 +77,9 @@ class LocalBackend:
     def embedding_size(self, dimensions: int | None) -> int:
         return self.engine.embedding_size(dimensions)
 
+    def embedding_sizes(self) -> tuple[int, tuple[int, ...] | None]:
+        return self.engine.geometry.hidden_size, self.engine.backend.matryoshka_dimensions
+
     async def embed(
         self, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
     ) -> list[GenerationUpdate]:

@@ -92,7 +92,7 @@ class BatchCreateRequest(BaseModel):
     input_file_id: Annotated[str, Field(min_length=1)]
     # The route refuses the others with a message naming these.
     endpoint: Annotated[str, Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})]
-    completion_window: str
+    completion_window: Literal["24h"]
     metadata: (
         Annotated[
             dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],

@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cellbatch.engine.embedding import finish_embedding
 from cellbatch.server.api import ApiError, Backend, Interrupted
-from cellbatch.server.openapi import answers
+from cellbatch.server.openapi import answers, bound
 from cellbatch.server.planner import RequestPlanner
-from cellbatch.server.protocol import ErrorResponse, Text, TokenPrompt
+from cellbatch.server.protocol import INTEGRAL, ErrorResponse, Text, TokenPrompt
 from cellbatch.server.routing import check_model, parse, read_body
 from cellbatch.types import DEFAULT_PRIORITY, POOLING_CHOICES, FinishReason, InvalidArgumentError
 
@@ -34,8 +34,12 @@ from cellbatch.types import DEFAULT_PRIORITY, POOLING_CHOICES, FinishReason, Inv
 MAX_INPUTS = 2048
 
 
+# Sizes the served model's embeddings may have (the schema lists them).
+Dimensions = Annotated[int, Field(ge=1, json_schema_extra=bound("dimensions")), INTEGRAL]
+
+
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     input: (
         Text
@@ -45,7 +49,7 @@ class EmbeddingRequest(BaseModel):
     )
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: Dimensions | None = None
     user: str | None = None  # accepted and ignored
     # cellbatch's: "last" or "mean" (default: the server's --embedding-pooling).
     pooling: Literal["last", "mean"] | None = None

@@ -39,6 +39,8 @@ UPLOAD_BODY = {
             "schema": {
                 "type": "object",
                 "required": ["file", "purpose"],
+                # An anchor says when the expiry counts from; the seconds are the expiry.
+                "dependentRequired": {"expires_after[anchor]": ["expires_after[seconds]"]},
                 "properties": {
                     "file": {"type": "string", "format": "binary"},
                     "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
@@ -179,7 +181,7 @@ def _expiry(anchor: Any, seconds: Any) -> int | None:
     """expires_at from the form's expires_after fields (None: the file stays)."""
     if anchor is None and seconds is None:
         return None
-    if anchor != "created_at":
+    if anchor is not None and anchor != "created_at":  # the only anchor, so the default
         raise ApiError(400, "expires_after[anchor] must be created_at", "expires_after")
     low, high = EXPIRY_SECONDS
     if not isinstance(seconds, str) or not seconds.isdigit() or not low <= int(seconds) <= high:

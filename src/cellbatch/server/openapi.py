@@ -68,6 +68,8 @@ class Limits:
     vocab_size: int
     context: int
     sessions: int
+    # The hidden size and the sizes embeddings may be shortened to (None: none; (): any).
+    embedding_sizes: tuple[int, tuple[int, ...] | None]
 
 
 def errors(error: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -171,6 +173,12 @@ def _fill_bounds(node: Any, limits: Limits) -> None:
         node["maxItems"] = limits.context - 1
     elif kind == "sessions":
         node["maximum"] = limits.sessions
+    elif kind == "dimensions":
+        hidden, shorter = limits.embedding_sizes
+        if shorter == ():
+            node["maximum"] = hidden
+        else:
+            node["enum"] = sorted({hidden, *(shorter or ())})
     elif kind == "token_keys":
         node["propertyNames"] = {"pattern": f"^(?:{below(limits.vocab_size)})$"}
     for value in node.values():

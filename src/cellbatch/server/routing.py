@@ -168,8 +168,15 @@ def parse(model: type[ModelT], body: bytes | str) -> ModelT:
 
 def validation_error(error: ValidationError) -> ApiError:
     """pydantic's verdict as a 400 naming the field at fault: of a union's branches, the
-    one that got furthest."""
-    first = max(error.errors(), key=lambda found: len(_field_path(found.get("loc", ()))))
+    one that got furthest, and there a value's fault (too short, too big) before a
+    branch of the wrong type (an empty list is "too short", not "not a string")."""
+    first = max(
+        error.errors(),
+        key=lambda found: (
+            len(_field_path(found.get("loc", ()))),
+            not str(found.get("type", "")).endswith("_type"),
+        ),
+    )
     where = ".".join(_field_path(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first.get('msg')}")
