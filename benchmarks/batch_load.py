@@ -172,6 +172,8 @@ def serve_part(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]]
         command += ["--model", args.model]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if args.batch_concurrency:
+        command += ["--batch-concurrency", str(args.batch_concurrency)]
     server = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         base = _wait_until_serving(server, f"http://127.0.0.1:{port}", "cellbatch serve")
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-dtype", default="bfloat16")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--peer-cache", type=Path, default=DEFAULT_PEER_CACHE)
+    parser.add_argument(
+        "--batch-concurrency", type=int, help="serve's --batch-concurrency (default: serve's)"
+    )
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--json", type=Path, help="write every figure here")

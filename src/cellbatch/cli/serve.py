@@ -164,8 +164,8 @@ def add_batch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-concurrency",
         type=int,
-        help="sessions batch requests hold at once (default: three quarters of "
-        "--max-sessions, the rest kept for interactive requests)",
+        help="sessions batch requests hold at once (default: half of --max-sessions, the "
+        "rest kept for interactive requests)",
     )
     parser.add_argument(
         "--embedding-pooling",

@@ -11,7 +11,7 @@ and starts and stops the worker with the app.
 Promises: the worker starts (resuming every unfinished batch) each time the app starts,
 and stops before the backend closes, so that no line is answered from a generation the
 server's own stop cut short; batch lines hold at most `concurrency` sessions (by
-default three quarters of the engine's), which leaves interactive requests sessions to
+default half the engine's), which leaves interactive requests sessions to
 start on.
 Never: answers a request itself (the routers do).
 """
@@ -43,13 +43,15 @@ from cellbatch.server.storage import Storage
 class BatchSettings:
     max_file_bytes: int = 200 * 1024 * 1024  # OpenAI's limit on a batch file
     max_batch_lines: int = 50_000  # OpenAI's limit on a batch's requests
-    concurrency: int | None = None  # sessions batch lines hold at once (None: 3/4)
+    concurrency: int | None = None  # sessions batch lines hold at once (None: half)
     embedding_pooling: str = "last"  # "last" or "mean"
 
 
 def default_concurrency(max_sessions: int) -> int:
-    """Three quarters of the sessions (at least one), the rest left to interactive work."""
-    return max(1, max_sessions - max(1, max_sessions // 4))
+    """Half the sessions (at least one), the rest left to interactive work: more batch
+    lines at once lengthen every step (an interactive request waits for the step in
+    flight) without adding throughput (docs/batches.md has the figures)."""
+    return max(1, max_sessions // 2)
 
 
 class BatchFeatures:
