@@ -1,8 +1,8 @@
 """What runs an engine's forwards: a torch module or an exported program, behind one face.
 
 Owns: `ModelBackend` and its two kinds (`ModuleBackend`: a PackedTransformer with its
-config; `ProgramBackend`: a program file's methods), and loading each from a path with
-the options checked against what the file can do.
+config and the bank of its LoRA adapters; `ProgramBackend`: a program file's methods),
+and loading each from a path with the options checked against what the file can do.
 Promises: an Engine reads the geometry, the activations' dtype, the kernels, the weight
 summary and the weights' bytes from its backend, and gets its executor from it, without
 asking which kind it holds. A program refuses options its export fixed (dtype, kv_dtype,
@@ -24,6 +24,7 @@ from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.program import Program, load_program, read_tokenizer
+from cellbatch.model.adapters import AdapterBank
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
 from cellbatch.model.quantized import WeightsSummary
@@ -31,7 +32,7 @@ from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import Tokenizer, tokenizer_from_files
 from cellbatch.model.transformer import DTYPES, PackedTransformer, resolve_dtype
 from cellbatch.threads import in_short_lived_thread
-from cellbatch.types import InvalidArgumentError, ModelGeometry
+from cellbatch.types import DEFAULT_MAX_LORAS, InvalidArgumentError, ModelGeometry
 
 
 class ModelBackend(ABC):
@@ -69,6 +70,11 @@ class ModelBackend(ABC):
         """The widest step it can run, where it has one (a program's widest method)."""
         return None
 
+    @property
+    def adapters(self) -> AdapterBank | None:
+        """The LoRA adapters its forwards run (None: it runs none)."""
+        return None
+
     @abstractmethod
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
@@ -83,6 +89,17 @@ class ModuleBackend(ModelBackend):
 
     module: PackedTransformer
     config: ModelConfig
+    bank: AdapterBank | None = None  # None: a bank of DEFAULT_MAX_LORAS is made
+
+    def __post_init__(self) -> None:
+        if self.bank is None:
+            bank = AdapterBank(self.config, self.module.dtype, DEFAULT_MAX_LORAS)
+            object.__setattr__(self, "bank", bank)  # a frozen dataclass's own default
+
+    @property
+    def adapters(self) -> AdapterBank:
+        assert self.bank is not None
+        return self.bank
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -111,7 +128,7 @@ class ModuleBackend(ModelBackend):
     def executor(
         self, shape: ExecutorShape, constraints: ConstraintCompiler | None = None
     ) -> CellExecutor:
-        return ModuleExecutor(self.module, self.config, shape, constraints)
+        return ModuleExecutor(self.module, self.config, shape, constraints, self.adapters)
 
     @classmethod
     def load(
@@ -122,13 +139,15 @@ class ModuleBackend(ModelBackend):
         quantize: str,
         progress: LoadProgress | None,
         activations: str = "auto",
+        max_loras: int = DEFAULT_MAX_LORAS,
     ) -> ModuleBackend:
         """A Hugging Face folder or a GGUF file, loaded in a thread of its own (its
-        native pools die with it: `in_short_lived_thread`)."""
+        native pools die with it: `in_short_lived_thread`), with a bank for up to
+        `max_loras` LoRA adapters."""
         config, module = in_short_lived_thread(
             lambda: load_model(path, dtype, kernels, quantize, progress, activations)
         )
-        return cls(module, config)
+        return cls(module, config, AdapterBank(config, module.dtype, max_loras))
 
 
 @dataclasses.dataclass(frozen=True)

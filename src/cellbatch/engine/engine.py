@@ -10,7 +10,10 @@ Runner owns every queue). Seeds are derived per prompt, so a seeded result does 
 depend on what else shares the batch. A prefix common to all the prompts of a call
 (a chat template's system prompt, say) is fed once and its cells shared; results are
 the same tokens as without the sharing. Sessions and submissions default to the
-model's stop tokens. After `close()`, every call says the engine is closed.
+model's stop tokens. LoRA adapters load and unload while the engine runs
+(`load_adapter`, `unload_adapter`); a generation names one in its GenConfig and runs
+beside the base model's in the same steps. After `close()`, every call says the
+engine is closed.
 Never: touches the engine thread's state directly (everything goes through the
 Runner's faces), or asks which kind of backend it holds.
 """
@@ -36,6 +39,13 @@ from cellbatch.engine.prefix import feed_shared_prefix
 from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.export import is_program
 from cellbatch.metrics import EngineMetrics
+from cellbatch.model.adapters import (
+    AdapterBank,
+    AdapterInfo,
+    AdapterUsage,
+    check_max_loras,
+    check_name,
+)
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import LoadProgress, PhaseClock
 from cellbatch.model.ops import resolve as resolve_ops
@@ -44,7 +54,9 @@ from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype
 from cellbatch.runner import AdmissionPolicy, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
+from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (
+    DEFAULT_MAX_LORAS,
     Constraint,
     GenConfig,
     GenerationUpdate,
@@ -111,6 +123,7 @@ class Engine:
             stop_tokens=sorted(self.stop_tokens),
             admission=self.admission,
             prefix_cache_entries=prefix_cache_entries,
+            adapters=backend.adapters,
         )
         self._closed = False
 
@@ -128,6 +141,8 @@ class Engine:
         admission: str = "optimistic",
         prefix_cache_entries: int = 0,
         progress: LoadProgress | None = None,
+        lora_adapters: Mapping[str, str | Path] | None = None,
+        max_loras: int = DEFAULT_MAX_LORAS,
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder, a GGUF file (default: the embedded
@@ -141,11 +156,26 @@ class Engine:
         kernels have a vector int8 path, AVX512-VNNI or AVX2, and the model runs in the
         dtype `auto` picks, else float), "float" (the model's dtype) or "int8" (quantised
         per group of 32: see quantized.resolve_activations). `progress` hears
-        of each phase of the load as it ends (what it did, and its seconds). The options
+        of each phase of the load as it ends (what it did, and its seconds).
+        `lora_adapters` maps names to PEFT LoRA adapter folders to serve from the start
+        (`load_adapter`); `max_loras` bounds the adapters loaded at once. The options
         are checked before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
         check_activations(activations)
+        adapters = dict(lora_adapters or {})
+        for name in adapters:
+            check_name(name)
+        if len(adapters) > check_max_loras(max_loras):
+            raise InvalidArgumentError(
+                f"{len(adapters)} LoRA adapters asked for, above max_loras={max_loras}; "
+                "raise max_loras"
+            )
         if model is not None and is_program(model):
+            if adapters:
+                raise InvalidArgumentError(
+                    f"program {model} runs its base model only: LoRA adapters need the "
+                    "model's folder or GGUF file"
+                )
             return cls.from_program(
                 model,
                 dtype=dtype,
@@ -164,8 +194,14 @@ class Engine:
         weight_dtype = resolve_dtype(dtype)
         resolved_kv = weight_dtype if kv_dtype is None else resolve_dtype(kv_dtype)
         resolve_ops(kernels, "cpu")  # refuses "compiled" where the kernels are missing
-        backend = ModuleBackend.load(path, weight_dtype, kernels, quantize, progress, activations)
+        backend = ModuleBackend.load(
+            path, weight_dtype, kernels, quantize, progress, activations, max_loras
+        )
         clock = PhaseClock(progress)
+        for name, folder in adapters.items():
+            in_short_lived_thread(lambda: backend.adapters.load(name, folder))  # noqa: B023
+        if adapters:
+            clock.done(f"loaded {len(adapters)} LoRA adapter(s)")
         try:
             tokenizer = load_tokenizer(path)
         except FileNotFoundError:
@@ -307,6 +343,7 @@ class Engine:
                 self.runner,
                 [result.prompt_tokens for _, result in jobs],
                 self.shape.max_sessions,
+                base.adapter,
             )
             if share_prefix
             else None
@@ -359,6 +396,42 @@ class Engine:
         if self.tokenizer is None:
             return " ".join(str(token) for token in tokens)
         return self.tokenizer.decode(tokens)
+
+    # -- LoRA adapters ---------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Serve the PEFT LoRA adapter in folder `path` as `name` from now on, beside the
+        others and the base model; generations name it in `GenConfig(adapter=name)`.
+        Raises (loading nothing) for a folder that cannot run on this model (the file
+        and the mismatch named), a name in use, or max_loras adapters loaded."""
+        self._require_open()
+        return in_short_lived_thread(lambda: self._adapter_bank().load(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name`: new generations cannot name it; those running finish
+        with it, then its weights are freed. Raises for a name not loaded."""
+        self._require_open()
+        self._adapter_bank().unload(name)
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The LoRA adapters served now, in load order."""
+        bank = self.backend.adapters
+        return [] if bank is None else bank.adapters()
+
+    def adapter_usage(self) -> dict[str, AdapterUsage]:
+        """Per adapter name loaded since the engine started: generations, prompt and
+        generated tokens (kept after an unload)."""
+        bank = self.backend.adapters
+        return {} if bank is None else bank.usage()
+
+    def _adapter_bank(self) -> AdapterBank:
+        bank = self.backend.adapters
+        if bank is None:
+            raise InvalidArgumentError(
+                f"this engine runs a {self.executor_kind}, which runs no LoRA adapters; load "
+                "the model from its folder or GGUF file to serve them"
+            )
+        return bank
 
     # -- reports -------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from cellbatch.cache import AttentionPlan, CellCache, KVPool
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
+    NO_ADAPTER,
     BatchInput,
     BatchOutput,
     InvalidArgumentError,
@@ -163,6 +164,19 @@ class CellExecutor(ABC):
                 f"[0, {vocab}); use ids of this model's tokenizer"
             )
         self.table.set_sampling(sid, params, seed)
+
+    # Whether this executor's forwards run LoRA adapters (a subclass's choice).
+    runs_adapters = False
+
+    def set_adapter(self, sid: SessionId, adapter: int) -> None:
+        """Installs the LoRA adapter id of the session's next generation (NO_ADAPTER: the
+        base model); refused where this executor's forwards run no adapters."""
+        if adapter != NO_ADAPTER and not self.runs_adapters:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} runs no LoRA adapters (an exported program runs its "
+                "base model only); load the model from its folder or GGUF file to serve them"
+            )
+        self.table.set_adapter(sid, adapter)
 
     def position(self, sid: SessionId) -> int:
         return self.table.position(sid)

@@ -1,9 +1,12 @@
 """ModuleExecutor: runs packed steps through one torch module (docs/design.md#executors).
 
-Owns: the model module (sessions, cells and sampling are `CellExecutor`'s).
+Owns: the model module and the bank of its LoRA adapters (sessions, cells and sampling
+are `CellExecutor`'s).
 Promises: `execute` packs the batch, cuts it into slices of at most
 `max_batch_tokens`, and runs one forward per slice (`CellExecutor.run_forward`: placed
-on the cell cache, every wanted row sampled with its own session's policy in one call);
+on the cell cache, every wanted row sampled with its own session's policy in one call),
+its rows grouped by LoRA adapter where some carry one (`AdapterBank.step`: the base
+products run once for all rows, each adapter's low-rank products on its rows alone);
 outputs[i] is None exactly when inputs[i] asks for none. The forward returns logits only
 for the output rows, plus the rows of a session whose prompt logprobs are asked (so at
 most `max_batch_tokens` rows a slice). A refused or failed batch raises, its message
@@ -14,6 +17,7 @@ Never: schedules, keeps generation state, or calls back into the runner.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +30,7 @@ from cellbatch.executor.step_plan import plan_slices
 from cellbatch.types import BatchInput, BatchOutput, Output
 
 if TYPE_CHECKING:
+    from cellbatch.model.adapters import AdapterBank
     from cellbatch.model.config import ModelConfig
 
 __all__ = ["ExecutorShape", "ModuleExecutor"]
@@ -40,28 +45,42 @@ class ModuleExecutor(CellExecutor):
         config: ModelConfig,
         shape: ExecutorShape,
         constraints: ConstraintCompiler | None = None,
+        adapters: AdapterBank | None = None,
     ) -> None:
         super().__init__(config.geometry, shape, constraints)
         self.model = model
         self.config = config
+        self.adapters = adapters
+        self.runs_adapters = adapters is not None
 
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> BatchOutput:
         step = self.pack(batch)
         outputs: list[Output | None] = [None] * len(batch.inputs)
         for piece in plan_slices(step.num_tokens, self.shape.max_batch_tokens, 1):
-            self.run_forward(batch, step, piece.offset, piece.length, outputs, self.forward)
+            rows = None
+            if step.adapters is not None:
+                rows = step.adapters[piece.offset : piece.offset + piece.length]
+            forward = partial(self.forward, rows)
+            self.run_forward(batch, step, piece.offset, piece.length, outputs, forward)
         return BatchOutput(tuple(outputs))
 
     def forward(
         self,
+        adapters: np.ndarray | None,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         cells: torch.Tensor,
         plan: AttentionPlan,
         logit_rows: np.ndarray,
     ) -> torch.Tensor:
-        logits: torch.Tensor = self.model(
-            tokens, positions, plan, self.pool, cells, torch.from_numpy(logit_rows)
-        )
+        """One slice; `adapters`: its rows' adapter ids (None: no row has one)."""
+        lora = None
+        if adapters is not None and self.adapters is not None:
+            lora = self.adapters.step(adapters)
+        rows = torch.from_numpy(logit_rows)
+        if lora is None:  # the base model's own call: a module without adapters runs too
+            base: torch.Tensor = self.model(tokens, positions, plan, self.pool, cells, rows)
+            return base
+        logits: torch.Tensor = self.model(tokens, positions, plan, self.pool, cells, rows, lora)
         return logits

@@ -370,12 +370,15 @@ class EngineLoop:
                 self._executor.set_sampling(
                     state.sid, generation.executor_sampling(), generation.config.seed
                 )
-            except InvalidArgumentError as exc:  # a policy the executor cannot run
+                self._executor.set_adapter(state.sid, generation.adapter_id)
+            except InvalidArgumentError as exc:  # a policy or adapter the executor cannot run
                 self._end(generation, FinishReason.FAILED, str(exc))
                 return
             except Exception as exc:
-                self._end(generation, FinishReason.FAILED, f"executor.set_sampling raised {exc!r}")
+                why = f"the executor raised installing the generation's policy: {exc!r}"
+                self._end(generation, FinishReason.FAILED, why)
                 return
+            state.feed_with(generation.adapter_id)
         self._ledger.record(
             Admitted(self._admission.running_count(), state.committed - state.resident)
         )

@@ -26,6 +26,7 @@ from cellbatch.metrics import EngineMetrics
 from cellbatch.runner.admission import AdmissionPolicy, Occupancy
 from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture, Sync
 from cellbatch.runner.generation import (
+    AdapterLookup,
     ContextSource,
     Generation,
     GenerationKind,
@@ -46,6 +47,7 @@ _EXECUTOR_METHODS = (
     "clone",
     "truncate",
     "set_sampling",
+    "set_adapter",
     "execute",
     "kv_usage",
 )
@@ -110,8 +112,8 @@ class Runner:
     "reserve" (start only what fits at its worst case, never preempt);
     `prefix_cache_entries` > 0 keeps that many finished submissions' sessions as
     snapshots, so that a later submission sharing a prefix with one starts from its
-    cells (they give way first under pressure). Use it as a context manager, or
-    call `shutdown()`.
+    cells (they give way first under pressure); `adapters` are the LoRA adapters a
+    generation's config may name. Use it as a context manager, or call `shutdown()`.
     """
 
     # The public constructor: an executor, and five keyword options with defaults.
@@ -124,6 +126,7 @@ class Runner:
         stop_tokens: Sequence[Token] = (),
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
         prefix_cache_entries: int = 0,
+        adapters: AdapterLookup | None = None,
     ) -> None:
         missing = [
             name for name in _EXECUTOR_METHODS if not callable(getattr(executor, name, None))
@@ -147,7 +150,7 @@ class Runner:
                 f"prefix_cache_entries must be an integer >= 0 (0: off), got "
                 f"{prefix_cache_entries!r}"
             )
-        self._defaults = TurnDefaults(frozenset(stop_tokens), tokenizer)
+        self._defaults = TurnDefaults(frozenset(stop_tokens), tokenizer, adapters)
         self._inbox = Inbox()
         self._loop = EngineLoop(
             executor,
