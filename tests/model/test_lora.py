@@ -290,3 +290,28 @@ def test_a_layer_run_as_one_op_with_adapters_gives_the_bits_of_its_steps(
     for one_op, steps, base in zip(fused, stepwise, plain, strict=True):
         assert torch.equal(one_op, steps)
         assert not torch.equal(one_op, base)
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+def test_an_int4_base_with_an_adapter_stays_within_int4s_agreement(
+    tiny, tmp_path, packed_steps, kernels
+) -> None:
+    """int4 weights with an adapter against float weights with the same adapter: the
+    relative logits error int4 keeps on these tiny random weights without one (the
+    quantised tests' bound), for the adapter's rows and the base's alike."""
+    hf_model, folder, config = tiny
+    adapter = make_adapter(hf_model, tmp_path / "all", rank=8, seed=4)
+    logits = {}
+    for fmt in ("int4", "none"):
+        _, model = load_model(folder, "float32", kernels, fmt, activations="float")
+        bank = AdapterBank(config, torch.float32)
+        bank.load("all", adapter)
+        steps = packed_steps(model, STEPS, 2, adapters=(bank, [bank.acquire("all"), 0]))
+        logits[fmt] = torch.cat(steps)
+    rows = {
+        s: [i for i, (seq, _) in enumerate(r for st in STEPS for r in _rows(st)) if seq == s]
+        for s in (0, 1)
+    }
+    for sequence in (0, 1):
+        got, reference = logits["int4"][rows[sequence]], logits["none"][rows[sequence]]
+        assert ((got - reference).norm() / reference.norm()).item() < 0.5
