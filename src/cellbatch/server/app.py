@@ -1,7 +1,8 @@
 """`cellbatch serve`: the OpenAI-compatible HTTP app on FastAPI and uvicorn.
 
 Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-`/health`, `/metrics`), authentication by API key, the request-size and queue
+`/health`, `/metrics`; the LoRA adapters' in `cellbatch.server.adapters`), authentication
+by API key, the request-size and queue
 limits, the mapping of every error onto OpenAI's error shape, and the server's
 life: the backend (one engine, or replicas) is closed when the app stops, and on
 SIGINT/SIGTERM running requests get `shutdown_timeout` seconds to finish before they
@@ -10,10 +11,10 @@ Promises: every answer that is not a success is in OpenAI's error shape, unknown
 routes (404) and methods (405) included; a bad request (bad JSON, wrong types, a
 prompt too long, n or top_logprobs too large, an empty stop string, a field the server
 does not support given a value that asks for something) is a 400 naming the parameter
-that harms no other request; a `model` that is neither the served name nor one of its
-aliases, a 404 `model_not_found`; an unknown top-level field is logged (once per name)
-and otherwise ignored; a body over the limit is a 413; beyond `max_queued_requests`
-waiting requests, a 429 with Retry-After; a missing or wrong key, a 401 (except
+that harms no other request; a `model` that is neither the served name, one of its
+aliases nor a loaded LoRA adapter, a 404 `model_not_found`; an unknown top-level field
+is logged (once per name) and otherwise ignored; a body over the limit is a 413;
+beyond `max_queued_requests` waiting requests, a 429 with Retry-After; a missing or wrong key, a 401 (except
 `OPEN_PATHS`: the health check and the API's description); an unexpected exception,
 a 500 for that request alone; a client that disconnects cancels its generations within
 a step. `/openapi.json` documents each POST route's request body (exactly the fields
@@ -46,6 +47,13 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cellbatch.engine import Engine
+from cellbatch.server.adapters import (
+    LoadLoraAdapterRequest,
+    ServedModels,
+    UnloadLoraAdapterRequest,
+    add_adapter_routes,
+    with_adapter,
+)
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
 from cellbatch.server.observability import ServerMetrics
@@ -62,7 +70,6 @@ from cellbatch.server.protocol import (
     DetokenizeResponse,
     ErrorBody,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -161,11 +168,11 @@ def create_app(
         return JSONResponse(body, status_code=200 if serving else 503)
 
     names = (settings.served_model_name, *settings.model_aliases)
+    served = ServedModels(names, backend)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, max_model_len=planner.context_limit) for name in names]
-        return ModelList(data=cards).model_dump(mode="json")
+        return ModelList(data=served.cards(planner.context_limit)).model_dump(mode="json")
 
     @app.get(
         "/metrics",
@@ -188,13 +195,15 @@ def create_app(
         parsed: ChatCompletionRequest | CompletionRequest = (
             _parse(ChatCompletionRequest, body) if chat else _parse(CompletionRequest, body)
         )
-        _check_fields(parsed, names, warned)
+        adapter = served.adapter_for(parsed.model)
+        _check_fields(parsed, warned)
         service.admit()
         plan = (
             planner.plan_chat(parsed)
             if isinstance(parsed, ChatCompletionRequest)
             else planner.plan_completion(parsed)
         )
+        plan = with_adapter(plan, adapter)
         job = await service.start(plan)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -216,18 +225,25 @@ def create_app(
     @app.post("/tokenize", responses=_answers_of(TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
         parsed = _parse(TokenizeRequest, await _read_body(request, settings))
-        _check_model(parsed.model, names)
+        served.adapter_for(parsed.model)
         return JSONResponse(dump(planner.tokenize(parsed)))
 
     @app.post("/detokenize", responses=_answers_of(DetokenizeResponse))
     async def detokenize(request: Request) -> JSONResponse:
         parsed = _parse(DetokenizeRequest, await _read_body(request, settings))
-        _check_model(parsed.model, names)
+        served.adapter_for(parsed.model)
         return JSONResponse(dump(planner.detokenize(parsed)))
+
+    async def read(request: Request, model: type[ModelT]) -> ModelT:
+        return _parse(model, await _read_body(request, settings))
+
+    add_adapter_routes(app, backend, read)
 
     _document_request_bodies(
         app,
         {
+            "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+            "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
             "/tokenize": TokenizeRequest,
@@ -277,12 +293,10 @@ MAX_WARNED_FIELDS = 1024
 
 def _check_fields(
     request: CompletionRequest | ChatCompletionRequest,
-    names: tuple[str, ...],
     warned: set[str],
 ) -> None:
-    """Refuse a model that is not served and the fields that ask for what the server
-    does not do; log each unknown field name once."""
-    _check_model(request.model, names)
+    """Refuse the fields that ask for what the server does not do; log each unknown
+    field name once."""
     refused = refused_fields(request.model_extra)
     if refused and refused[0] in CHAT_ONLY_FIELDS:
         raise ApiError(
@@ -304,17 +318,6 @@ def _check_fields(
         if not known and len(warned) < MAX_WARNED_FIELDS:
             warned.add(name)
             log.warning("ignoring the unknown request field %r (said once per field name)", name)
-
-
-def _check_model(model: str | None, names: tuple[str, ...]) -> None:
-    if model is not None and model not in names:
-        raise ApiError(
-            404,
-            f"the model `{model}` does not exist; this server serves "
-            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
-            "model",
-            code="model_not_found",
-        )
 
 
 # The error answers the routes document, each in OpenAI's shape.
