@@ -7,18 +7,18 @@ limits, the mapping of every error onto OpenAI's error shape, and the server's
 life: the backend (one engine, or replicas) is closed when the app stops, and on
 SIGINT/SIGTERM running requests get `shutdown_timeout` seconds to finish before they
 are cancelled (their streams still end with a finish chunk).
-Promises: every answer that is not a success is in OpenAI's error shape, unknown
-routes (404) and methods (405) included; a bad request (bad JSON, wrong types, a
-prompt too long, n or top_logprobs too large, an empty stop string, a field the server
-does not support given a value that asks for something) is a 400 naming the parameter
-that harms no other request; a `model` that is neither the served name, one of its
-aliases nor a loaded LoRA adapter, a 404 `model_not_found`; an unknown top-level field
-is logged (once per name) and otherwise ignored; a body over the limit is a 413;
-beyond `max_queued_requests` waiting requests, a 429 with Retry-After; a missing or wrong key, a 401 (except
-`OPEN_PATHS`: the health check and the API's description); an unexpected exception,
-a 500 for that request alone; a client that disconnects cancels its generations within
-a step. `/openapi.json` documents each POST route's request body (exactly the fields
-read) and its answers.
+Promises: every answer that is not a success is in OpenAI's error shape, unknown routes
+(404) and methods (405) included; a bad request (bad JSON, wrong types, a prompt too
+long, n or top_logprobs too large, an empty stop string, a field the server does not
+support given a value that asks for something) is a 400 naming the parameter that harms
+no other request; a `model` that is neither the served name, one of its aliases nor a
+loaded LoRA adapter, a 404 `model_not_found`; an unknown top-level field is logged (once
+per name) and otherwise ignored; a body over the limit is a 413; beyond
+`max_queued_requests` waiting requests, a 429 with Retry-After; a missing or wrong key,
+a 401 (except `OPEN_PATHS`: the health check and the API's description); an unexpected
+exception, a 500 for that request alone; a client that disconnects cancels its
+generations within a step. `/openapi.json` documents each POST route's request body
+(exactly the fields read) and its answers.
 Never: parses HTTP or frames server-sent events by hand (FastAPI/Starlette and
 `fastapi.sse` do), or touches the engine's internals.
 """
