@@ -9,7 +9,8 @@ previous list was in flight goes together; each choice's last delivery carries i
 finish reason and metrics. `cancel` ends a request's generations within a step, even
 when it arrives before the request's stream has started. `generate` is
 `Engine.generate` on a block of a larger call, seeded as that call's prompts at
-`first` onwards would be. The actor is async: many requests stream at once.
+`first` onwards would be. `load_adapter` and `unload_adapter` are the engine's. The
+actor is async: many requests stream at once.
 Never: imports Ray (`ReplicaSet` makes the actor class), or routes requests.
 """
 
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple
 
 from cellbatch.engine import Engine, EngineLimits, GenerationResult, Prompt
 from cellbatch.metrics import GenerationMetrics
+from cellbatch.model.adapters import AdapterInfo
 from cellbatch.model.tokenizer import Tokenizer
 from cellbatch.runner import GenerationHandle
 from cellbatch.types import GenConfig, GenerationUpdate, SamplingParams, Token
@@ -43,6 +45,7 @@ class ReplicaInfo:
     tokenizer: Tokenizer | None
     model: str
     threads: int
+    adapters: tuple[AdapterInfo, ...] = ()  # the LoRA adapters it serves
 
 
 class Delivery(NamedTuple):
@@ -71,6 +74,7 @@ class Replica:
             tokenizer=engine.tokenizer,
             model=str(engine.model_path),
             threads=self.threads,
+            adapters=tuple(engine.adapters()),
         )
 
     def pid(self) -> int:
@@ -140,6 +144,12 @@ class Replica:
             # Prompt i of a call is seeded seed + i: this block starts at prompt `first`.
             options = {**options, "seed": (seed + first) % 2**63}
         return await asyncio.to_thread(self.engine.generate, prompts, params, **options)
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        return await asyncio.to_thread(self.engine.load_adapter, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
 
     def figures(self) -> dict[str, float]:
         from cellbatch.server.observability import engine_figures
