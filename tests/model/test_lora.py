@@ -47,7 +47,7 @@ def test_an_adapter_on_q_alone_adds_to_the_first_columns_of_qkv(tiny, tmp_path) 
     weights = load_file(str(folder / "adapter_model.safetensors"))
     a = weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     b = weights["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
-    assert torch.equal(qkv.a, a.t())
+    assert torch.equal(qkv.a, a)
     assert torch.allclose(qkv.b.view(4, -1), (b * 2.0).t())  # alpha / r = 2
 
 
@@ -166,8 +166,8 @@ def lora_inputs(dtype: torch.dtype, seed: int = 5) -> tuple:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    first = [randn(64, 12), randn(8 * 32 + 4 * 32), torch.tensor([[0, 8, 0, 32], [8, 4, 64, 32]])]
-    second = [randn(64, 3), randn(3 * 96), torch.tensor([[0, 3, 0, 96]])]
+    first = [randn(12, 64), randn(8 * 32 + 4 * 32), torch.tensor([[0, 8, 0, 32], [8, 4, 64, 32]])]
+    second = [randn(3, 64), randn(3 * 96), torch.tensor([[0, 3, 0, 96]])]
     return (
         randn(7, 96),
         randn(7, 64),
@@ -188,7 +188,7 @@ def lora_reference(out, x, rows, offsets, weights) -> torch.Tensor:
             block = b[start : start + ranks * columns].view(ranks, columns).double()
             start += ranks * columns
             for row in rows[bounds[group] : bounds[group + 1]].tolist():
-                low = x[row].double() @ a.double()[:, rank_start : rank_start + ranks]
+                low = a.double()[rank_start : rank_start + ranks] @ x[row].double()
                 expected[row, column : column + columns] += low @ block
     return expected
 

@@ -17,11 +17,10 @@ Never: touches a model's own weights (a base model stays as it loaded), or holds
 adapter's files open after reading.
 
 Layout (what `lora_add` reads): for a product with K inputs, the modules an adapter
-targets in it are concatenated along the rank: `a` [K, R] (R the sum of their ranks;
-module m's A transposed in rows of `a`'s columns [r0, r0 + r_m)); `b` holds each
-module's scaled B transposed, [r_m, n_m] row-major, one after the other; `segments`
-int64 [S, 4] gives per module (rank_start, rank_count, column_start, column_count) of
-the product's output.
+targets in it are concatenated along the rank: `a` [R, K] (R the sum of their ranks;
+module m's lora_A in rows [r0, r0 + r_m)); `b` holds each module's scaled lora_B
+transposed, [r_m, n_m] row-major, one after the other; `segments` int64 [S, 4] gives
+per module (rank_start, rank_count, column_start, column_count) of the product's output.
 """
 
 from __future__ import annotations
@@ -69,13 +68,13 @@ class AdapterError(InvalidArgumentError):
 class ProductLora:
     """One adapter's low-rank pair for one fused product (see the module's layout)."""
 
-    a: torch.Tensor  # [K, R]
+    a: torch.Tensor  # [R, K]
     b: torch.Tensor  # flat: per segment [rank_count, column_count], row-major
     segments: torch.Tensor  # int64 [S, 4]: rank_start, rank_count, column_start, column_count
 
     @property
     def rank(self) -> int:
-        return int(self.a.shape[1])
+        return int(self.a.shape[0])
 
     @property
     def nbytes(self) -> int:
@@ -310,12 +309,12 @@ def _product_lora(
         rank = a.shape[0]
         part = "self_attn" if MODULE_PRODUCTS[module] in ("qkv", "o_proj") else "mlp"
         scale = settings.scale(f"model.layers.{layer}.{part}.{module}", rank)
-        a_parts.append(a.float().t())
+        a_parts.append(a.float())
         b_parts.append((b.float() * scale).t().contiguous().flatten())
         segments.append((rank_start, rank, columns[module], b.shape[0]))
         rank_start += rank
     return ProductLora(
-        torch.cat(a_parts, dim=1).to(dtype).contiguous(),
+        torch.cat(a_parts).to(dtype).contiguous(),
         torch.cat(b_parts).to(dtype),
         torch.tensor(segments, dtype=torch.int64),
     )

@@ -158,19 +158,19 @@ def lora_add_torch(
     offsets: torch.Tensor,
     weights: Sequence[torch.Tensor],
 ) -> None:
-    """Adds x[r] · A_g · B_g to out[r] for each row r of group g: rows[offsets[g] :
-    offsets[g + 1]] take weights[3g : 3g + 3] (a [K, R], b flat, segments [S, 4]: the
+    """Adds x[r] · A_g^T · B_g to out[r] for each row r of group g: rows[offsets[g] :
+    offsets[g + 1]] take weights[3g : 3g + 3] (a [R, K], b flat, segments [S, 4]: the
     layout of `cellbatch.model.lora`; R = 0 adds nothing). Computed in float32, every
     product in calls of LORA_ROWS_PER_CALL rows, and rounded once into out."""
     bounds = offsets.tolist()
     for group in range(len(bounds) - 1):
         a, b, segments = weights[3 * group : 3 * group + 3]
         begin, end = bounds[group], bounds[group + 1]
-        if a.shape[1] == 0 or end == begin:
+        if a.shape[0] == 0 or end == begin:
             continue
         picked = rows[begin:end]
         low = in_fixed_calls(
-            partial(torch.matmul, other=a.float()),
+            partial(torch.matmul, other=a.float().t()),
             x.index_select(0, picked).float(),
             LORA_ROWS_PER_CALL,
         )
