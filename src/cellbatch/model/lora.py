@@ -101,10 +101,8 @@ class LoraAdapter:
 class _Settings:
     """What is read of adapter_config.json."""
 
-    rank: int
     alpha: float
     rslora: bool
-    rank_pattern: Mapping[str, int]
     alpha_pattern: Mapping[str, float]
 
     def scale(self, module_path: str, rank: int) -> float:
@@ -201,13 +199,8 @@ def _read_settings(file: Path) -> _Settings:
     ]
     if problems:
         raise AdapterError(f"{file}: " + "; ".join(problems))
-    return _Settings(
-        int(rank),  # type: ignore[arg-type]
-        float(alpha),  # type: ignore[arg-type]
-        bool(raw.get("use_rslora", False)),
-        patterns["rank_pattern"],
-        patterns["alpha_pattern"],
-    )
+    # rank_pattern gives ranks other than r: each module's rank is read from its tensors.
+    return _Settings(float(alpha), bool(raw.get("use_rslora", False)), patterns["alpha_pattern"])
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
