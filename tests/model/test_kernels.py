@@ -194,6 +194,7 @@ def layer_inputs(dtype: torch.dtype) -> tuple:
         heads.num_kv_heads,
         heads.head_dim,
         heads.attention_scale,
+        [],
     )
 
 

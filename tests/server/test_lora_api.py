@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
@@ -102,8 +103,10 @@ def test_model_picks_the_adapter_and_answers_as_the_engine_does(server) -> None:
             [tokens], GenConfig(max_new_tokens=MAX_TOKENS, adapter=model)
         )
         assert result.text == texts[model]
-    with pytest.raises(Exception, match="model_not_found"):
+    with pytest.raises(openai.NotFoundError) as refused:
         answer(server, "nope", MESSAGES[0])
+    assert refused.value.code == "model_not_found"
+    assert all(f"'{name}'" in refused.value.message for name in (MODEL_NAME, "sql", "poet"))
 
 
 def test_loading_and_unloading_follow_vllms_api(server, adapters, tmp_path) -> None:

@@ -78,7 +78,7 @@ SCHEMAS: dict[str, str] = {
         "Tensor qkv_codes, Tensor qkv_scales, int qkv_kind, Tensor o_codes, Tensor o_scales, "
         "int o_kind, Tensor gate_up_codes, Tensor gate_up_scales, int gate_up_kind, "
         "int intermediate, Tensor down_codes, Tensor down_scales, int down_kind, "
-        "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor[] lora=[]) -> Tensor"
+        "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor[] lora) -> Tensor"
     ),
     "lora_add": (
         "lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor offsets, Tensor[] weights) -> ()"
@@ -221,7 +221,7 @@ def decoder_layer_torch(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
-    lora: Sequence[torch.Tensor] = (),
+    lora: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """A Llama layer whose four products are quantised ops (kinds: PRODUCT_OPS), as the
     torch implementations of its steps run it: the steps of `DecoderLayer.forward`.
