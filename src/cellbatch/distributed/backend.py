@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -137,7 +137,7 @@ class ReplicaBackend:
                 *(actor.unload_adapter.remote(name) for actor in loaded), return_exceptions=True
             )
             raise InvalidArgumentError(_cause(failed[0]))
-        self._adapters[name] = outcomes[0]
+        self._adapters[name] = cast("AdapterInfo", outcomes[0])  # none failed
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:

@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -200,7 +200,8 @@ def _read_settings(file: Path) -> _Settings:
     if problems:
         raise AdapterError(f"{file}: " + "; ".join(problems))
     # rank_pattern gives ranks other than r: each module's rank is read from its tensors.
-    return _Settings(float(alpha), bool(raw.get("use_rslora", False)), patterns["alpha_pattern"])
+    rslora = bool(raw.get("use_rslora", False))
+    return _Settings(float(cast(float, alpha)), rslora, patterns["alpha_pattern"])
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:

@@ -268,7 +268,7 @@ class DecoderLayer(nn.Module):
         normed = self.input_norm(hidden)
         qkv = self._adapted(0, self.qkv(normed), normed, lora)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
