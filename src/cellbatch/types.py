@@ -22,6 +22,11 @@ TaskId = int
 Position = int
 
 MAX_POSITION = 2**31 - 1
+# The adapter id of a generation that runs the base model alone (a LoRA adapter's id is
+# issued when it loads: cellbatch.model.adapters).
+NO_ADAPTER = 0
+# LoRA adapters an engine holds at once unless told otherwise (`max_loras`).
+DEFAULT_MAX_LORAS = 8
 
 
 class InvalidArgumentError(ValueError):
@@ -462,7 +467,9 @@ class GenConfig:
     stops before it; the tokens stop at the token that completed it); they need a
     runner with a tokenizer. `extra_stop_tokens` stop it too, besides `stop_tokens`
     (or the runner's). `include_stop_string` keeps the stop string at the end of the
-    text. `sampling.min_tokens` must not exceed `max_new_tokens`.
+    text. `sampling.min_tokens` must not exceed `max_new_tokens`. `adapter` names the
+    LoRA adapter the generation runs with (one the engine has loaded; None: the base
+    model alone).
     """
 
     max_new_tokens: int = 256
@@ -472,6 +479,7 @@ class GenConfig:
     seed: int | None = None
     extra_stop_tokens: frozenset[Token] = frozenset()
     include_stop_string: bool = False
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -494,6 +502,11 @@ class GenConfig:
         if not isinstance(self.include_stop_string, bool):
             raise InvalidArgumentError(
                 f"include_stop_string must be True or False, got {self.include_stop_string!r}"
+            )
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InvalidArgumentError(
+                f"adapter must be the name of a loaded LoRA adapter or None (the base "
+                f"model), got {self.adapter!r}"
             )
         # A malformed max_new_tokens is the runner's to refuse, with its own message.
         min_tokens = self.sampling.min_tokens

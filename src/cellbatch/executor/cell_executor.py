@@ -32,6 +32,7 @@ from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.drafting import Draft, Drafter, DraftRequest
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
+    NO_ADAPTER,
     BatchInput,
     BatchOutput,
     Input,
@@ -188,15 +189,29 @@ class CellExecutor(ABC):
             )
         self.table.set_sampling(sid, params, seed)
 
+    # Whether this executor's forwards run LoRA adapters (a subclass's choice), and why
+    # not where they do not, with the fix.
+    runs_adapters = False
+    ADAPTERS_REFUSAL = "its forwards run the base model only"
+
+    def set_adapter(self, sid: SessionId, adapter: int) -> None:
+        """Installs the LoRA adapter id of the session's next generation (NO_ADAPTER: the
+        base model); refused where this executor's forwards run no adapters."""
+        if adapter != NO_ADAPTER and not self.runs_adapters:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} runs no LoRA adapters: {self.ADAPTERS_REFUSAL}"
+            )
+        self.table.set_adapter(sid, adapter)
+
     def position(self, sid: SessionId) -> int:
         return self.table.position(sid)
 
     # -- steps ---------------------------------------------------------------
 
     @abstractmethod
-    def slices(self, total: int) -> Iterable[tuple[int, int, Forward]]:
-        """(offset, length, forward) of each forward covering a packed step of `total`
-        tokens, in order."""
+    def slices(self, step: PackedStep) -> Iterable[tuple[int, int, Forward]]:
+        """(offset, length, forward) of each forward covering the packed step's tokens,
+        in order."""
 
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> BatchOutput:
@@ -208,7 +223,7 @@ class CellExecutor(ABC):
         step = self.pack(verified, [len(draft) for draft in drafts] if any(drafts) else None)
         logits: list[torch.Tensor] = []
         owners: list[np.ndarray] = []
-        for offset, length, forward in self.slices(step.num_tokens):
+        for offset, length, forward in self.slices(step):
             rows, inputs = self.run_forward(step, offset, length, forward)
             if inputs.size:
                 logits.append(rows)

@@ -1,7 +1,8 @@
 """`cellbatch serve`: the OpenAI-compatible HTTP app on FastAPI and uvicorn.
 
 Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-`/health`, `/metrics`), authentication by API key, the request-size and queue
+`/health`, `/metrics`; the LoRA adapters' routes are `cellbatch.server.adapters`'s),
+authentication by API key, the request-size and queue
 limits, the mapping of every error onto OpenAI's error shape, and the server's
 life: the backend (one engine, or replicas) is closed when the app stops, and on
 SIGINT/SIGTERM running requests get `shutdown_timeout` seconds to finish before they
@@ -10,14 +11,14 @@ Promises: every answer that is not a success is in OpenAI's error shape, unknown
 routes (404) and methods (405) included; a bad request (bad JSON, wrong types, a
 prompt too long, n or top_logprobs too large, an empty stop string, a field the server
 does not support given a value that asks for something) is a 400 naming the parameter
-that harms no other request; a `model` that is neither the served name nor one of its
-aliases, a 404 `model_not_found`; an unknown top-level field is logged (once per name)
-and otherwise ignored; a body over the limit is a 413; beyond `max_queued_requests`
-waiting requests, a 429 with Retry-After; a missing or wrong key, a 401 (except
-`OPEN_PATHS`: the health check and the API's description); an unexpected exception,
-a 500 for that request alone; a client that disconnects cancels its generations within
-a step. `/openapi.json` documents each POST route's request body (exactly the fields
-read) and its answers.
+that harms no other request; a `model` that is neither the served name, one of its
+aliases nor a loaded LoRA adapter, a 404 `model_not_found`; an unknown top-level field
+is logged (once per name) and otherwise ignored; a body over the limit is a 413;
+beyond `max_queued_requests` waiting requests, a 429 with Retry-After; a missing or
+wrong key, a 401 (except `OPEN_PATHS`: the health check and the API's description); an
+unexpected exception, a 500 for that request alone; a client that disconnects cancels
+its generations within a step. `/openapi.json` documents each POST route's request body
+(exactly the fields read) and its answers.
 Never: parses HTTP or frames server-sent events by hand (FastAPI/Starlette and
 `fastapi.sse` do), or touches the engine's internals.
 """
@@ -48,6 +49,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cellbatch.engine import Engine
+from cellbatch.server.adapters import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    add_adapter_routes,
+    with_adapter,
+)
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
 from cellbatch.server.messages_api import (
@@ -72,7 +79,6 @@ from cellbatch.server.protocol import (
     DetokenizeResponse,
     ErrorBody,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -82,7 +88,7 @@ from cellbatch.server.protocol import (
 from cellbatch.server.responses import Responses
 from cellbatch.server.responses_api import RESPONSES_EVENTS, responses_router
 from cellbatch.server.responses_protocol import ResponsesRequest
-from cellbatch.server.routing import RouteContext, check_model, parse, read_body
+from cellbatch.server.routing import RouteContext, parse, read_body
 from cellbatch.server.service import EngineService, Job
 from cellbatch.server.storage import Storage
 from cellbatch.types import FinishReason
@@ -192,8 +198,7 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, max_model_len=planner.context_limit) for name in names]
-        return ModelList(data=cards).model_dump(mode="json")
+        return ModelList(data=context.served.cards(planner.context_limit)).model_dump(mode="json")
 
     @app.get(
         "/metrics",
@@ -216,6 +221,7 @@ def create_app(
         parsed: ChatCompletionRequest | CompletionRequest = (
             parse(ChatCompletionRequest, body) if chat else parse(CompletionRequest, body)
         )
+        adapter = context.served.adapter_for(parsed.model)
         _check_fields(parsed, context)
         service.admit()
         plan = (
@@ -223,6 +229,7 @@ def create_app(
             if isinstance(parsed, ChatCompletionRequest)
             else planner.plan_completion(parsed)
         )
+        plan = with_adapter(plan, adapter)
         job = await service.start(plan)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -269,9 +276,12 @@ def create_app(
 
     app.include_router(responses_router(context))
     app.include_router(messages_router(context))
+    add_adapter_routes(app, backend, context.read)
     document(
         app,
         {
+            "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+            "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
             "/tokenize": TokenizeRequest,
@@ -344,9 +354,8 @@ class RequireApiKey:
 def _check_fields(
     request: CompletionRequest | ChatCompletionRequest, context: RouteContext
 ) -> None:
-    """Refuse a model that is not served and the fields that ask for what the server
-    does not do; log each unknown field name once."""
-    check_model(request.model, context.names)
+    """Refuse the fields that ask for what the server does not do; log each unknown
+    field name once."""
     refused = refused_fields(request.model_extra)
     if refused and refused[0] in CHAT_ONLY_FIELDS:
         raise ApiError(

@@ -5,8 +5,9 @@ Owns: `RouteContext` (the service, the planner, the chat answers' shapes, the st
 the served names and the body limit, as the app hands them to each API's router; a
 job followed to its end unless the client leaves),
 `read_body` (the size limit, before anything is parsed), `parse` (pydantic's verdict
-as an `ApiError` naming the field), `check_model` and `note_unknown_fields` (each
-unknown top-level field logged once per name).
+as an `ApiError` naming the field), the `model` check (`ServedModels`: the served
+names and the LoRA adapters loaded now) and `note_unknown_fields` (each unknown
+top-level field logged once per name).
 Promises: a body over the limit is refused (413) before it is read whole; a body that is
 not JSON or breaks its model is a 400 naming the first field at fault.
 Never: runs or answers requests (the routes do).
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from cellbatch.server.adapters import ServedModels
 from cellbatch.server.api import ApiError
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import refused_fields
@@ -50,10 +52,15 @@ class RouteContext:
     max_request_bytes: int
     warned: set[str] = field(default_factory=set)
 
+    @property
+    def served(self) -> ServedModels:
+        """What a request's `model` may name: the served names, or an adapter loaded now."""
+        return ServedModels(self.names, self.service.backend)
+
     async def read(self, request: Request, model: type[ModelT]) -> ModelT:
         """The request's body as `model`, its `model` field checked when it has one."""
         parsed = parse(model, await read_body(request, self.max_request_bytes))
-        check_model(getattr(parsed, "model", None), self.names)
+        self.served.adapter_for(getattr(parsed, "model", None))
         return parsed
 
     async def run_to_end(self, job: Job, request: Request, endpoint: str) -> bool:
@@ -137,14 +144,3 @@ def _field_path(location: tuple[int | str, ...]) -> list[str]:
         # Branches: pydantic's type names, and the models' (CamelCase) names.
         if not (isinstance(part, str) and (part in _BRANCHES or "[" in part or part[:1].isupper()))
     ]
-
-
-def check_model(model: str | None, names: tuple[str, ...]) -> None:
-    if model is not None and model not in names:
-        raise ApiError(
-            404,
-            f"the model `{model}` does not exist; this server serves "
-            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
-            "model",
-            code="model_not_found",
-        )
