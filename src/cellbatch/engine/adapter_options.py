@@ -1,16 +1,19 @@
 """The LoRA options of `Engine.from_pretrained`, checked before anything loads.
 
-Owns: `check_lora_options`.
+Owns: `check_lora_options`, and `NoAdapters`, the adapter lookup of an engine whose
+executor runs none.
 Promises: returns the adapters to load (name -> folder) only where they can run: names
 checked, no more than `max_loras`, a model folder or GGUF file (not an exported
 program) run on the CPU; anything else is an InvalidArgumentError naming the problem
-and the fix.
+and the fix. A generation naming an adapter on an engine that runs none fails with
+that engine's reason and fix (`NoAdapters`), never runs on the base model instead.
 Never: reads an adapter (`AdapterBank.load` does).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +22,22 @@ from cellbatch.executor.cuda_executor import CudaExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.model.adapters import check_max_loras, check_name
 from cellbatch.types import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class NoAdapters:
+    """The runner's adapter lookup where the backend runs no adapters: every name is
+    refused with `reason` (the backend's, with its fix)."""
+
+    reason: str
+
+    def acquire(self, name: str) -> int:
+        raise InvalidArgumentError(
+            f"adapter {name!r}: this engine runs no LoRA adapters: {self.reason}"
+        )
+
+    def release(self, adapter_id: int, prompt_tokens: int, generated_tokens: int) -> None:
+        """Nothing was acquired."""
 
 
 def check_lora_options(

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.engine.adapter_options import check_lora_options
+from cellbatch.engine.adapter_options import NoAdapters, check_lora_options
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
 from cellbatch.engine.drafters import load_draft, make_drafter
@@ -150,7 +150,11 @@ class Engine:
             admission=self.admission,
             prefix_cache_entries=prefix_cache_entries,
             speculative=self.speculative,
-            adapters=backend.adapters,
+            adapters=(
+                backend.adapters
+                if backend.adapters is not None
+                else NoAdapters(backend.adapters_refusal)
+            ),
         )
         self._closed = False
 
