@@ -23,10 +23,11 @@ import dataclasses
 from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from cellbatch.server.api import ApiError, Backend, Plan
+from cellbatch.server.openapi import ADAPTER_REFUSED, errors
 from cellbatch.server.protocol import ErrorResponse, ModelCard
 from cellbatch.types import InvalidArgumentError, OutOfResourcesError
 
@@ -107,20 +108,20 @@ def add_adapter_routes(app: FastAPI, backend: Backend, read: BodyReader) -> None
 
     @app.post(
         "/v1/load_lora_adapter",
-        response_class=PlainTextResponse,
-        responses=_answers("the adapter serves", 400),
+        response_class=Response,  # errors are JSON, the success vLLM's text
+        responses=_answers("the adapter serves"),
     )
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body = await read(request, LoadLoraAdapterRequest)
         try:
             await backend.load_adapter(body.lora_name, body.lora_path)
         except (InvalidArgumentError, OutOfResourcesError) as error:
-            raise ApiError(400, str(error), "lora_path") from None
+            raise ApiError(400, str(error), "lora_path", code=ADAPTER_REFUSED) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post(
         "/v1/unload_lora_adapter",
-        response_class=PlainTextResponse,
+        response_class=Response,
         responses=_answers("the adapter no longer serves new requests", 404),
     )
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
@@ -132,18 +133,10 @@ def add_adapter_routes(app: FastAPI, backend: Backend, read: BodyReader) -> None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-_ERRORS = {
-    400: "a bad body, or an adapter that cannot load",
-    401: "a missing or wrong API key",
-    404: "no adapter of that name is loaded",
-    413: "the body is too large",
-}
-
-
-def _answers(success: str, status: int) -> dict[int | str, dict[str, Any]]:
+def _answers(success: str, *statuses: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI answers of an adapter route: vLLM's text, or an error in OpenAI's shape."""
-    errors: dict[int | str, dict[str, Any]] = {
-        code: {"model": ErrorResponse, "description": _ERRORS[code]}
-        for code in sorted({400, 401, 413, status})
+    ok: dict[str, Any] = {
+        "description": success,
+        "content": {"text/plain": {"schema": {"type": "string"}}},
     }
-    return {200: {"description": success, "content": {"text/plain": {}}}, **errors}
+    return {200: ok, **errors(ErrorResponse, *sorted({400, 401, 413, *statuses}))}
