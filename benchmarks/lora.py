@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,13 @@ def make_adapters(model: Path, count: int, rank: int, targets: list[str], root: 
         wrapped.save_pretrained(folders[-1])
         del wrapped
     return folders
+
+
+def made_apart(model: Path, count: int, rank: int, targets: list[str], root: Path) -> list[Path]:
+    """`make_adapters` in a process of its own: transformers and PEFT left in this one slow
+    the engine measured after them (D32 on the base model: 441 tokens/s against 693)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(make_adapters, model, count, rank, targets, root).result()
 
 
 def run_batch(
@@ -148,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parse(argv)
     model = options.model or default_model_path()
     with tempfile.TemporaryDirectory(prefix="cellbatch-lora-") as scratch:
-        folders = options.adapters or make_adapters(
+        folders = options.adapters or made_apart(
             model, options.loras, options.rank, options.targets.split(","), Path(scratch)
         )
         adapters = {f"lora{index}": str(folder) for index, folder in enumerate(folders)}
