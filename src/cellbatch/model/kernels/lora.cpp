@@ -8,10 +8,11 @@
 // Promises: a row's result is one chain whatever the other rows, the groups and the
 // threads: t = x · A sums over the inputs in order, then each output sums over the
 // module's rank in order, in float32 lanes (bf16 and fp16 widened exactly), and is added
-// to out[r] and rounded to out's dtype once. Work too small to pay for a parallel region
-// stays on the calling thread; either way each value is computed by one thread. Rows not named in `rows` are not touched,
-// so a row without an adapter costs nothing.
-// Never: allocates per row, or reads rows of x other than those named.
+// to out[r] and rounded to out's dtype once. Every group is checked before any row is
+// written; one parallel region covers the call, a row computed whole by one thread, and
+// work too small to pay for the region stays on the calling thread. Rows not named in
+// `rows` are not touched, so a row without an adapter costs nothing.
+// Never: allocates per row or per group, or reads rows of x other than those named.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -52,6 +53,8 @@ inline Vec load_lanes(const T* p, int64_t count) {
 constexpr int64_t kParallelWork = 1 << 12;
 // Output columns one task of the second product writes: four vectors, whole cache lines.
 constexpr int64_t kBlock = 4 * kLanes;
+// Ranks one task of the first product computes together (one row's).
+constexpr int64_t kRanks = 4;
 
 // The grain that keeps `tasks` tasks of `work` vector multiply-adds each on the calling
 // thread unless together they hold kParallelWork.
@@ -59,60 +62,81 @@ inline int64_t grain(int64_t tasks, int64_t work) {
   return tasks * work < kParallelWork ? tasks + 1 : std::max<int64_t>(1, kParallelWork / work);
 }
 
+// One row's low-rank product added to out[row]: t = x[row] · A^T into `low` (kRanks ranks at
+// a time, their chains interleaved: each chain's order is as alone, the interleaving only
+// hides the multiply-adds' latency; a step short of ranks repeats its last one and stores
+// it once), then per module and per block of kBlock output columns t · B_module, the
+// block's vectors' chains interleaved over the module's ranks in order.
 template <typename T>
-void add_group(at::Tensor& out, const at::Tensor& x, const int64_t* rows, int64_t count,
-               const at::Tensor& a, const at::Tensor& b, const at::Tensor& segments) {
+void add_row(T* target_row, const T* row, const at::Tensor& a, const at::Tensor& b,
+             const at::Tensor& segments, float* low) {
   const int64_t rank = a.size(0), in = a.size(1);
-  const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-  const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
   const T* bp = b.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  // t[i, j] = x[rows[i]] · A[j]: lanes over the inputs in order, then the lanes summed.
-  std::vector<float> low(count * rank);
-  const int64_t in_blocks = (in + kLanes - 1) / kLanes;
-  at::parallel_for(0, count * rank, grain(count * rank, in_blocks), [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / rank, j = task % rank;
-      const T* row = xp + rows[i] * x_stride;
-      const T* weights = ap + j * in;
-      Vec sum(0.f);
-      for (int64_t k = 0; k < in; k += kLanes) {
-        const int64_t lanes = std::min(kLanes, in - k);
-        sum = at::vec::fmadd(load_lanes(row + k, lanes), load_lanes(weights + k, lanes), sum);
+  for (int64_t j0 = 0; j0 < rank; j0 += kRanks) {
+    const T* weights[kRanks];
+    for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, rank - 1) * in;
+    Vec sum[kRanks];
+    for (int64_t q = 0; q < kRanks; ++q) sum[q] = Vec(0.f);
+    for (int64_t k = 0; k < in; k += kLanes) {
+      const int64_t lanes = std::min(kLanes, in - k);
+      const Vec xs = load_lanes(row + k, lanes);
+      for (int64_t q = 0; q < kRanks; ++q) {
+        sum[q] = at::vec::fmadd(xs, load_lanes(weights[q] + k, lanes), sum[q]);
       }
-      low[task] = at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, sum);
     }
-  });
-  // out[r, columns of a module] += t[rank of the module] · B_module.
+    for (int64_t q = 0; q < kRanks && j0 + q < rank; ++q) {
+      low[j0 + q] = at::vec::vec_reduce_all<float>([](Vec p, Vec r) { return p + r; }, sum[q]);
+    }
+  }
+  constexpr int64_t kVectors = kBlock / kLanes;
   const int64_t* seg = segments.data_ptr<int64_t>();
   int64_t b_offset = 0;
+  alignas(64) float lanes_out[kBlock];
   for (int64_t s = 0; s < segments.size(0); ++s) {
     const int64_t rank_start = seg[4 * s], ranks = seg[4 * s + 1];
     const int64_t column = seg[4 * s + 2], columns = seg[4 * s + 3];
     const T* block = bp + b_offset;
     b_offset += ranks * columns;
-    const int64_t column_blocks = (columns + kBlock - 1) / kBlock;
-    const int64_t tasks = count * column_blocks, work = ranks * (kBlock / kLanes);
-    at::parallel_for(0, tasks, grain(tasks, work), [&](int64_t begin, int64_t end) {
-      alignas(64) float lanes_out[kBlock];
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / column_blocks, c0 = (task % column_blocks) * kBlock;
-        const int64_t lanes = std::min(kBlock, columns - c0);
-        const float* t = low.data() + i * rank + rank_start;
-        for (int64_t v = 0; v < lanes; v += kLanes) {
-          const int64_t n = std::min(kLanes, lanes - v);
-          Vec sum(0.f);
-          for (int64_t j = 0; j < ranks; ++j) {
-            sum = at::vec::fmadd(Vec(t[j]), load_lanes(block + j * columns + c0 + v, n), sum);
+    const float* t = low + rank_start;
+    for (int64_t c0 = 0; c0 < columns; c0 += kBlock) {
+      const int64_t lanes = std::min(kBlock, columns - c0);
+      const int64_t vectors = (lanes + kLanes - 1) / kLanes;
+      Vec sum[kVectors];
+      for (int64_t v = 0; v < kVectors; ++v) sum[v] = Vec(0.f);
+      if (vectors == kVectors) {
+        for (int64_t j = 0; j < ranks; ++j) {
+          const Vec scale(t[j]);
+          const T* from = block + j * columns + c0;
+          for (int64_t v = 0; v < kVectors; ++v) {
+            sum[v] = at::vec::fmadd(scale, load_lanes(from + v * kLanes, kLanes), sum[v]);
           }
-          sum.store(lanes_out + v);
         }
-        T* target = op + rows[i] * out_stride + column + c0;
-        for (int64_t l = 0; l < lanes; ++l) target[l] = narrow<T>(widen(target[l]) + lanes_out[l]);
+      } else {
+        for (int64_t j = 0; j < ranks; ++j) {
+          const Vec scale(t[j]);
+          const T* from = block + j * columns + c0;
+          for (int64_t v = 0; v < vectors; ++v) {
+            const int64_t n = std::min(kLanes, lanes - v * kLanes);
+            sum[v] = at::vec::fmadd(scale, load_lanes(from + v * kLanes, n), sum[v]);
+          }
+        }
       }
-    });
+      for (int64_t v = 0; v < vectors; ++v) sum[v].store(lanes_out + v * kLanes);
+      T* target = target_row + column + c0;
+      for (int64_t l = 0; l < lanes; ++l) target[l] = narrow<T>(widen(target[l]) + lanes_out[l]);
+    }
   }
+}
+
+// Vector multiply-adds of one row's product with adapter (a, segments).
+inline int64_t row_work(const at::Tensor& a, const at::Tensor& segments) {
+  int64_t work = a.size(0) * ((a.size(1) + kLanes - 1) / kLanes);
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  for (int64_t s = 0; s < segments.size(0); ++s) {
+    work += seg[4 * s + 1] * ((seg[4 * s + 3] + kLanes - 1) / kLanes);
+  }
+  return work;
 }
 
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
@@ -135,6 +159,8 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "lora_add: row ", row_ids[i],
                 " is outside the ", x.size(0), " rows");
   }
+  std::vector<char> active(groups, false);
+  int64_t max_rank = 0, max_work = 1;
   for (int64_t g = 0; g < groups; ++g) {
     const at::Tensor& a = weights[3 * g];
     const at::Tensor& b = weights[3 * g + 1];
@@ -162,11 +188,32 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
                   column, ", ", columns, ") lies outside A's ", a.size(0), " ranks, the ",
                   out.size(1), " outputs or B's ", b.numel(), " values");
     }
-    for_each_scalar_type(x, "lora_add", [&](auto tag) {
-      using T = decltype(tag);
-      add_group<T>(out, x, row_ids + bounds[g], count, a, b, segments);
-    });
+    active[g] = true;
+    max_rank = std::max<int64_t>(max_rank, a.size(0));
+    max_work = std::max<int64_t>(max_work, row_work(a, segments));
   }
+  // Every group checked before any row is written; then one parallel region over all the
+  // rows, each row computed whole by one thread.
+  const int64_t total = rows.size(0);
+  std::vector<int64_t> group_of(total);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = bounds[g]; p < bounds[g + 1]; ++p) group_of[p] = g;
+  }
+  std::vector<float> low(total * max_rank);
+  for_each_scalar_type(x, "lora_add", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
+    at::parallel_for(0, total, grain(total, max_work), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t g = group_of[p];
+        if (!active[g]) continue;
+        add_row<T>(op + row_ids[p] * out_stride, xp + row_ids[p] * x_stride, weights[3 * g],
+                   weights[3 * g + 1], weights[3 * g + 2], low.data() + p * max_rank);
+      }
+    });
+  });
 }
 
 }  // namespace
