@@ -14,6 +14,7 @@ import uvicorn
 from cellbatch.engine import Engine
 from cellbatch.server.api import Backend
 from cellbatch.server.app import ServerSettings, create_app
+from cellbatch.server.batch_features import BatchSettings
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -54,6 +55,7 @@ def start_live_server(
     tool_call_parser: str | None = None,
     data_dir: Path | None = None,
     reasoning_parser: str = "auto",
+    batches: BatchSettings | None = None,
     **engine: object,
 ) -> LiveServer:
     """A server over a new Engine of `model` (engine options as in from_pretrained)."""
@@ -66,6 +68,7 @@ def start_live_server(
         tool_call_parser,
         data_dir=data_dir,
         reasoning_parser=reasoning_parser,
+        batches=batches,
     )
     return LiveServer(made, base_url, server, thread)
 
@@ -78,6 +81,7 @@ def serve_in_thread(
     served_model_name: str = MODEL_NAME,
     data_dir: Path | None = None,
     reasoning_parser: str = "auto",
+    batches: BatchSettings | None = None,
 ) -> tuple[str, uvicorn.Server, threading.Thread]:
     """The app over `backend` under uvicorn on a free port of 127.0.0.1, started."""
     settings = ServerSettings(
@@ -89,6 +93,7 @@ def serve_in_thread(
         tool_call_parser=tool_call_parser,
         data_dir=data_dir,
         reasoning_parser=reasoning_parser,
+        batches=batches or BatchSettings(),
     )
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -1,6 +1,8 @@
 """The runner owns every queue: submissions wait for sessions and cells, preemption
-under KV pressure, stop strings and text in the core, and the contract fixes of
-Runner v2 (awaiting a running handle, a cancel landing in a fresh session's prompt).
+under KV pressure, priorities (a more urgent generation starts first, is fed in steps of
+its own and never gives its cells up to a less urgent one), stop strings and text in
+the core, and the contract fixes of Runner v2 (awaiting a running handle, a cancel
+landing in a fresh session's prompt).
 
 Against the deterministic fake executor: a token taking position p is 1000 + p.
 """
@@ -15,9 +17,11 @@ import pytest
 
 from cellbatch import GenerationHandle, Runner
 from cellbatch.runner import Occupancy
-from cellbatch.runner.admission import GROWTH_CELLS
+from cellbatch.runner.admission import GROWTH_CELLS, Admission, AdmissionPolicy
+from cellbatch.runner.generation import ContextSource, Generation, GenerationKind
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
+    BATCH_PRIORITY,
     FinishReason,
     GenConfig,
     GenerationUpdate,
@@ -518,3 +522,118 @@ def test_the_prefix_cache_is_off_by_default_and_refuses_bad_sizes(runners) -> No
     assert wait_until(lambda: fake.open_count == 0)
     with pytest.raises(InvalidArgumentError):
         Runner(FakeExecutor(), prefix_cache_entries=-1)
+
+
+# -- priorities ------------------------------------------------------------------------------
+
+
+def settle_complete(handle: GenerationHandle) -> GenerationHandle:
+    assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT, handle.error()
+    return handle
+
+
+BATCH = GenConfig(max_new_tokens=6, priority=BATCH_PRIORITY)
+URGENT = GenConfig(max_new_tokens=6)
+
+
+def waiting(priority: int) -> Generation:
+    generation = Generation(
+        GenConfig(priority=priority), None, None, kind=GenerationKind.SUBMISSION,
+        start=ContextSource(),
+    )  # fmt: skip
+    generation.delta = (1, 2)
+    return generation
+
+
+def test_the_queue_orders_by_priority_then_arrival_and_a_preempted_one_leads_its_own() -> None:
+    admission = Admission(AdmissionPolicy.OPTIMISTIC)
+    batch_a, batch_b, urgent_a, urgent_b = waiting(10), waiting(10), waiting(0), waiting(0)
+    for generation in (batch_a, urgent_a, batch_b, urgent_b):
+        admission.enqueue(generation)
+    assert list(admission.waiting) == [urgent_a, urgent_b, batch_a, batch_b]
+    for _ in range(3):
+        head = admission.head()
+        assert head is not None
+        admission.start(head)
+    assert admission.preemption_victim() is batch_a  # the least urgent running one
+    admission.preempt(batch_a)
+    assert list(admission.waiting) == [batch_a, batch_b]
+    admission.enqueue(late := waiting(0))
+    assert list(admission.waiting) == [late, batch_a, batch_b]
+
+
+def test_the_victim_is_the_newest_of_the_least_urgent() -> None:
+    admission = Admission(AdmissionPolicy.OPTIMISTIC)
+    older, newer, urgent = waiting(10), waiting(10), waiting(0)
+    for generation in (urgent, older, newer):
+        admission.enqueue(generation)
+        admission.start(generation)
+    assert admission.preemption_victim() is newer
+
+
+def test_a_more_urgent_submission_starts_ahead_of_waiting_batch_ones(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(max_sessions=1))
+    order: list[str] = []
+    fake.hold()
+    first = runner.submit(make_tokens(3), BATCH, on_settled=lambda h: order.append("batch 0"))
+    assert fake.wait_held()  # the first batch submission holds the only session
+    handles = [
+        runner.submit(make_tokens(3), BATCH, on_settled=lambda h, i=i: order.append(f"batch {i}"))
+        for i in (1, 2)
+    ]
+    urgent = runner.submit(make_tokens(3), URGENT, on_settled=lambda h: order.append("urgent"))
+    fake.release()
+    for handle in (first, *handles, urgent):
+        settle_complete(handle)
+    assert order == ["batch 0", "urgent", "batch 1", "batch 2"]
+
+
+def test_an_urgent_prompt_is_fed_in_steps_without_less_urgent_work(runners) -> None:
+    runner, fake = make(runners, FakeExecutor())
+    fake.hold()
+    batch = [
+        runner.submit(make_tokens(5, start=20 + i), GenConfig(max_new_tokens=40, priority=10))
+        for i in range(3)
+    ]
+    assert fake.wait_held()  # the batch prompts' step: the batch decodes come next
+    urgent = runner.submit(make_tokens(40, start=100), URGENT)
+    fake.release()
+    settle_complete(urgent)
+    for handle in batch:
+        settle_complete(handle)
+    prompt_steps = [
+        step for step in fake.batches if any(len(inp.payload) == 40 for inp in step.inputs)
+    ]
+    assert sum(len(step.inputs) for step in prompt_steps) == 3  # 3 chunks of at most 16
+    for step in prompt_steps:  # the batch decodes waited while the urgent prompt was fed
+        assert all(len(inp.payload) == 40 for inp in step.inputs), step
+    urgent_sid = prompt_steps[0].inputs[0].sid
+    # Once it decodes, the batch decodes run beside it again.
+    assert any(
+        urgent_sid in {inp.sid for inp in step.inputs} and len(step.inputs) > 1
+        for step in fake.batches
+        if step not in prompt_steps
+    )
+
+
+def test_an_urgent_generation_short_of_cells_takes_them_from_a_batch_one(runners) -> None:
+    runner, fake = make(runners, FakeExecutor(cell_limit=80))
+    fake.hold()
+    batch = runner.submit(make_tokens(10), GenConfig(max_new_tokens=60, priority=BATCH_PRIORITY))
+    assert fake.wait_held()
+    urgent = runner.submit(make_tokens(10, start=50), GenConfig(max_new_tokens=40))
+    fake.release()
+    settle_complete(urgent)
+    settle_complete(batch)
+    metrics = runner.metrics()
+    assert metrics.preemptions >= 1
+    # The batch generation gave way and resumed: the same tokens as alone.
+    assert batch.tokens() == [1000 + 10 + i for i in range(60)]
+    assert urgent.tokens() == [1000 + 10 + i for i in range(40)]
+
+
+def test_a_priority_that_is_not_an_integer_is_refused_when_the_config_is_built() -> None:
+    with pytest.raises(InvalidArgumentError, match="priority must be an integer"):
+        GenConfig(priority="high")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="priority must be an integer"):
+        GenConfig(priority=True)

@@ -330,6 +330,34 @@ def test_at_most_one_output_producing_chunk_per_session_per_batch() -> None:
     assert tids(scheduler.get_work()) == [2]
 
 
+# --- priority ---------------------------------------------------------------------
+
+
+def test_an_urgent_prompt_chunk_keeps_less_urgent_decodes_and_chunks_out() -> None:
+    s = DecodeFirstScheduler.create(64, 8, 16)
+    s.submit([replace(decode(tid, sid), priority=10) for tid, sid in ((1, 1), (2, 2))])
+    s.submit([replace(chunk(3, 3, 8), priority=10)])
+    s.submit([decode(4, 4), chunk(5, 5, 16)])  # priority 0: more urgent
+    assert tids(s.get_work()) == [4, 5]  # the urgent decode and chunk alone
+    # The held-back tasks keep their order and run once no urgent chunk waits.
+    assert tids(s.get_work()) == [1, 2, 3]
+
+
+def test_less_urgent_work_runs_beside_urgent_decodes() -> None:
+    s = DecodeFirstScheduler.create(64, 8, 16)
+    s.submit([decode(1, 1), replace(decode(2, 2), priority=10)])
+    s.submit([replace(chunk(3, 3, 8), priority=10)])
+    assert tids(s.get_work()) == [1, 2, 3]  # no urgent chunk waits: everything goes
+
+
+def test_the_most_urgent_waiting_chunk_sets_the_limit() -> None:
+    s = DecodeFirstScheduler.create(64, 8, 16)
+    s.submit([replace(chunk(1, 1, 8), priority=20), replace(decode(2, 2), priority=10)])
+    s.submit([replace(chunk(3, 3, 8), priority=10)])
+    assert tids(s.get_work()) == [2, 3]  # priority 10 runs, 20 waits
+    assert tids(s.get_work()) == [1]
+
+
 # --- cancel -----------------------------------------------------------------------
 
 

@@ -5,7 +5,10 @@ session) and the rotation of sessions that have prompt chunks waiting.
 Promises: `submit` is all-or-nothing; every accepted task leaves exactly once,
 through `get_work`, `cancel` or `clear`; a batch never exceeds the token budget,
 holds at most `max_decode_sequences` decodes and at most one output-producing
-input per session; every public method takes one lock. `get_work` costs what it
+input per session; while a prompt chunk of some priority waits (`Task.priority`,
+lower first), no task of a less urgent priority joins a batch (they keep their
+places), so a more urgent prompt is fed in steps of its own kind of work only;
+every public method takes one lock. `get_work` costs what it
 hands out plus the sessions and held-back decodes it passes over (and entries
 left stale by `cancel`), never a scan of everything queued.
 Never: touches tensors, models, payloads or callbacks, and does no I/O.
@@ -161,11 +164,17 @@ class DecodeFirstScheduler:
             return True
 
     def get_work(self) -> list[Task]:
-        """The next batch: decodes first, then prompt chunks; empty when idle."""
+        """The next batch: decodes first, then prompt chunks; empty when idle. While a
+        prompt chunk waits, only tasks at least as urgent as the most urgent such chunk
+        are taken."""
         with self._lock:
-            batch = self._take_decodes()
+            limit = min(
+                (queue.chunks[0].priority for queue in self._prompt_queues.values()),
+                default=None,
+            )
+            batch = self._take_decodes(limit)
             decode_sids = {task.sid for task in batch}
-            self._take_chunks(batch, decode_sids, self._max_batch_tokens - len(batch))
+            self._take_chunks(batch, decode_sids, self._max_batch_tokens - len(batch), limit)
             return batch
 
     def cancel(self, sid: SessionId) -> list[Task]:
@@ -201,16 +210,18 @@ class DecodeFirstScheduler:
         if not session:
             del self._session_tasks[task.sid]
 
-    def _take_decodes(self) -> list[Task]:
+    def _take_decodes(self, limit: int | None) -> list[Task]:
         batch: list[Task] = []
         taken_sids: set[SessionId] = set()
-        held_back: list[_Entry] = []  # a session's second decode waits for the next batch
+        # A session's second decode waits for the next batch; so do decodes less urgent
+        # than `limit`.
+        held_back: list[_Entry] = []
         while self._decodes and len(batch) < self._max_decode_sequences:
             entry = self._decodes.popleft()
             task = entry.task
             if self._queued.get(task.tid) is not entry:
                 continue
-            if task.sid in taken_sids:
+            if task.sid in taken_sids or (limit is not None and task.priority > limit):
                 held_back.append(entry)
                 continue
             taken_sids.add(task.sid)
@@ -219,7 +230,9 @@ class DecodeFirstScheduler:
         self._decodes.extendleft(reversed(held_back))
         return batch
 
-    def _take_chunks(self, batch: list[Task], decode_sids: set[SessionId], budget: int) -> None:
+    def _take_chunks(
+        self, batch: list[Task], decode_sids: set[SessionId], budget: int, limit: int | None
+    ) -> None:
         passed_over: list[_PromptQueue] = []  # rejoin the front, in their order
         done_for_batch: list[_PromptQueue] = []  # output already in this batch; rejoin the back
         left_in_pass = len(self._rotation)
@@ -229,7 +242,8 @@ class DecodeFirstScheduler:
             left_in_pass -= 1
             if self._prompt_queues.get(queue.sid) is queue:
                 chunk = queue.chunks[0]
-                if queue.sid in decode_sids or chunk.input.size > budget:
+                less_urgent = limit is not None and chunk.priority > limit
+                if queue.sid in decode_sids or chunk.input.size > budget or less_urgent:
                     # Budget only shrinks, so this session is out for the rest of the batch.
                     passed_over.append(queue)
                 else:

@@ -109,6 +109,14 @@ QUANTIZE_CHOICES = ("auto", *WEIGHT_FORMATS)
 # What the int4 products do with their inputs (cellbatch.model.quantized.resolve_activations):
 # "float" keeps the model's dtype, "int8" quantises them per group of 32, "auto" picks.
 ACTIVATION_CHOICES = ("auto", "float", "int8")
+# How a prompt's last hidden states become one vector (`SamplingParams.pooling`): the last
+# token's, or the mean over the prompt's tokens.
+POOLING_CHOICES = ("last", "mean")
+# `GenConfig.priority`: lower runs first. Interactive work runs at the default; the
+# server's batch jobs at BATCH_PRIORITY, so that they only fill what interactive work
+# leaves.
+DEFAULT_PRIORITY = 0
+BATCH_PRIORITY = 10
 
 
 @dataclass(frozen=True)
@@ -220,6 +228,9 @@ class SamplingParams:
     generation complete one of those token sequences (vLLM's `bad_words`); `min_tokens`
     holds back `min_tokens_held` until that many tokens were generated (a runner fills
     it with the generation's stop tokens).
+    `pooling` ("last" or "mean", POOLING_CHOICES) asks for no token at all: the prompt's
+    last hidden states (after the model's final norm) pooled into one float32 vector,
+    the last token's or the mean over the tokens the generation feeds (an embedding).
     """
 
     temperature: float = 0.0
@@ -237,9 +248,15 @@ class SamplingParams:
     banned_sequences: tuple[tuple[Token, ...], ...] = ()
     min_tokens: int = 0
     min_tokens_held: frozenset[Token] = frozenset()
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self._coerce()
+        if self.pooling is not None and self.pooling not in POOLING_CHOICES:
+            raise InvalidArgumentError(
+                f"pooling must be one of {', '.join(POOLING_CHOICES)} (or None for a token), "
+                f"got {self.pooling!r}"
+            )
         if not self.temperature >= 0.0:
             raise InvalidArgumentError(
                 f"temperature must be >= 0 (0 is greedy), got {self.temperature}"
@@ -395,6 +412,9 @@ class Output:
     # Drafted tokens the executor verified for this input; the first len(tokens) - 1 of
     # them were accepted (they are `tokens` but the last).
     drafted: int = 0
+    # Instead of tokens, for a session whose params ask for `pooling`: the pooled hidden
+    # states of the prompt its generation fed (float32 values, not normalised).
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -406,6 +426,7 @@ class Task:
     input: Input
     is_decode: bool
     cancelled: bool = False
+    priority: int = DEFAULT_PRIORITY  # its generation's (GenConfig.priority): lower runs first
 
     @property
     def sid(self) -> SessionId:
@@ -446,7 +467,8 @@ class GenerationUpdate:
 
     `logprobs` align with `tokens` when the generation's sampling params ask for them
     (else empty); `prompt_logprobs` (see `Output`) come once, on the generation's
-    first update that carries tokens.
+    first update that carries tokens. `embedding` (see `Output`) comes on the last
+    update of a generation whose params ask for `pooling`, which carries no tokens.
     """
 
     tokens: tuple[Token, ...]
@@ -455,6 +477,7 @@ class GenerationUpdate:
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    embedding: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -467,9 +490,12 @@ class GenConfig:
     stops before it; the tokens stop at the token that completed it); they need a
     runner with a tokenizer. `extra_stop_tokens` stop it too, besides `stop_tokens`
     (or the runner's). `include_stop_string` keeps the stop string at the end of the
-    text. `sampling.min_tokens` must not exceed `max_new_tokens`. `adapter` names the
-    LoRA adapter the generation runs with (one the engine has loaded; None: the base
-    model alone).
+    text. `sampling.min_tokens` must not exceed `max_new_tokens`. `priority` (an
+    integer, lower first; vLLM's convention) orders the generations that wait to start,
+    keeps a less urgent generation's work out of a step while a more urgent prompt is
+    being fed, and picks the less urgent generation when one must give its cells up.
+    `adapter` names the LoRA adapter the generation runs with (one the engine has
+    loaded; None: the base model alone).
     """
 
     max_new_tokens: int = 256
@@ -480,6 +506,7 @@ class GenConfig:
     extra_stop_tokens: frozenset[Token] = frozenset()
     include_stop_string: bool = False
     adapter: str | None = None
+    priority: int = DEFAULT_PRIORITY
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -508,6 +535,7 @@ class GenConfig:
                 f"adapter must be the name of a loaded LoRA adapter or None (the base "
                 f"model), got {self.adapter!r}"
             )
+        _set(self, "priority", coerce_int("priority", self.priority))
         # A malformed max_new_tokens is the runner's to refuse, with its own message.
         min_tokens = self.sampling.min_tokens
         if isinstance(self.max_new_tokens, int) and 0 < self.max_new_tokens < min_tokens:

@@ -194,6 +194,16 @@ def test_32_concurrent_streams_complete_whole(server, engine) -> None:
     assert all(answers[i][1] in ("length", "stop") for i in range(32))
 
 
+def test_embeddings_through_the_replicas_equal_one_engines(server, engine) -> None:
+    texts = prompts(3)
+    answer = client(server).embeddings.create(
+        model=MODEL_NAME, input=texts, encoding_format="float"
+    )
+    expected = engine.embed(texts)
+    for item, vector in zip(answer.data, expected, strict=True):
+        assert item.embedding == pytest.approx(vector, abs=1e-6)
+
+
 def test_health_and_metrics_show_each_replica_and_their_sum(server) -> None:
     health = httpx.get(server + "/health")
     assert health.status_code == 200

@@ -21,15 +21,17 @@ from cellbatch.cli.options import add_engine_options
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-# Each command's page; its flags must appear there. The engine options that `run` and
-# `serve` share are documented once, on the running page.
+# Each command's page; its flags must appear there. The engine options that `run`,
+# `serve` and `run-batch` share are documented once, on the running page.
 COMMAND_PAGES = {
     "run": "running.md",
     "serve": "serving.md",
+    "run-batch": "batches.md",
     "export": "programs.md",
     "bench": "benchmarks.md",
 }
 ENGINE_OPTIONS_PAGE = "running.md"
+ENGINE_COMMANDS = ("run", "serve", "run-batch")
 SERVING_PAGE = "serving.md"
 # Methods every route answers as a side effect of another (HEAD of GET), not documented.
 IMPLIED_METHODS = {"HEAD", "OPTIONS"}
@@ -71,8 +73,9 @@ def flag_cases() -> list[tuple[str, str]]:
             for flag in long_flags(parser):
                 if (command, flag) not in cases:
                     cases.append((command, flag))
-    # `serve` shares the engine options with `run`: they are checked once, as run's.
-    return [(cmd, flag) for cmd, flag in cases if not (cmd == "serve" and flag in engine)]
+    # The engine options are shared with `run`: they are checked once, as run's.
+    shared = [cmd for cmd in ENGINE_COMMANDS if cmd != "run"]
+    return [(cmd, flag) for cmd, flag in cases if not (cmd in shared and flag in engine)]
 
 
 def page_text(name: str) -> str:
@@ -85,7 +88,7 @@ def mentions(text: str, flag: str) -> bool:
 
 @pytest.mark.parametrize(("command", "flag"), flag_cases(), ids=lambda value: value)
 def test_every_flag_is_documented_on_its_commands_page(command: str, flag: str) -> None:
-    engine = flag in _engine_flags() and command in ("run", "serve")
+    engine = flag in _engine_flags() and command in ENGINE_COMMANDS
     page = ENGINE_OPTIONS_PAGE if engine else COMMAND_PAGES.get(command)
     if page is None:
         pages = sorted(DOCS.glob("*.md"))

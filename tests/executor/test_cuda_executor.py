@@ -346,3 +346,30 @@ def test_device_sampling_draws_what_the_host_sampler_draws(weights) -> None:
     )
     module = staggered(module_executor(weights), batch_prompts, 10, sampling)
     assert on_device == on_host == module
+
+
+@pytest.mark.parametrize("length", [5, 30], ids=["as-decode-rows", "eager-prefill"])
+def test_pooling_sessions_get_the_module_executors_vectors(weights, length) -> None:
+    """An embedding's slice runs eagerly with its hidden states, whichever path its length
+    would take, beside a generation whose tokens stay the module executor's."""
+    shape = ExecutorShape(max_sessions=8, max_cells=2048, max_batch_tokens=64)
+    prompt, other = prompts(length, 2, seed=11)  # 5 + 2 tokens: below the bound of 9
+
+    def run(executor: CellExecutor) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        pooled, generating = executor.open_session(), executor.open_session()
+        assert pooled is not None and generating is not None
+        executor.set_sampling(pooled, SamplingParams(pooling="mean"), None)
+        out = executor.execute(
+            BatchInput(
+                (Input(pooled, True, 0, length, prompt, 0), Input(generating, True, 0, 2, other, 0))
+            )
+        ).outputs
+        assert out[0] is not None and out[0].embedding is not None and not out[0].tokens
+        assert out[1] is not None and out[1].embedding is None
+        return out[0].embedding, out[1].tokens
+
+    expected_vector, expected_tokens = run(module_executor(weights, shape))
+    executor = cuda_executor(weights, RecordedCapture(), shape, decode_widths=(1, 8))
+    vector, tokens = run(executor)
+    assert tokens == expected_tokens and executor.graphs.stats.replays == 0
+    np.testing.assert_allclose(vector, expected_vector, rtol=1e-4, atol=1e-5)

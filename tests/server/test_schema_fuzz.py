@@ -45,6 +45,16 @@ ROUTES = {
     ("POST", "/v1/messages/count_tokens"),
     ("POST", "/v1/load_lora_adapter"),
     ("POST", "/v1/unload_lora_adapter"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/files"),
+    ("GET", "/v1/files"),
+    ("GET", "/v1/files/{file_id}"),
+    ("GET", "/v1/files/{file_id}/content"),
+    ("DELETE", "/v1/files/{file_id}"),
+    ("POST", "/v1/batches"),
+    ("GET", "/v1/batches"),
+    ("GET", "/v1/batches/{batch_id}"),
+    ("POST", "/v1/batches/{batch_id}/cancel"),
 }
 
 

@@ -19,6 +19,11 @@ cellbatch's), so it imports only vLLM and the standard library, never cellbatch.
         runs `vllm serve FOLDER` on 127.0.0.1:PORT (served name "vllm-peer") with that
         dtype, OpenMP threads bound to cores 0 .. THREADS - 1 and at most MAX_SEQS
         sequences at once, until it is stopped (serve_load.py's `--peer vllm`).
+    python vllm_driver.py run-batch FOLDER DTYPE THREADS MAX_SEQS INPUT OUTPUT
+        runs vLLM's offline `run_batch` on an OpenAI batch file (batch_load.py's peer);
+        answer (the stdout line that starts with ANSWER_MARK): {"seconds": S,
+        "version": V}: the wall time of its run over the file, the model's load not
+        counted.
 
 Owns: driving vLLM the same way for every figure. Never: tokenizes (it is given token
 ids, so every peer reads the same tokens) or samples anything but greedily.
@@ -73,6 +78,32 @@ def serve(folder: str, dtype: str, threads: int, port: int, max_seqs: int) -> No
     vllm_main()
 
 
+def run_batch(
+    folder: str, dtype: str, threads: int, max_seqs: int, source: str, target: str
+) -> dict[str, Any]:
+    cpu_environment(threads)
+    import asyncio
+
+    import vllm
+    from vllm.entrypoints.launchers import run_batch as batch_runner
+
+    timed: dict[str, float] = {}
+    run = batch_runner.run_batch
+
+    async def timed_run(engine_client: Any, args: Any) -> None:
+        start = time.perf_counter()
+        await run(engine_client, args)
+        timed["seconds"] = time.perf_counter() - start
+
+    batch_runner.run_batch = timed_run  # main() looks it up when it runs
+    sys.argv = [
+        "run_batch", "-i", source, "-o", target, "--model", folder, "--dtype", dtype,
+        "--max-num-seqs", str(max_seqs), "--max-model-len", "2048", "--seed", "0",
+    ]  # fmt: skip
+    asyncio.run(batch_runner.main(batch_runner.parse_args()))
+    return {"seconds": timed["seconds"], "version": vllm.__version__}
+
+
 def generate(request: dict[str, Any]) -> dict[str, Any]:
     cpu_environment(int(request["threads"]))
     import vllm
@@ -113,6 +144,11 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["generate"]:
         answer = generate(json.load(sys.stdin))
+        print(ANSWER_MARK + json.dumps(answer), flush=True)
+        return 0
+    if argv[:1] == ["run-batch"] and len(argv) == 7:
+        folder, dtype, threads, max_seqs, source, target = argv[1:]
+        answer = run_batch(folder, dtype, int(threads), int(max_seqs), source, target)
         print(ANSWER_MARK + json.dumps(answer), flush=True)
         return 0
     if argv[:1] == ["serve"] and len(argv) == 6:

@@ -1,12 +1,13 @@
-"""The `cellbatch` command line: `run` (a list of prompts through one model), `serve`,
-`export` (a model compiled into a program file that `run --model` runs) and `bench`
-(throughput against transformers: `cellbatch.bench`).
+"""The `cellbatch` command line: `run` (a list of prompts through one model), `run-batch`
+(an OpenAI batch file through one model, offline), `serve`, `export` (a model compiled
+into a program file that `run --model` runs) and `bench` (throughput against
+transformers: `cellbatch.bench`).
 
 Modules, each with one job (imports only go down this list):
 - `options`: the engine options every command shares, their checks, loading the engine;
 - `prompts`: reading `run`'s prompt lines;
 - `report`: memory probes, `run`'s JSON report and its printout;
-- `run`, `export`, `serve`: one command each;
+- `run`, `run_batch`, `export`, `serve`: one command each;
 - this module: the parser and `main`.
 
 Promises: a bad option is an error before any work (exit status 2, one line).
@@ -23,7 +24,8 @@ from pathlib import Path
 from cellbatch.cli.export import export_command
 from cellbatch.cli.options import UsageError, add_engine_options, add_weight_options
 from cellbatch.cli.run import run_command
-from cellbatch.cli.serve import serve_command
+from cellbatch.cli.run_batch import add_run_batch_command
+from cellbatch.cli.serve import add_batch_options, serve_command
 from cellbatch.reasoning import REASONING_PARSERS
 from cellbatch.tool_calls.formats import FORMATS
 
@@ -126,8 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--data-dir",
         type=Path,
-        help="folder of the server's SQLite database (kept Responses API responses), made "
-        "if missing; without it they are kept in memory until the server stops",
+        help="folder of the server's SQLite database (kept Responses API responses, files "
+        "and batches with their progress) and the uploaded files' bytes, made if missing; "
+        "without it they are kept in memory until the server stops",
     )
     serve.add_argument("--quiet", action="store_true", help="no startup lines")
     serve.add_argument(
@@ -142,7 +145,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--ray-address", help="join this Ray cluster (default: start a local Ray instance)"
     )
+    add_batch_options(serve)
     serve.set_defaults(func=serve_command)
+
+    add_run_batch_command(commands)
 
     export = commands.add_parser(
         "export", help="compile a model into a program file that `run --model` runs"

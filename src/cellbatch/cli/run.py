@@ -125,7 +125,7 @@ def run_command(args: argparse.Namespace) -> int:
         if not args.quiet:
             note(f"{len(inputs)} prompts started (Ctrl-C stops them and keeps what is done)")
         started = time.perf_counter()
-        with _progress(args.quiet) as progress:
+        with ProgressBar(args.quiet) as progress:
             # One call per adapter, so that each call's shared prefix runs under its own.
             groups: dict[str | None, list[int]] = {}
             for position, (index, _) in enumerate(inputs):
@@ -233,17 +233,25 @@ def _encode(
     return inputs, failures
 
 
-class _progress:
+class ProgressBar:
     """A tqdm bar of generated tokens on stderr, when stderr is a terminal."""
 
-    def __init__(self, quiet: bool) -> None:
+    def __init__(self, quiet: bool, total_items: int | None = None) -> None:
         self._bar = None
         if not quiet and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(unit="tok", desc="generating", file=sys.stderr, smoothing=0.1)
+        self._total_items = total_items
+        self._items = 0
 
-    def __enter__(self) -> _progress | None:
+    def item_done(self) -> None:
+        """One of `total_items` (a batch's lines, say) finished: shown beside the tokens."""
+        self._items += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{self._items}/{self._total_items} done", refresh=False)
+
+    def __enter__(self) -> ProgressBar | None:
         return self if self._bar is not None else None
 
     def __call__(self, tokens: int) -> None:

@@ -1,7 +1,8 @@
 """`cellbatch serve`: options to a running server.
 
-Owns: checking the serve options, loading the engine (or, with `--replicas N`,
-starting N engine replicas on Ray) and running the app until a signal stops it.
+Owns: checking the serve options (the batch features' among them: `add_batch_options`),
+loading the engine (or, with `--replicas N`, starting N engine replicas on Ray) and
+running the app until a signal stops it.
 Promises: option errors and a missing `serve` (or `ray`) extra are refused before the
 model loads (exit 2, one line saying what to do), and so is a replica that cannot
 start; the process exits 0 after SIGINT or SIGTERM once running requests finished or
@@ -25,10 +26,12 @@ from cellbatch.cli.options import (
     load_engine,
     model_options,
 )
+from cellbatch.types import POOLING_CHOICES
 
 if TYPE_CHECKING:
     from cellbatch.distributed.backend import ReplicaBackend
     from cellbatch.engine import Engine
+    from cellbatch.server.batch_features import BatchSettings
 
 
 def serve_command(args: argparse.Namespace) -> NoReturn:
@@ -72,6 +75,7 @@ def serve_command(args: argparse.Namespace) -> NoReturn:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         data_dir=args.data_dir,
+        batches=_batch_settings(args),
     )
     if not args.quiet:
         print(
@@ -112,6 +116,13 @@ def _check_options(args: argparse.Namespace) -> None:
             raise UsageError(f"--data-dir {args.data_dir} is not writable")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    for flag, value in (
+        ("--max-file-bytes", args.max_file_bytes),
+        ("--max-batch-lines", args.max_batch_lines),
+        ("--batch-concurrency", args.batch_concurrency),
+    ):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.model is not None and not Path(args.model).exists() and args.ray_address is None:
         raise UsageError(f"model {args.model} does not exist (give a folder or a .gguf file)")
     if args.replicas is None:
@@ -134,6 +145,46 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     if importlib.util.find_spec("ray") is None:
         raise UsageError("--replicas runs the engines on Ray: pip install 'cellbatch[ray]'")
+
+
+def add_batch_options(parser: argparse.ArgumentParser) -> None:
+    """The Files, Batch and Embeddings APIs' options of `serve`."""
+    parser.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=200 * 1024 * 1024,
+        help="the largest file POST /v1/files takes (default 200 MiB)",
+    )
+    parser.add_argument(
+        "--max-batch-lines",
+        type=int,
+        default=50_000,
+        help="the most requests one batch's input file may hold (default 50000)",
+    )
+    parser.add_argument(
+        "--batch-concurrency",
+        type=int,
+        help="sessions batch requests hold at once (default: three quarters of "
+        "--max-sessions, the rest kept for interactive requests)",
+    )
+    parser.add_argument(
+        "--embedding-pooling",
+        choices=POOLING_CHOICES,
+        default="last",
+        help="how /v1/embeddings pools the last hidden states: the last token's, or the "
+        "mean over the input's tokens (a request's `pooling` may ask for the other)",
+    )
+
+
+def _batch_settings(args: argparse.Namespace) -> BatchSettings:
+    from cellbatch.server.batch_features import BatchSettings
+
+    return BatchSettings(
+        max_file_bytes=args.max_file_bytes,
+        max_batch_lines=args.max_batch_lines,
+        concurrency=args.batch_concurrency,
+        embedding_pooling=args.embedding_pooling,
+    )
 
 
 def _start_replicas(args: argparse.Namespace) -> ReplicaBackend:

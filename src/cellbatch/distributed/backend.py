@@ -36,6 +36,7 @@ from cellbatch.constraint import ConstraintCompiler
 from cellbatch.distributed.replica import Delivery
 from cellbatch.distributed.replicas import ReplicaSet
 from cellbatch.distributed.routing import PrefixRouter
+from cellbatch.engine.embedding import embedding_size
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.model.adapters import AdapterInfo
 from cellbatch.server.api import Choice, Plan
@@ -99,6 +100,42 @@ class ReplicaBackend:
         return [
             Choice(index, index // plan.n, handle) for index, handle in enumerate(request.handles)
         ]
+
+    def embedding_size(self, dimensions: int | None) -> int:
+        info = self.replicas.info
+        return embedding_size(info.hidden_size, info.matryoshka_dimensions, dimensions)
+
+    def embedding_sizes(self) -> tuple[int, tuple[int, ...] | None]:
+        info = self.replicas.info
+        return info.hidden_size, info.matryoshka_dimensions
+
+    async def embed(
+        self, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
+    ) -> list[GenerationUpdate]:
+        """On the replica routing picks for the first prompt; once more elsewhere when
+        that replica fails, then failed summaries naming it."""
+        avoid: set[int] = set()
+        for attempt in range(2):
+            route = self.router.choose(prompts[0], down=self.down() | avoid)
+            self.router.started(route, prompts[0], len(prompts))
+            try:
+                actor = self.replicas.actors[route.replica]
+                summaries: list[GenerationUpdate] = await actor.embed.remote(
+                    list(prompts), pooling, priority
+                )
+                self.answered(route.replica)
+                return summaries
+            except self.ray.exceptions.RayActorError as error:
+                self.failed(route.replica)
+                avoid.add(route.replica)
+                if attempt == 1:
+                    self.failures[route.replica] += 1
+                    message = f"replica {route.replica} failed during the request ({error})"
+                    return [GenerationUpdate((), FinishReason.FAILED, message) for _ in prompts]
+                self.retries[route.replica] += 1
+            finally:
+                self.router.ended(route.replica, len(prompts))
+        raise AssertionError("unreachable: the second attempt returns")
 
     async def health(self) -> tuple[bool, dict[str, object]]:
         if self._closed:

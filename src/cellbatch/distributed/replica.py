@@ -9,8 +9,9 @@ previous list was in flight goes together; each choice's last delivery carries i
 finish reason and metrics. `cancel` ends a request's generations within a step, even
 when it arrives before the request's stream has started. `generate` is
 `Engine.generate` on a block of a larger call, seeded as that call's prompts at
-`first` onwards would be. `load_adapter` and `unload_adapter` are the engine's. The
-actor is async: many requests stream at once.
+`first` onwards would be; `embed` gives prompts' pooled hidden states.
+`load_adapter` and `unload_adapter` are the engine's. The actor is async: many requests
+stream at once.
 Never: imports Ray (`ReplicaSet` makes the actor class), or routes requests.
 """
 
@@ -47,6 +48,8 @@ class ReplicaInfo:
     threads: int
     speculative: str | None = None  # its speculative method, where it speculates
     adapters: tuple[AdapterInfo, ...] = ()  # the LoRA adapters it serves
+    hidden_size: int = 0  # the embeddings' size
+    matryoshka_dimensions: tuple[int, ...] | None = None  # sizes they may be shortened to
 
 
 class Delivery(NamedTuple):
@@ -79,6 +82,8 @@ class Replica:
             threads=self.threads,
             speculative=engine.speculative.method if engine.speculative is not None else None,
             adapters=tuple(engine.adapters()),
+            hidden_size=engine.geometry.hidden_size,
+            matryoshka_dimensions=engine.backend.matryoshka_dimensions,
         )
 
     def pid(self) -> int:
@@ -123,6 +128,14 @@ class Replica:
             for task in pumps:
                 task.cancel()
             del self._streaming[request_id]
+
+    async def embed(
+        self, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
+    ) -> list[GenerationUpdate]:
+        """The prompts' pooled hidden states (`LocalBackend.embed` on this replica)."""
+        from cellbatch.server.backend import pooled_summaries
+
+        return await pooled_summaries(self.engine, prompts, pooling, priority)
 
     def cancel(self, request_id: str) -> None:
         handles = self._streaming.get(request_id)

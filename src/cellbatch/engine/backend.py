@@ -99,6 +99,11 @@ class ModelBackend(ABC):
         """Why it runs no LoRA adapters, and the fix (where `adapters` is None)."""
         return CellExecutor.ADAPTERS_REFUSAL
 
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        """The sizes its embeddings may be shortened to (ModelConfig's); None: none."""
+        return None
+
     @abstractmethod
     def executor(
         self,
@@ -165,6 +170,10 @@ class ModuleBackend(ModelBackend):
     @property
     def mapped_weights_bytes(self) -> int:
         return FileMappings().bytes_of(list(self.module.parameters()))
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        return self.config.matryoshka_dimensions
 
     def executor(
         self,

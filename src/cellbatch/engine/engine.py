@@ -10,9 +10,11 @@ Runner owns every queue). Seeds are derived per prompt, so a seeded result does 
 depend on what else shares the batch. A prefix common to all the prompts of a call
 (a chat template's system prompt, say) is fed once and its cells shared; results are
 the same tokens as without the sharing. Sessions and submissions default to the
-model's stop tokens. LoRA adapters load and unload while the engine runs
-(`load_adapter`, `unload_adapter`); a generation names one in its GenConfig and runs
-beside the base model's in the same steps. After `close()`, every call says the
+model's stop tokens. `embed` gives each input's pooled last hidden states (last token
+or mean, normalised), its prompts batched in the same steps as generations; a bad
+input is refused before anything runs, naming it. LoRA adapters load and unload while the
+engine runs (`load_adapter`, `unload_adapter`); a generation names one in its GenConfig
+and runs beside the base model's in the same steps. After `close()`, every call says the
 engine is closed.
 Never: touches the engine thread's state directly (everything goes through the
 Runner's faces), or asks which kind of backend it holds.
@@ -32,6 +34,7 @@ from cellbatch.engine.adapter_options import NoAdapters, check_lora_options
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
 from cellbatch.engine.drafters import load_draft, make_drafter
+from cellbatch.engine.embedding import embedding_size, finish_embedding
 from cellbatch.engine.limits import (
     DEFAULT_MAX_BATCH_TOKENS,
     EngineShape,
@@ -61,13 +64,15 @@ from cellbatch.model.quantized import WeightsSummary, check_activations, resolve
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
 from cellbatch.model.weights_cache import cache_directory
-from cellbatch.runner import AdmissionPolicy, Runner, Session
+from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.speculative import SpeculativeConfig, parse_speculative_config
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (
     DEFAULT_MAX_LORAS,
+    DEFAULT_PRIORITY,
     Constraint,
+    FinishReason,
     GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
@@ -457,6 +462,70 @@ class Engine:
         if root is not None:
             root.session.close()  # submissions queued before the close still start from it
         return batch
+
+    def embed(
+        self,
+        inputs: Sequence[Prompt],
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+        priority: int = DEFAULT_PRIORITY,
+    ) -> list[list[float]]:
+        """One embedding per input, in order: the model's last hidden states (after its
+        final norm) of the input's tokens, pooled ("last": the last token's; "mean":
+        their mean), shortened to `dimensions` where the model allows it, and normalised
+        to unit length unless `normalize` is False. Text inputs are tokenized as they are
+        (no chat template). A bad input raises InvalidArgumentError naming it, before
+        anything runs; a failure while running raises RuntimeError."""
+        size = self.embedding_size(dimensions)
+        handles = self.embed_async(inputs, pooling=pooling, priority=priority)
+        vectors = []
+        for index, handle in enumerate(handles):
+            result = handle.result()
+            if result.finish_reason is not FinishReason.TOKEN_LIMIT or not result.embedding:
+                raise RuntimeError(f"input {index}: {result.error or result.finish_reason}")
+            vectors.append(finish_embedding(result.embedding, size, normalize).tolist())
+        return vectors
+
+    def embed_async(
+        self,
+        inputs: Sequence[Prompt],
+        *,
+        pooling: str = "last",
+        priority: int = DEFAULT_PRIORITY,
+    ) -> list[GenerationHandle]:
+        """`embed` without waiting or finishing: each input's generation, whose result
+        carries the raw pooled vector (`GenerationUpdate.embedding`, float32, not
+        normalised; see `cellbatch.engine.embedding.finish_embedding`). Every input is
+        checked before any is submitted."""
+        self._require_open()
+        if self.executor.pooled_forward() is None:
+            raise InvalidArgumentError(
+                f"this engine runs a {self.executor_kind}, which gives logits only: embeddings "
+                "need the model itself (load its folder or GGUF file, not a program)"
+            )
+        config = GenConfig(
+            max_new_tokens=1,  # sizes the position checks; a pooling generation samples none
+            sampling=SamplingParams(pooling=pooling),
+            stop_tokens=frozenset(),
+            priority=priority,
+        )
+        prompts = []
+        for index, prompt in enumerate(inputs):
+            tokens = self._prepare(prompt, config, "").prompt_tokens
+            problem = self._prompt_problem(tokens, config, "")
+            if problem:
+                raise InvalidArgumentError(f"input {index}: {problem}")
+            prompts.append(tokens)
+        return [self.runner.submit(tokens, config) for tokens in prompts]
+
+    def embedding_size(self, dimensions: int | None = None) -> int:
+        """The size of the embeddings `embed(dimensions=...)` gives; InvalidArgumentError
+        for a size the model does not allow (see cellbatch.engine.embedding)."""
+        return embedding_size(
+            self.geometry.hidden_size, self.backend.matryoshka_dimensions, dimensions
+        )
 
     def chat(
         self,

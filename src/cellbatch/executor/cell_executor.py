@@ -14,6 +14,9 @@ of a step short of cells) is this one code. The drafter follows every session ch
 (rewinds, truncations, clones, closes). The cache, pool and table exist from
 `initialize()` on (the engine thread calls it first); before, reading them raises
 saying so.
+A subclass whose forward can also give final-norm hidden states (`pooled_forward`)
+serves pooling sessions (embeddings); the others refuse them when their policy is
+installed.
 Never: imports model code (a program executor runs without it), schedules, keeps
 generation state, or calls back into the runner.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ import torch
 from cellbatch.cache import AttentionPlan, CellCache, KVPool
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.drafting import Draft, Drafter, DraftRequest
+from cellbatch.executor.pooling import pool_slice, slice_pooling
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
     NO_ADAPTER,
@@ -63,6 +68,23 @@ class ExecutorShape:
 Forward = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, np.ndarray], torch.Tensor
 ]
+# The same, also giving the float32 final-norm hidden states [len(hidden_rows), H] of the
+# rows `hidden_rows` (after the logit rows): (logits, hidden).
+PooledForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, np.ndarray, np.ndarray],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+class SliceResult(NamedTuple):
+    """What one forward over a slice of a step gives."""
+
+    logits: torch.Tensor  # float32 [rows, V]: the output rows the slice holds
+    inputs: np.ndarray  # int64 per row: the input (of the step) it samples for
+    pooled: np.ndarray  # int64: the pooling inputs whose vector is complete after it
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -182,6 +204,12 @@ class CellExecutor(ABC):
         named += [token for sequence in params.banned_sequences for token in sequence]
         named += sorted(params.min_tokens_held)
         outside = [token for token in named if not 0 <= token < vocab]
+        if params.pooling is not None and self.pooled_forward() is None:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} cannot give hidden states, so it cannot pool them "
+                "(embeddings): its forwards return logits only; load the model itself (its "
+                "folder or GGUF file, not an exported program) on the CPU for embeddings"
+            )
         if outside:
             raise InvalidArgumentError(
                 f"token id {outside[0]} of the sampling rules is outside the vocabulary "
@@ -213,6 +241,19 @@ class CellExecutor(ABC):
         """(offset, length, forward) of each forward covering the packed step's tokens,
         in order."""
 
+    def pooled_forward(self) -> PooledForward | None:
+        """The forward that also gives final-norm hidden states, run for the slices in
+        which a pooling session (an embedding) needs them; None (the default) where this
+        executor's forwards give logits only."""
+        return None
+
+    def slice_pooled_forward(
+        self, step: PackedStep, offset: int, length: int
+    ) -> PooledForward | None:
+        """`pooled_forward()` for the step's tokens [offset, offset + length) (a subclass
+        whose forwards carry per-row state, LoRA adapters, gives it that slice's)."""
+        return self.pooled_forward()
+
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> BatchOutput:
         """One packed step: each input's tokens fed (an input the step lets speculate
@@ -223,12 +264,17 @@ class CellExecutor(ABC):
         step = self.pack(verified, [len(draft) for draft in drafts] if any(drafts) else None)
         logits: list[torch.Tensor] = []
         owners: list[np.ndarray] = []
-        for offset, length, forward in self.slices(step):
-            rows, inputs = self.run_forward(step, offset, length, forward)
-            if inputs.size:
-                logits.append(rows)
-                owners.append(inputs)
         outputs: list[Output | None] = [None] * len(batch.inputs)
+        for offset, length, forward in self.slices(step):
+            ran = self.run_forward(step, offset, length, forward)
+            if ran.inputs.size:
+                logits.append(ran.logits)
+                owners.append(ran.inputs)
+            if step.pooling is not None:
+                for index in ran.pooled.tolist():
+                    pooler = step.pooling.poolers[index]
+                    assert pooler is not None
+                    outputs[index] = Output(batch.inputs[index].sid, (), embedding=pooler.vector())
         if owners:
             order = np.concatenate(owners)
             # An input's rows are consecutive on the axis: its first row names it.
@@ -262,10 +308,11 @@ class CellExecutor(ABC):
 
     def run_forward(
         self, step: PackedStep, offset: int, length: int, forward: Forward
-    ) -> tuple[torch.Tensor, np.ndarray]:
+    ) -> SliceResult:
         """One forward over step tokens [offset, offset + length): places them, runs
-        `forward`, gathers the prompt logprobs its rows give, and returns the logits of
-        its output rows with the input each row samples for."""
+        `forward` (`pooled_forward()` where a pooling session needs hidden states of the
+        slice, which go to its pooler), gathers the prompt logprobs its rows give, and
+        returns the logits of its output rows with the input each row samples for."""
         end = offset + length
         seq_ids = step.seq_ids[offset:end]
         positions = step.positions[offset:end]
@@ -275,20 +322,31 @@ class CellExecutor(ABC):
         self.pool.ensure(self.cache.high_water())
         plan = self.cache.attention_plan(seq_ids, positions, cells)
         picked = select_rows(step, offset, length)
-        logits = forward(
+        pooling = slice_pooling(step.pooling, offset, length) if step.pooling else None
+        placed = (
             torch.from_numpy(step.tokens[offset:end]),
             torch.from_numpy(positions),
             torch.from_numpy(cells),
             plan,
             picked.rows,
         )
+        pooled_forward = self.slice_pooled_forward(step, offset, length)
+        if pooling is not None and pooling.rows.size:
+            assert step.pooling is not None
+            if pooled_forward is None:  # set_sampling refuses pooling sessions here
+                raise InvalidArgumentError(f"{type(self).__name__} cannot pool hidden states")
+            logits, hidden = pooled_forward(*placed, pooling.rows)
+            pool_slice(step.pooling, pooling, positions, hidden)
+        else:
+            logits = forward(*placed)
         if picked.scored.any():  # before sampling, which ends a prompt's scoring
             scored = torch.from_numpy(picked.scored)
             self.table.score(step, picked.rows[picked.scored] + offset, logits[scored])
         wanted = picked.inputs >= 0
         # Every row is wanted in a decode step: no copy of the logits (32 x 49,152 floats).
         rows = logits if wanted.all() else logits[torch.from_numpy(wanted)]
-        return rows, picked.inputs[wanted]
+        done = pooling.done if pooling is not None else _NONE
+        return SliceResult(rows, picked.inputs[wanted], done)
 
     def _drafts(self, batch: BatchInput) -> list[Draft]:
         """Per input, the drafted tokens it verifies this step (none for most): up to

@@ -12,7 +12,8 @@ them (`decode_<W>`: the widths of `CudaOptions`, by default powers of two up to 
 engine's decodes per step); padding rows take token 0 at position 0, write the scratch
 cell and attend to it alone, so one graph serves any mix of sessions. Slices of at least
 `min_prefill_tokens` run the model eagerly over their own shapes (the dynamic prefill
-path). With `cuda_graph`, each (width, key bucket) is captured on first use and replayed
+path), and so does any slice in which a pooling session (an embedding) needs hidden
+states. With `cuda_graph`, each (width, key bucket) is captured on first use and replayed
 after; pool growth moves the K/V tensors a graph read, so every graph is dropped then
 and captured again on next use (counted in `stats`). Eager decode calls run the same
 padded shapes as the graphs, so a graph's logits are the eager ones, bit for bit. The
@@ -37,7 +38,7 @@ import torch
 
 from cellbatch.cache import SCRATCH_CELL, AttentionPlan, KVPool
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.graphs import CudaGraphCapture, GraphCapture, StepGraphs
 from cellbatch.executor.session_table import PackedStep
@@ -268,6 +269,33 @@ class CudaExecutor(CellExecutor):
             torch.from_numpy(logit_rows).to(device),
         )
         return logits.cpu() if self.options.sample_on_host else logits
+
+    def pooled_forward(self) -> PooledForward:
+        return self.pooled_wide_forward
+
+    def pooled_wide_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        plan: AttentionPlan,
+        logit_rows: np.ndarray,
+        hidden_rows: np.ndarray,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slice holding a pooling session's rows, eagerly (as `wide_forward`, of any
+        length), with the final-norm hidden states of `hidden_rows` on the host."""
+        self._follow_pool()
+        device = self.device
+        logits, hidden = self._model_for("prefill").forward_pooled(
+            tokens.to(device),
+            positions.to(device),
+            plan,
+            self.pool,
+            cells.to(device),
+            torch.from_numpy(logit_rows).to(device),
+            torch.from_numpy(hidden_rows).to(device),
+        )
+        return (logits.cpu() if self.options.sample_on_host else logits), hidden.cpu()
 
     def _wanted(self, logits: torch.Tensor, logit_rows: np.ndarray) -> torch.Tensor:
         rows = logits.index_select(0, torch.from_numpy(logit_rows).to(self.device))

@@ -11,8 +11,8 @@ alone, drafted rows with their session's adapter like the rest);
 outputs[i] is None exactly when inputs[i] asks for none. The forward returns logits only
 for the output rows, plus the rows of a session whose prompt logprobs are asked (so at
 most `max_batch_tokens` rows a slice). A refused or failed batch raises, its message
-saying why. Every row's result (token, logprobs) is independent of what else shares the
-step (the model pads its products to fixed shapes).
+saying why. Every row's result (token, logprobs, a pooling session's hidden states) is
+independent of what else shares the step (the model pads its products to fixed shapes).
 Never: schedules, keeps generation state, or calls back into the runner.
 """
 
@@ -20,20 +20,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
 
-from cellbatch.cache import AttentionPlan
+from cellbatch.cache import AttentionPlan, KVPool
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
+from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.session_table import PackedStep
 from cellbatch.executor.step_plan import plan_slices
 
 if TYPE_CHECKING:
-    from cellbatch.model.adapters import AdapterBank
+    from cellbatch.model.adapters import AdapterBank, LoraStep
     from cellbatch.model.config import ModelConfig
 
 __all__ = ["ExecutorShape", "ModuleExecutor"]
@@ -65,6 +65,13 @@ class ModuleExecutor(CellExecutor):
                 rows = step.adapters[piece.offset : piece.offset + piece.length]
             yield piece.offset, piece.length, partial(self.forward, rows)
 
+    def pooled_forward(self) -> PooledForward:
+        return partial(self.pooled, None)
+
+    def slice_pooled_forward(self, step: PackedStep, offset: int, length: int) -> PooledForward:
+        rows = None if step.adapters is None else step.adapters[offset : offset + length]
+        return partial(self.pooled, rows)
+
     def forward(
         self,
         adapters: np.ndarray | None,
@@ -84,3 +91,45 @@ class ModuleExecutor(CellExecutor):
             return base
         logits: torch.Tensor = self.model(tokens, positions, plan, self.pool, cells, rows, lora)
         return logits
+
+    def pooled(
+        self,
+        adapters: np.ndarray | None,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        plan: AttentionPlan,
+        logit_rows: np.ndarray,
+        hidden_rows: np.ndarray,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, with the final-norm hidden states of `hidden_rows` too."""
+        lora = None
+        if adapters is not None and self.adapters is not None:
+            lora = self.adapters.step(adapters)
+        return cast(_PoolingModel, self.model).forward_pooled(
+            tokens,
+            positions,
+            plan,
+            self.pool,
+            cells,
+            torch.from_numpy(logit_rows),
+            torch.from_numpy(hidden_rows),
+            lora,
+        )
+
+
+class _PoolingModel(Protocol):
+    """What `pooled` calls: PackedTransformer.forward_pooled (the executor imports no
+    model code)."""
+
+    def forward_pooled(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv: KVPool,
+        cells: torch.Tensor,
+        logit_rows: torch.Tensor,
+        hidden_rows: torch.Tensor,
+        lora: LoraStep | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

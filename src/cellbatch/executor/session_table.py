@@ -5,7 +5,9 @@ policy, its LoRA adapter and the token ids it was fed; `pack`, which lays a batc
 axis; `select_rows`, the logits rows a forward over one slice of that axis must
 return; `sample`, which draws every output row with its own session's policy in
 one call (penalties, then token rules and constraints; logprobs where asked);
-`score`, which gathers a generation's prompt logprobs across its chunks.
+`score`, which gathers a generation's prompt logprobs across its chunks; `pool`
+and `pooled`, which gather a pooling generation's hidden states across its chunks
+and answer its last chunk with their vector (`executor/pooling.py`).
 Promises: session ids are issued monotonically and never reused (cache sequence
 ids may be); sessions are bounded by `max_sessions` (clones count) and each by
 `max_session_tokens`; `pack` either succeeds or raises having changed nothing but
@@ -29,6 +31,7 @@ import torch
 
 from cellbatch.cache import CellCache
 from cellbatch.constraint import ConstraintCompiler, ConstraintMatcher, MaskSource, mask_rows
+from cellbatch.executor.pooling import Pooler, PoolingPlan, plan_pooling
 from cellbatch.executor.sampling import (
     GREEDY_ROW,
     NUM_PARAMS,
@@ -37,6 +40,7 @@ from cellbatch.executor.sampling import (
     sample_rows,
     token_logprobs,
 )
+from cellbatch.executor.step_plan import rows_in_slice
 from cellbatch.executor.token_rules import TokenRules, apply_token_rules
 from cellbatch.types import (
     MAX_POSITION,
@@ -64,7 +68,9 @@ class PackedStep:
     token-axis rows [from, to) whose logits score that prompt (from == to: none); it
     never holds an output row. None: no input scores. drafts, when some input verifies
     drafted tokens, holds per input how many of its last tokens are drafts: their rows
-    and the row before them are all output rows (None: none does).
+    and the row before them are all output rows (None: none does). `pooling`, when some
+    session pools its prompt's hidden states, says which rows it pools and where its
+    vector is done (a pooling input's logit index is -1: it samples no token).
     """
 
     tokens: np.ndarray
@@ -74,6 +80,7 @@ class PackedStep:
     score_ranges: np.ndarray | None = None
     drafts: np.ndarray | None = None
     adapters: np.ndarray | None = None
+    pooling: PoolingPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +168,7 @@ class _Session:
     matcher: ConstraintMatcher | None = None  # the generation's constraint, where it has one
     rules: TokenRules | None = None  # the generation's token rules, where it has any
     adapter: int = NO_ADAPTER  # the generation's LoRA adapter id
+    pooler: Pooler | None = None  # a pooling generation's hidden states so far
 
     def produced(self, fed: int) -> np.ndarray:
         """The tokens the generation has produced before position `fed` (its draws fed
@@ -287,6 +295,7 @@ class SessionTable:
         session.prompt = (
             None if params.prompt_logprobs is None else _PromptScores(params.prompt_logprobs)
         )
+        session.pooler = None if params.pooling is None else Pooler(params.pooling)
 
     def history(self, sid: SessionId, upto: int) -> np.ndarray:
         """The token ids of the session's positions [0, upto) (a view: do not change)."""
@@ -405,6 +414,8 @@ class SessionTable:
         if any(session.adapter != NO_ADAPTER for session in sessions):
             ids = np.asarray([session.adapter for session in sessions], dtype=np.int64)
             adapters = np.repeat(ids, size_array)
+        poolers = [session.pooler for session in sessions]
+        samples = produces & np.fromiter((p is None for p in poolers), bool, len(sizes))
 
         for seq, start in rewinds:
             self.cache.seq_rewind(seq, start)
@@ -414,10 +425,11 @@ class SessionTable:
             tokens=tokens,
             positions=positions,
             seq_ids=np.repeat(np.asarray([s.seq for s in sessions], dtype=np.int64), size_array),
-            logit_indices=np.where(produces, ends - 1, -1),
+            logit_indices=np.where(samples, ends - 1, -1),
             score_ranges=self._score_ranges(sessions, starts, sizes, produces, ends),
             drafts=np.asarray(drafts, dtype=np.int64) if drafts and any(drafts) else None,
             adapters=adapters,
+            pooling=plan_pooling(poolers, starts, sizes, produces, ends),
         )
 
     def sample(
@@ -726,13 +738,7 @@ def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
     inputs, rows = inputs[inside], rows[inside]
     scored_rows = np.zeros(0, dtype=np.int64)
     if step.score_ranges is not None:
-        low = np.clip(step.score_ranges[:, 0], offset, end)
-        high = np.clip(step.score_ranges[:, 1], offset, end)
-        spans = np.flatnonzero(high > low)
-        counts = high[spans] - low[spans]
-        # Each span's rows: its low, then one more per row (a ramp restarted per span).
-        firsts = np.repeat(low[spans] - (np.cumsum(counts) - counts), counts)
-        scored_rows = firsts + np.arange(int(counts.sum()), dtype=np.int64)
+        scored_rows, _ = rows_in_slice(step.score_ranges, offset, end)
     if rows.size == 0 and scored_rows.size == 0:
         return SliceRows(
             np.array([length - 1], dtype=np.int64),

@@ -5,7 +5,8 @@ Owns: `plan_slices`, which cuts a step's token axis into slices of at most
 decode forwards; `pick_width`, the narrowest static method width for a slice; and
 `plan_calls`, the calls of an executor with static decode widths (a program's
 methods, a CUDA executor's graphs): each wide slice one call, each run of one-token
-slices the rows of the narrowest width that holds them.
+slices the rows of the narrowest width that holds them; and `rows_in_slice`, the rows
+of per-input row ranges that fall in one slice.
 Promises: slices cover [0, total) in order, without overlap; a wide slice is at
 least `min_prefill_tokens` long and longer than one token; a non-wide slice is
 exactly one token; calls cover [0, total) in order, a decode call no longer than
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from cellbatch.types import InvalidArgumentError
 
@@ -123,3 +126,16 @@ def pick_width(length: int, widths: Iterable[int]) -> int:
         f"no static width holds {length} tokens (widths {available}); "
         "cut the step into slices no wider than the widest method"
     )
+
+
+def rows_in_slice(ranges: np.ndarray, offset: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The token-axis rows of `ranges` ([inputs, 2]: each input's rows [from, to)) that
+    lie in [offset, end), ascending, and the input each belongs to."""
+    low = np.clip(ranges[:, 0], offset, end)
+    high = np.clip(ranges[:, 1], offset, end)
+    spans = np.flatnonzero(high > low)
+    counts = high[spans] - low[spans]
+    # Each span's rows: its low, then one more per row (a ramp restarted per span).
+    firsts = np.repeat(low[spans] - (np.cumsum(counts) - counts), counts)
+    rows = firsts + np.arange(int(counts.sum()), dtype=np.int64)
+    return rows, np.repeat(spans.astype(np.int64), counts)

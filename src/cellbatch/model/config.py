@@ -78,6 +78,10 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...]  # per layer: sliding window, None = full
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # The sizes its pooled hidden states (embeddings) may be shortened to, from
+    # `matryoshka_dimensions` in config.json; () when `is_matryoshka` allows any; None
+    # when the model was not trained for shortened embeddings.
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -186,6 +190,7 @@ class ModelConfig:
             layer_windows=_hf_layer_windows(hf, architecture, num_layers),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_as_ids(eos),
+            matryoshka_dimensions=_hf_matryoshka(hf),
         )
 
     # -- GGUF --------------------------------------------------------------------
@@ -364,3 +369,11 @@ def _as_ids(value: int | Sequence[int] | None) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(dict.fromkeys(int(v) for v in value))
+
+
+def _hf_matryoshka(hf: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The embedding sizes a config.json allows (see ModelConfig.matryoshka_dimensions)."""
+    sizes = hf.get("matryoshka_dimensions")
+    if sizes:
+        return tuple(int(size) for size in sizes)
+    return () if hf.get("is_matryoshka") else None

@@ -9,6 +9,8 @@ its own context, and a sliding-window layer reads only its window), and returns 
 logits for `logit_rows` only. Numerics follow transformers' eager attention: compute in
 the weight dtype, RMSNorm and softmax in float32, RoPE from float32 angles. A token's
 logits are bit-identical whatever else shares its step (see PackedTransformer).
+`forward_pooled` gives the final-norm hidden states of chosen rows besides the logits
+(what embeddings pool), with the same promise.
 Never: owns cells or sequences (`cellbatch.cache` does), samples, or loops in Python over
 tokens; the only loops run over layers (and, in the torch attention, the plan groups).
 
@@ -485,6 +487,38 @@ class PackedTransformer(nn.Module):
         """`forward` on tensors alone, the form `cellbatch.export` traces (without `lora`):
         the plan flat (`cellbatch.cache.flatten_plan`) and the pool as its per-layer K and
         V tensors."""
+        hidden = self._decode_layers(tokens, positions, cells, attention, k, v, lora)
+        return self._head(hidden, logit_rows)
+
+    def forward_pooled(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv: KVPool,
+        cells: torch.Tensor,
+        logit_rows: torch.Tensor,
+        hidden_rows: torch.Tensor,
+        lora: LoraStep | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the float32 hidden states [len(hidden_rows), H] of `hidden_rows`
+        after the final norm (transformers' `last_hidden_state`)."""
+        prepared = self.attention.prepare(plan)
+        hidden = self._decode_layers(tokens, positions, cells, prepared, kv.k, kv.v, lora)
+        return self._head(hidden, logit_rows), self._final_norm(hidden, hidden_rows).float()
+
+    def _decode_layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        attention: StepAttention,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        lora: LoraStep | None = None,
+    ) -> torch.Tensor:
+        """The last layer's output for every token (and padding row: see min_rows), each
+        row with its LoRA adapter where `lora` gives one."""
         pad = self.min_rows - tokens.shape[0]
         if pad > 0:
             # Padding rows (token 0 at position 0) go through the layers but are never
@@ -496,8 +530,21 @@ class PackedTransformer(nn.Module):
             window = self.config.layer_windows[index]
             adapters = None if lora is None else lora.layers[index]
             hidden = layer(hidden, cos, sin, k[index], v[index], cells, attention, window, adapters)
-        last = hidden[logit_rows]
-        rows = last.shape[0]
-        if rows < self.min_rows:
-            last = F.pad(last, (0, 0, 0, self.min_rows - rows))
-        return self._logits(self.norm(last))[:rows].float()
+        out: torch.Tensor = hidden
+        return out
+
+    def _head(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [len(rows), V] of `rows` of the last layer's output. The rows
+        are padded with zero rows to `min_rows` first, so that the head's product rounds
+        as it does for any count."""
+        last = hidden[rows]
+        count = last.shape[0]
+        if count < self.min_rows:
+            last = F.pad(last, (0, 0, 0, self.min_rows - count))
+        return self._logits(self.norm(last))[:count].float()
+
+    def _final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm of `rows` of the last layer's output (a row's norm reads that
+        row alone)."""
+        normed: torch.Tensor = self.norm(hidden[rows])
+        return normed

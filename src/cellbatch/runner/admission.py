@@ -1,13 +1,16 @@
 """Admission: which waiting generations start, and which running one gives way.
 
-Owns: the queue of generations waiting to run (arrival order; a preempted one goes
-back to its head) and the running generations in the order they were admitted;
-`Occupancy`, how many of each there are at one moment.
-Promises: first come, first served: the head of the queue starts before anything
-behind it; under "optimistic" admission (the default) a generation starts when the
-cells it needs now fit beside a growth reserve of GROWTH_CELLS per generation that
-would then be running, and the most recently admitted running generation is the one
-preempted when a step lacks cells; under "reserve" a generation starts only when its
+Owns: the queue of generations waiting to run (by priority, lower first, then arrival
+order; a preempted one goes back to the head of its priority) and the running
+generations in the order they were admitted; `Occupancy`, how many of each there are
+at one moment.
+Promises: first come, first served within a priority: the head of the queue starts
+before anything behind it, and a more urgent generation (`GenConfig.priority`) waits
+ahead of every less urgent one; under "optimistic" admission (the default) a
+generation starts when the cells it needs now fit beside a growth reserve of
+GROWTH_CELLS per generation that would then be running, and the one preempted when
+cells run short is the least urgent running generation, the most recently admitted of
+those; under "reserve" a generation starts only when its
 worst case (what it feeds plus every token it may generate) fits beside the worst
 cases of those running, and nothing is ever preempted.
 Never: calls the executor or the scheduler, or ends a generation; the step planner
@@ -77,7 +80,7 @@ class Admission:
 
     def enqueue(self, generation: Generation) -> None:
         generation.move(GenerationStatus.WAITING)
-        self.waiting.append(generation)
+        self._queue(generation, first_of_priority=False)
 
     def head(self) -> Generation | None:
         return self.waiting[0] if self.waiting else None
@@ -90,10 +93,23 @@ class Admission:
         self._running[generation] = None
 
     def preempt(self, generation: Generation) -> None:
-        """A running generation goes back to the head of the queue."""
+        """A running generation goes back to the head of the queue (of its priority)."""
         del self._running[generation]
         generation.move(GenerationStatus.PREEMPTED)
-        self.waiting.appendleft(generation)
+        self._queue(generation, first_of_priority=True)
+
+    def _queue(self, generation: Generation, first_of_priority: bool) -> None:
+        """Behind every more urgent waiting generation and ahead of every less urgent
+        one; among its equals, last (arrival order) or first (a preempted one)."""
+        waiting, priority = self.waiting, generation.priority
+        if not waiting or (not first_of_priority and waiting[-1].priority <= priority):
+            waiting.append(generation)  # the common case: one priority, arrival order
+            return
+        for index, other in enumerate(waiting):
+            if other.priority > priority or (first_of_priority and other.priority == priority):
+                waiting.insert(index, generation)
+                return
+        waiting.append(generation)
 
     def remove(self, generation: Generation) -> None:
         """A generation that ended leaves, wherever it was."""
@@ -103,9 +119,13 @@ class Admission:
             self.waiting.remove(generation)
 
     def preemption_victim(self) -> Generation | None:
-        """The running generation that gives its cells up first: the most recently
-        admitted."""
-        return next(reversed(self._running), None)
+        """The running generation to give its cells up first: the least urgent, the
+        most recently admitted of those."""
+        victim: Generation | None = None
+        for generation in reversed(self._running):
+            if victim is None or generation.priority > victim.priority:
+                victim = generation
+        return victim
 
     def need(self, generation: Generation) -> int:
         """Cells the generation must find free to start: what it feeds now, and under

@@ -2,10 +2,10 @@
 
 Owns: `check_outputs`, the one validation of a `BatchOutput` against its inputs.
 Promises: returns the outputs when each `outputs[i]` answers `inputs[i]` (an Output
-of the same session holding tokens where output was asked, None where not, no more
-verified drafts than the input allowed and at most one token beyond them, its
-logprobs, when it has any, one per token); raises `BatchFailure` naming the first
-problem otherwise.
+of the same session holding tokens, or a pooling session's embedding, where output was
+asked, None where not, no more verified drafts than the input allowed and at most one
+token beyond them, its logprobs, when it has any, one per token); raises
+`BatchFailure` naming the first problem otherwise.
 Never: looks at token values or keeps state.
 """
 
@@ -42,7 +42,7 @@ def check_outputs(inputs: Sequence[Input], result: BatchOutput | None) -> Sequen
             raise BatchFailure(
                 f"output {i} names session {out.sid}, but input {i} is session {inp.sid}"
             )
-        elif not out.tokens:
+        elif not out.tokens and out.embedding is None:
             raise BatchFailure(f"output {i} (session {inp.sid}) holds no tokens")
         elif out.drafted and (out.drafted > inp.max_drafts or len(out.tokens) > out.drafted + 1):
             raise BatchFailure(

@@ -188,6 +188,7 @@ class Generation:
         self.state = state
         self.start = start  # a submission's: where its session of its own comes from
         self.config = config
+        self.priority = config.priority  # lower runs first: read per task and per admission
         self.on_update = on_update
         self.on_settled = on_settled
         self.handle = GenerationHandle()

@@ -1,7 +1,8 @@
 """GenerationHandle: a caller's view of one generation, for threads and asyncio.
 
 Owns: what has been published of one generation (tokens, their logprobs, prompt
-logprobs, text, outcome) and the listeners waiting on it.
+logprobs, text, a pooling generation's embedding, outcome) and the listeners waiting
+on it.
 Promises: thread-safe; the outcome is published before `wait()` returns, before
 listeners run and before `on_settled`; `await handle` and `result_async()` suspend
 until the generation settles (never just until its next update); `stream()` yields
@@ -45,6 +46,7 @@ class GenerationHandle:
         self._tokens: list[Token] = []
         self._logprobs: list[TokenLogprob] = []
         self._prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+        self._embedding: tuple[float, ...] = ()
         self._text: list[str] = []
         self._reason: FinishReason | None = None
         self._error = ""
@@ -113,7 +115,7 @@ class GenerationHandle:
 
     def result(self, timeout: float | None = None) -> GenerationUpdate:
         """Wait, then sum the generation up as one update: tokens, reason, error, text,
-        logprobs and prompt logprobs."""
+        logprobs, prompt logprobs and (a pooling generation's) embedding."""
         if not self.wait(timeout):
             raise TimeoutError(f"the generation did not settle within {timeout} s")
         return self._summary()
@@ -160,9 +162,9 @@ class GenerationHandle:
                     sent_tokens, sent_texts = len(self._tokens), len(self._text)
                     sent_logprobs = len(self._logprobs)
                     sent_prompt = sent_prompt or bool(prompt)
-                    reason, error = self._reason, self._error
+                    reason, error, embedding = self._reason, self._error, self._embedding
                 if reason is not None:
-                    yield GenerationUpdate(tokens, reason, error, text, logprobs, prompt)
+                    yield GenerationUpdate(tokens, reason, error, text, logprobs, prompt, embedding)
                     return
                 if tokens or text:
                     yield GenerationUpdate(
@@ -181,6 +183,7 @@ class GenerationHandle:
                 "".join(self._text),
                 tuple(self._logprobs),
                 self._prompt_logprobs,
+                self._embedding,
             )
 
     def _require_bound(self) -> None:
@@ -206,6 +209,8 @@ class GenerationHandle:
             self._logprobs.extend(update.logprobs)
             if update.prompt_logprobs:
                 self._prompt_logprobs = update.prompt_logprobs
+            if update.embedding:
+                self._embedding = update.embedding
             if update.text:
                 self._text.append(update.text)
             if update.finish_reason is not None:

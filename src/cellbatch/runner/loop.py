@@ -374,6 +374,10 @@ class EngineLoop:
             generation.count_step(task.is_decode, inp.size, start, index)
             if generation.cancel_requested:
                 cancelled[generation] = None  # ended once the whole batch is counted
+            elif output is not None and output.embedding is not None:
+                # A pooling generation: its prompt's pooled hidden states end it.
+                pooled = GenerationUpdate((), embedding=output.embedding)
+                self._end(generation, FinishReason.TOKEN_LIMIT, last=pooled)
             elif output is not None:
                 generated += self._accept(generation, output, end, next_decodes)
             elif generation.feeds_only and state.computed == len(state.context):

@@ -118,8 +118,9 @@ class SessionBook:
         """The snapshot sharing the longest prefix with the prompt, copied or taken
         over (a take-over opens no session and counts none); the generation then feeds
         only the rest."""
-        if generation.config.sampling.prompt_logprobs is not None:
-            return None  # every prompt token must run through the model to be scored
+        sampling = generation.config.sampling
+        if sampling.prompt_logprobs is not None or sampling.pooling is not None:
+            return None  # every prompt token must run through the model, scored or pooled
         found = self._snapshots.longest_prefix(generation.delta, generation.adapter_id)
         if found is None:
             return None

@@ -6,8 +6,10 @@ forward holds: which waiting generations start (their session, the cells their f
 needs, their prompt chunks), which queued tasks run, the cells those take, which
 session's cells are dropped (its `computed` length falls) and which generation gives
 its cells up when they run short, and how many drafted tokens each decode may verify.
-Promises: first come, first served: the head of the queue starts before anything
-behind it, once it has a session and (`Admission.fits`) its cells; a planned step's
+Promises: first come, first served within a priority (`Admission`): the head of the
+queue starts before anything behind it, once it has a session and (`Admission.fits`)
+its cells, for which a less urgent running generation gives its cells up under
+"optimistic" admission (never an equally or more urgent one); a planned step's
 tokens never exceed the free cells: idle sessions' cells go first (snapshots, then the
 least recently used), then under "optimistic" admission the running generation
 `Admission.preemption_victim` names gives its cells up (its tasks cancelled, back to
@@ -132,8 +134,8 @@ class StepPlanner:
     # -- admission -----------------------------------------------------------------
 
     def admit(self) -> None:
-        """Start waiting generations in arrival order while they can get a session and
-        the cells they need."""
+        """Start waiting generations in queue order (priority, then arrival) while they
+        can get a session and the cells they need."""
         while (generation := self._admission.head()) is not None:
             if generation.state is None and not self._give_session(generation):
                 if self._admission.running_count() == 0:
@@ -168,6 +170,16 @@ class StepPlanner:
         if usage is None:
             return True
         while not self._admission.fits(generation, usage.free_cells):
+            running = self._admission.preemption_victim()
+            if (
+                running is not None
+                and running.priority > generation.priority
+                and self._admission.policy is AdmissionPolicy.OPTIMISTIC
+            ):
+                self._preempt(running)  # a less urgent generation gives way to this one
+                usage = self.usage()
+                assert usage is not None
+                continue
             if self._admission.running_count():
                 if not generation.deferred:
                     generation.deferred = True
@@ -277,7 +289,7 @@ class StepPlanner:
         """Queue each generation's next one-token decode of the token it was given."""
         self._submit(
             [
-                (generation, [self._tasks.decode_task(state.sid, token, state.computed)])
+                (generation, [self._tasks.decode_task(generation, token, state.computed)])
                 for generation, token in work
                 if (state := generation.state) is not None
             ]

@@ -5,7 +5,8 @@ or in-flight task belongs to; the cutting of a turn's feed into prompt chunks.
 Promises: every task handed to the scheduler is in the book until its step has run,
 its session's queued tasks were cancelled, or the book was cleared; a turn's chunks
 share one base position with increasing offsets, at most `max_prefill_chunk` each,
-and only the last asks for output (none for a prefill turn).
+and only the last asks for output (none for a prefill turn); every task carries its
+generation's priority.
 Never: decides what runs or when; the step planner (through the scheduler) does.
 """
 
@@ -46,6 +47,7 @@ class TaskBook:
                     state.computed,
                 ),
                 is_decode=False,
+                priority=generation.priority,
             )
             for offset in range(0, size, chunk)
         ]
@@ -54,8 +56,16 @@ class TaskBook:
         """The scheduler's next batch: decodes first, then prompt chunks."""
         return self._scheduler.get_work()
 
-    def decode_task(self, sid: SessionId, token: Token, position: int) -> Task:
-        return Task(next(self._tids), Input(sid, True, 0, 1, (token,), position), is_decode=True)
+    def decode_task(self, generation: Generation, token: Token, position: int) -> Task:
+        """The generation's next one-token decode on its session."""
+        assert generation.state is not None
+        sid = generation.state.sid
+        return Task(
+            next(self._tids),
+            Input(sid, True, 0, 1, (token,), position),
+            is_decode=True,
+            priority=generation.priority,
+        )
 
     def submit(self, work: list[tuple[Generation, list[Task]]]) -> list[Generation]:
         """Queue each generation's tasks; returns the generations whose tasks the

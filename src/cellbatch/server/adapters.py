@@ -82,6 +82,11 @@ class ServedModels:
             code="model_not_found",
         )
 
+    def all_names(self) -> tuple[str, ...]:
+        """Every name a request's `model` may give now: the served names, then the
+        adapters loaded."""
+        return (*self.names, *(info.name for info in self.backend.adapters()))
+
     def cards(self, context_limit: int) -> list[ModelCard]:
         base = [ModelCard(id=name, max_model_len=context_limit) for name in self.names]
         return base + [

@@ -3,8 +3,8 @@
 Owns: `Backend` (where a plan's generations run: one engine here, replicas on Ray in
 `cellbatch.distributed`) and `ChoiceHandle` (what a choice streams from), `Plan` (what a
 request runs) and `Choice` (one of its generations as it streams), `ApiError` (a
-request that cannot be served, with what the client is told) and the finish reasons'
-OpenAI names.
+request that cannot be served, with what the client is told), `Interrupted` (one the
+server cut short) and the finish reasons' OpenAI names.
 Promises: a leaf of the server package (but for `answers`, which imports nothing of
 the server): the app, the service, the responses, the local backend and the replicas'
 backend all import it, and it imports none of them.
@@ -62,6 +62,14 @@ class ApiError(Exception):
             kind,
             code,
         )
+
+
+class Interrupted(ApiError):
+    """A request whose generations were cancelled before they finished, by the server
+    (it stops) rather than by its client: it has no answer to give."""
+
+    def __init__(self, message: str = "the server stopped before the request finished") -> None:
+        super().__init__(503, message, kind="server_error")
 
 
 @dataclass
@@ -122,6 +130,23 @@ class Backend(Protocol):
 
     async def start(self, plan: Plan) -> list[Choice]:
         """Launch every generation of the plan; the choices stream as they run."""
+        ...
+
+    def embedding_size(self, dimensions: int | None) -> int:
+        """The size of the embeddings asked for (None: the model's own);
+        InvalidArgumentError for one the model does not allow."""
+        ...
+
+    def embedding_sizes(self) -> tuple[int, tuple[int, ...] | None]:
+        """The model's hidden size and the sizes its embeddings may be shortened to
+        (None: none; empty: any), for the published schema."""
+        ...
+
+    async def embed(
+        self, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
+    ) -> list[GenerationUpdate]:
+        """Each prompt's pooled hidden states (checked prompts: in the vocabulary and
+        within the context), as its generation's summary: `embedding` set, or a failure."""
         ...
 
     async def health(self) -> tuple[bool, dict[str, object]]:

@@ -32,7 +32,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from cellbatch.server.adapters import (
 )
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
+from cellbatch.server.batch_features import BatchFeatures, BatchSettings
 from cellbatch.server.messages_api import (
     MESSAGES_EVENTS,
     MESSAGES_PATH,
@@ -68,8 +69,6 @@ from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.openapi import GENERATION_STATUSES, Limits, answers, document
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
-    CHAT_ONLY_FIELDS,
-    UNSUPPORTED_FIELDS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -77,18 +76,16 @@ from cellbatch.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorBody,
     ErrorResponse,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     dump,
-    refused_fields,
 )
 from cellbatch.server.responses import Responses
 from cellbatch.server.responses_api import RESPONSES_EVENTS, responses_router
 from cellbatch.server.responses_protocol import ResponsesRequest
-from cellbatch.server.routing import RouteContext, parse, read_body
+from cellbatch.server.routing import RouteContext, check_fields, error_body, parse, read_body
 from cellbatch.server.service import EngineService, Job
 from cellbatch.server.storage import Storage
 from cellbatch.types import FinishReason
@@ -107,6 +104,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # a tool_calls.formats name; None: the template's
     reasoning_parser: str = "auto"  # a reasoning parser's name, "none", or "auto": the template's
     data_dir: Path | None = None  # the database's folder (storage.py); None: kept in memory
+    batches: BatchSettings = field(default_factory=BatchSettings)  # files, batches, embeddings
 
 
 def create_app(
@@ -128,14 +126,26 @@ def create_app(
     storage = Storage(settings.data_dir)
     names = (settings.served_model_name, *settings.model_aliases)
     context = RouteContext(service, planner, responses, storage, names, settings.max_request_bytes)
+    batch = BatchFeatures(
+        settings.batches,
+        storage,
+        settings.data_dir,
+        backend,
+        planner,
+        responses,
+        names,
+        settings.max_request_bytes,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = asyncio.create_task(_cancel_after_grace(service, stopping, settings))
+        batch.start()
         try:
             yield
         finally:
             watcher.cancel()
+            await batch.stop()  # before the engine: no batch line sees the stop
             service.cancel_all()
             await asyncio.to_thread(backend.close)
 
@@ -143,6 +153,9 @@ def create_app(
     app.state.service = service
     app.state.planner = planner
     app.state.storage = storage
+    app.state.batch = batch
+    for router in batch.routers():
+        app.include_router(router)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -222,7 +235,7 @@ def create_app(
             parse(ChatCompletionRequest, body) if chat else parse(CompletionRequest, body)
         )
         adapter = context.served.adapter_for(parsed.model)
-        _check_fields(parsed, context)
+        check_fields(parsed, context.served.all_names(), context.warned)
         service.admit()
         plan = (
             planner.plan_chat(parsed)
@@ -289,6 +302,7 @@ def create_app(
             "/v1/responses": ResponsesRequest,
             MESSAGES_PATH: MessagesRequest,
             f"{MESSAGES_PATH}/count_tokens": CountTokensRequest,
+            **batch.request_bodies(),
         },
         {
             "CompletionResponse": CompletionResponse,
@@ -296,7 +310,12 @@ def create_app(
             **RESPONSES_EVENTS,
             **MESSAGES_EVENTS,
         },
-        Limits(backend.vocab_size, planner.context_limit, backend.shape.max_sessions),
+        Limits(
+            backend.vocab_size,
+            planner.context_limit,
+            backend.shape.max_sessions,
+            backend.embedding_sizes(),
+        ),
         OPEN_PATHS if settings.api_key is not None else None,
     )
     return app
@@ -351,30 +370,6 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def _check_fields(
-    request: CompletionRequest | ChatCompletionRequest, context: RouteContext
-) -> None:
-    """Refuse the fields that ask for what the server does not do; log each unknown
-    field name once."""
-    refused = refused_fields(request.model_extra)
-    if refused and refused[0] in CHAT_ONLY_FIELDS:
-        raise ApiError(
-            400,
-            f"{refused[0]} works on /v1/chat/completions only: a completion has no tool "
-            "calls; send the request there as messages",
-            refused[0],
-        )
-    if refused:
-        raise ApiError(
-            400,
-            f"{refused[0]} is not supported by this server, and a request that asks for it "
-            "is refused rather than answered without it; leave it out",
-            refused[0],
-        )
-    # An unsupported field that passed asks for nothing: not unknown, nothing to say.
-    context.note_unknown_fields(set(request.model_extra or ()) - set(UNSUPPORTED_FIELDS))
-
-
 async def _collect(
     context: RouteContext, job: Job, request: Request, endpoint: str, chat: bool
 ) -> Response:
@@ -412,7 +407,7 @@ async def _stream(
             yield _event(chunk)
         failure = responses.failure(job)
         if failure is not None:
-            yield _event(_error_body(failure))
+            yield _event(error_body(failure))
         elif include_usage:
             yield _event(responses.usage_chunk(job, stream_id, created, chat))
         yield format_sse_event(data_str="[DONE]")
@@ -424,12 +419,6 @@ def _event(model: BaseModel) -> bytes:
     return format_sse_event(data_str=model.model_dump_json())
 
 
-def _error_body(error: ApiError) -> ErrorResponse:
-    return ErrorResponse(
-        error=ErrorBody(message=error.message, type=error.kind, param=error.param, code=error.code)
-    )
-
-
 def _error_response(
     error: ApiError, headers: dict[str, str] | None = None, path: str = ""
 ) -> JSONResponse:
@@ -439,7 +428,7 @@ def _error_response(
     body = (
         anthropic_error(error)
         if path.startswith(MESSAGES_PATH)
-        else _error_body(error).model_dump(mode="json")
+        else error_body(error).model_dump(mode="json")
     )
     return JSONResponse(body, status_code=error.status, headers=headers)
 

@@ -1,9 +1,9 @@
 """Where the server's generations run in this process: one Engine.
 
 Owns: `start_generations` (a plan's prompts onto one Engine, n choices of a prompt
-sharing its prefill) and `LocalBackend`, the `cellbatch.server.api.Backend` of one Engine
-in this process. Replicas on Ray implement the same interface in
-`cellbatch.distributed.backend`.
+sharing its prefill), `pooled_summaries` (embedding prompts onto one Engine) and
+`LocalBackend`, the `cellbatch.server.api.Backend` of one Engine in this process.
+Replicas on Ray implement the same interface in `cellbatch.distributed.backend`.
 Promises: `start` returns the choices in plan order (prompt-major, then choice);
 every choice's stream ends with exactly one update that carries a finish reason;
 `close` is idempotent.
@@ -21,7 +21,7 @@ from cellbatch.model.adapters import AdapterInfo
 from cellbatch.runner import GenerationHandle
 from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector, engine_figures
-from cellbatch.types import Constraint, GenConfig, Token
+from cellbatch.types import Constraint, GenConfig, GenerationUpdate, Token
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -39,6 +39,19 @@ def start_generations(
         batch = engine.generate_async([list(prompt)] * n, config, share_prefix=not scoring)
         handles.extend(batch.handles())
     return handles
+
+
+async def pooled_summaries(
+    engine: Engine, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
+) -> list[GenerationUpdate]:
+    """Each prompt's pooling generation on `engine`, awaited; all are cancelled if the
+    caller goes away first."""
+    handles = engine.embed_async(list(prompts), pooling=pooling, priority=priority)
+    try:
+        return [await handle.result_async() for handle in handles]
+    finally:
+        for handle in handles:
+            handle.cancel()  # a no-op for settled ones
 
 
 class LocalBackend:
@@ -61,6 +74,17 @@ class LocalBackend:
             start_generations, self.engine, plan.prompts, plan.configs, plan.n
         )
         return [Choice(index, index // plan.n, handle) for index, handle in enumerate(handles)]
+
+    def embedding_size(self, dimensions: int | None) -> int:
+        return self.engine.embedding_size(dimensions)
+
+    def embedding_sizes(self) -> tuple[int, tuple[int, ...] | None]:
+        return self.engine.geometry.hidden_size, self.engine.backend.matryoshka_dimensions
+
+    async def embed(
+        self, prompts: Sequence[Sequence[Token]], pooling: str, priority: int
+    ) -> list[GenerationUpdate]:
+        return await pooled_summaries(self.engine, prompts, pooling, priority)
 
     async def health(self) -> tuple[bool, dict[str, object]]:
         if self.engine.runner.stopping():

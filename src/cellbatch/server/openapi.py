@@ -40,6 +40,7 @@ CROSS_FIELD_CODES = frozenset(
         "template_refused",  # a conversation the chat template raises on
         "empty_conversation",  # Responses input of reasoning items alone
         "lora_adapter_refused",  # ADAPTER_REFUSED
+        "invalid_file_encoding",  # a batch file's bytes that are not UTF-8 text
     }
 )
 # A LoRA adapter that cannot load: its folder (missing, malformed, for another model),
@@ -71,6 +72,8 @@ class Limits:
     vocab_size: int
     context: int
     sessions: int
+    # The hidden size and the sizes embeddings may be shortened to (None: none; (): any).
+    embedding_sizes: tuple[int, tuple[int, ...] | None]
 
 
 def errors(error: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -174,6 +177,12 @@ def _fill_bounds(node: Any, limits: Limits) -> None:
         node["maxItems"] = limits.context - 1
     elif kind == "sessions":
         node["maximum"] = limits.sessions
+    elif kind == "dimensions":
+        hidden, shorter = limits.embedding_sizes
+        if shorter == ():
+            node["maximum"] = hidden
+        else:
+            node["enum"] = sorted({hidden, *(shorter or ())})
     elif kind == "token_keys":
         node["propertyNames"] = {"pattern": f"^(?:{below(limits.vocab_size)})$"}
     for value in node.values():

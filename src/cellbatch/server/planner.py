@@ -85,7 +85,7 @@ class RequestPlanner:
         )
 
     def plan_completion(self, request: CompletionRequest) -> Plan:
-        prompts = self._completion_prompts(request.prompt)
+        prompts = self.token_prompts(request.prompt)
         drop = request.max_tokens == 0
         sampling = self._sampling(request, request.logprobs)
         if request.echo and request.logprobs is not None:
@@ -99,9 +99,7 @@ class RequestPlanner:
     def plan_chat(self, request: ChatCompletionRequest) -> Plan:
         tools, choice = self._tool_choice(request.tools, request.tool_choice)
         offered = tools if choice.mode is not ToolMode.NONE else []
-        prompt = self._chat_prompt(
-            request.messages, offered, True, request.chat_template_kwargs
-        )
+        prompt = self._chat_prompt(request.messages, offered, True, request.chat_template_kwargs)
         top = request.top_logprobs if request.logprobs else None
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(
@@ -251,7 +249,10 @@ class RequestPlanner:
             ) from error
         return constraint
 
-    def _completion_prompts(self, prompt: object) -> list[list[Token]]:
+    def token_prompts(self, prompt: object, param: str = "prompt") -> list[list[Token]]:
+        """The token prompts of a completion's `prompt` (or an embedding's `input`,
+        named by `param`): a string, token ids, or a list of either; each checked
+        against the vocabulary."""
         if isinstance(prompt, str):
             texts: list[str | list[int]] = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -259,15 +260,17 @@ class RequestPlanner:
         else:
             texts = list(prompt)  # type: ignore[call-overload]
         if not texts:
-            raise ApiError(400, "prompt is empty", "prompt")
+            raise ApiError(400, f"{param} is empty", param)
         prompts = []
         for text in texts:
             tokens = self._tokenizer("encode text").encode(text) if isinstance(text, str) else text
             if not tokens:
-                raise ApiError(400, "a prompt is empty: it must hold at least one token", "prompt")
+                raise ApiError(
+                    400, f"an item of {param} is empty: it must hold at least one token", param
+                )
             vocab = self.backend.vocab_size
             if any(not 0 <= t < vocab for t in tokens):
-                raise ApiError(400, f"a token id is outside the vocabulary [0, {vocab})", "prompt")
+                raise ApiError(400, f"a token id is outside the vocabulary [0, {vocab})", param)
             prompts.append(list(tokens))
         return prompts
 

@@ -5,9 +5,12 @@ Owns: `RouteContext` (the service, the planner, the chat answers' shapes, the st
 the served names and the body limit, as the app hands them to each API's router; a
 job followed to its end unless the client leaves),
 `read_body` (the size limit, before anything is parsed), `parse` (pydantic's verdict
-as an `ApiError` naming the field), the `model` check (`ServedModels`: the served
-names and the LoRA adapters loaded now) and `note_unknown_fields` (each unknown
-top-level field logged once per name).
+as an `ApiError` naming the field: `validation_error`), `check_model`, the LoRA
+adapters a `model` may also name (`ServedModels`), `check_fields` (a generation
+request's unsupported fields refused) and `note_unknown_fields` (each
+unknown top-level field logged once per name), and `error_body` (an `ApiError` in
+OpenAI's error shape). A batch line's body is checked with the same functions, so a
+line is refused exactly where the same request over HTTP would be.
 Promises: a body over the limit is refused (413) before it is read whole; a body that is
 not JSON or breaks its model is a 400 naming the first field at fault.
 Never: runs or answers requests (the routes do).
@@ -28,7 +31,15 @@ from pydantic import BaseModel, ValidationError
 from cellbatch.server.adapters import ServedModels
 from cellbatch.server.api import ApiError
 from cellbatch.server.planner import RequestPlanner
-from cellbatch.server.protocol import refused_fields
+from cellbatch.server.protocol import (
+    CHAT_ONLY_FIELDS,
+    UNSUPPORTED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    refused_fields,
+)
 from cellbatch.server.responses import Responses
 from cellbatch.server.service import EngineService, Job, until_disconnected
 from cellbatch.server.storage import Storage
@@ -99,12 +110,48 @@ class RouteContext:
         self.note_unknown_fields(set(extra or ()) - set(unsupported))
 
     def note_unknown_fields(self, names: Iterable[str]) -> None:
-        for name in names:
-            if name not in self.warned and len(self.warned) < MAX_WARNED_FIELDS:
-                self.warned.add(name)
-                log.warning(
-                    "ignoring the unknown request field %r (said once per field name)", name
-                )
+        note_unknown_fields(names, self.warned)
+
+
+def note_unknown_fields(names: Iterable[str], warned: set[str]) -> None:
+    """Logs each name not in `warned` once (and remembers it)."""
+    for name in names:
+        if name not in warned and len(warned) < MAX_WARNED_FIELDS:
+            warned.add(name)
+            log.warning("ignoring the unknown request field %r (said once per field name)", name)
+
+
+def check_fields(
+    request: CompletionRequest | ChatCompletionRequest,
+    names: tuple[str, ...],
+    warned: set[str],
+) -> None:
+    """Refuse a model that is not served and the fields that ask for what the server
+    does not do; log each unknown field name once."""
+    check_model(request.model, names)
+    refused = refused_fields(request.model_extra)
+    if refused and refused[0] in CHAT_ONLY_FIELDS:
+        raise ApiError(
+            400,
+            f"{refused[0]} works on /v1/chat/completions only: a completion has no tool "
+            "calls; send the request there as messages",
+            refused[0],
+        )
+    if refused:
+        raise ApiError(
+            400,
+            f"{refused[0]} is not supported by this server, and a request that asks for it "
+            "is refused rather than answered without it; leave it out",
+            refused[0],
+        )
+    # An unsupported field that passed asks for nothing: not unknown, nothing to say.
+    note_unknown_fields(set(request.model_extra or ()) - set(UNSUPPORTED_FIELDS), warned)
+
+
+def error_body(error: ApiError) -> ErrorResponse:
+    return ErrorResponse(
+        error=ErrorBody(message=error.message, type=error.kind, param=error.param, code=error.code)
+    )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -119,16 +166,28 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def parse(model: type[ModelT], body: bytes) -> ModelT:
+def parse(model: type[ModelT], body: bytes | str) -> ModelT:
     try:
         return model.model_validate_json(body)
     except ValidationError as error:
-        # The deepest error: of a union's branches, the one that got furthest.
-        first = max(error.errors(), key=lambda found: len(_field_path(found.get("loc", ()))))
-        where = ".".join(_field_path(first.get("loc", ())))
-        if first.get("type") == "json_invalid":
-            raise ApiError(400, f"the body is not valid JSON: {first.get('msg')}") from None
-        raise ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None) from None
+        raise validation_error(error) from None
+
+
+def validation_error(error: ValidationError) -> ApiError:
+    """pydantic's verdict as a 400 naming the field at fault: of a union's branches, the
+    one that got furthest, and there a value's fault (too short, too big) before a
+    branch of the wrong type (an empty list is "too short", not "not a string")."""
+    first = max(
+        error.errors(),
+        key=lambda found: (
+            len(_field_path(found.get("loc", ()))),
+            not str(found.get("type", "")).endswith("_type"),
+        ),
+    )
+    where = ".".join(_field_path(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {first.get('msg')}")
+    return ApiError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None)
 
 
 # The names pydantic gives a union's branches in an error's location (not fields).
@@ -144,3 +203,14 @@ def _field_path(location: tuple[int | str, ...]) -> list[str]:
         # Branches: pydantic's type names, and the models' (CamelCase) names.
         if not (isinstance(part, str) and (part in _BRANCHES or "[" in part or part[:1].isupper()))
     ]
+
+
+def check_model(model: str | None, names: tuple[str, ...]) -> None:
+    if model is not None and model not in names:
+        raise ApiError(
+            404,
+            f"the model `{model}` does not exist; this server serves "
+            f"{', '.join(repr(name) for name in names)} (GET /v1/models lists them)",
+            "model",
+            code="model_not_found",
+        )

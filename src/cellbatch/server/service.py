@@ -95,7 +95,7 @@ class EngineService:
                     remaining -= 1
                     continue
                 choice, update = item
-                self._record(choice, update)
+                record_update(choice, update)
                 if update.tokens:
                     now = time.perf_counter()
                     if request.first_token is None:
@@ -131,15 +131,16 @@ class EngineService:
         """(requests generating, requests waiting for their first token)."""
         return len(self._live) - self._queued, self._queued
 
-    @staticmethod
-    def _record(choice: Choice, update: GenerationUpdate) -> None:
-        choice.tokens.extend(update.tokens)
-        choice.text.append(update.text)
-        choice.logprobs.extend(update.logprobs)
-        if update.prompt_logprobs:
-            choice.prompt_logprobs = update.prompt_logprobs
-        if update.finish_reason is not None:
-            choice.finish_reason, choice.error = update.finish_reason, update.error
+
+def record_update(choice: Choice, update: GenerationUpdate) -> None:
+    """What an update adds to its choice: tokens, text, logprobs, the finish."""
+    choice.tokens.extend(update.tokens)
+    choice.text.append(update.text)
+    choice.logprobs.extend(update.logprobs)
+    if update.prompt_logprobs:
+        choice.prompt_logprobs = update.prompt_logprobs
+    if update.finish_reason is not None:
+        choice.finish_reason, choice.error = update.finish_reason, update.error
 
 
 async def until_disconnected(

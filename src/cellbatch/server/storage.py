@@ -8,7 +8,8 @@ for one transaction at a time (`transaction`).
 Promises: a step is applied in the transaction that records it, so a crash leaves a
 feature at a whole step; one database serves every feature (each names its own
 tables); the connection is used by one thread at a time (a lock), from any thread;
-the file is in WAL mode, so a reader never waits for a writer's transaction to end.
+a file database is in WAL mode with synchronous=FULL, so a committed transaction
+survives the process being killed (SIGKILL) and a reader never waits for a writer.
 Never: knows any feature's tables or rows (each feature's module does).
 """
 
@@ -39,6 +40,7 @@ class Storage:
         self._connection.row_factory = sqlite3.Row
         if self.path is not None:
             self._connection.execute("PRAGMA journal_mode=WAL")
+            self._connection.execute("PRAGMA synchronous=FULL")
         self._connection.execute(
             "CREATE TABLE IF NOT EXISTS schema_steps ("
             "feature TEXT NOT NULL, step INTEGER NOT NULL, PRIMARY KEY (feature, step))"
