@@ -51,6 +51,9 @@ class InstantExecutor:
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         pass
 
+    def set_adapter(self, sid: SessionId, adapter: int) -> None:
+        pass
+
     def kv_usage(self) -> KVUsage | None:
         return None  # no cell limit: admission never waits for cells
 

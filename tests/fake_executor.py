@@ -65,6 +65,7 @@ class FakeExecutor:
     batches: list[BatchInput] = field(default_factory=list)
     events: list[tuple[Any, ...]] = field(default_factory=list)
     sampling: list[tuple[SessionId, SamplingParams, int | None]] = field(default_factory=list)
+    adapters: list[tuple[SessionId, int]] = field(default_factory=list)  # set_adapter calls
     closed: list[SessionId] = field(default_factory=list)
     clone_calls: list[tuple[SessionId, int]] = field(default_factory=list)
     init_calls: int = 0
@@ -154,6 +155,10 @@ class FakeExecutor:
         self._check_thread()
         self.sampling.append((sid, params, seed))
         self.events.append(("sampling", sid, seed))
+
+    def set_adapter(self, sid: SessionId, adapter: int) -> None:
+        self._check_thread()
+        self.adapters.append((sid, adapter))
 
     def truncate(self, sid: SessionId, length: int) -> None:
         self._check_thread()

@@ -22,6 +22,11 @@ TaskId = int
 Position = int
 
 MAX_POSITION = 2**31 - 1
+# The adapter id of a generation that runs the base model alone (a LoRA adapter's id is
+# issued when it loads: cellbatch.model.adapters).
+NO_ADAPTER = 0
+# LoRA adapters an engine holds at once unless told otherwise (`max_loras`).
+DEFAULT_MAX_LORAS = 8
 
 
 class InvalidArgumentError(ValueError):
@@ -489,6 +494,8 @@ class GenConfig:
     integer, lower first; vLLM's convention) orders the generations that wait to start,
     keeps a less urgent generation's work out of a step while a more urgent prompt is
     being fed, and picks the less urgent generation when one must give its cells up.
+    `adapter` names the LoRA adapter the generation runs with (one the engine has
+    loaded; None: the base model alone).
     """
 
     max_new_tokens: int = 256
@@ -498,6 +505,7 @@ class GenConfig:
     seed: int | None = None
     extra_stop_tokens: frozenset[Token] = frozenset()
     include_stop_string: bool = False
+    adapter: str | None = None
     priority: int = DEFAULT_PRIORITY
 
     def __post_init__(self) -> None:
@@ -521,6 +529,11 @@ class GenConfig:
         if not isinstance(self.include_stop_string, bool):
             raise InvalidArgumentError(
                 f"include_stop_string must be True or False, got {self.include_stop_string!r}"
+            )
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InvalidArgumentError(
+                f"adapter must be the name of a loaded LoRA adapter or None (the base "
+                f"model), got {self.adapter!r}"
             )
         _set(self, "priority", coerce_int("priority", self.priority))
         # A malformed max_new_tokens is the runner's to refuse, with its own message.

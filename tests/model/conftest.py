@@ -12,6 +12,7 @@ import torch
 
 from cellbatch.cache import CellCache, KVPool
 from cellbatch.model import kernels, ops
+from cellbatch.model.adapters import AdapterBank
 from cellbatch.model.transformer import PackedTransformer
 from tiny_models import make_tiny_checkpoint
 
@@ -50,9 +51,11 @@ def run_steps(
     steps: Sequence[Sequence[tuple[int, Sequence[int]]]],
     num_sequences: int,
     kv_dtype: torch.dtype = torch.float32,
+    adapters: tuple[AdapterBank, Sequence[int]] | None = None,
 ) -> list[torch.Tensor]:
     """Runs packed steps; each step is a list of (sequence index, tokens) in token-axis
-    order. Returns every step's logits for all its rows."""
+    order. Returns every step's logits for all its rows. `adapters` (bank, ids): the
+    rows of sequence i run with the bank's adapter ids[i] (0: none)."""
     config = model.config
     cache = CellCache(capacity=4096)
     pool = KVPool(
@@ -78,6 +81,12 @@ def run_steps(
         cells = cache.place_step(seq_ids_np, positions_np)
         pool.ensure(cache.high_water())
         plan = cache.attention_plan(seq_ids_np, positions_np, cells)
+        lora = None
+        if adapters is not None:
+            bank, ids = adapters
+            lora = bank.step(
+                np.repeat([ids[index] for index, _ in step], [len(c) for _, c in step])
+            )
         with torch.no_grad():
             logits = model(
                 torch.tensor(tokens),
@@ -86,6 +95,7 @@ def run_steps(
                 pool,
                 torch.from_numpy(cells),
                 torch.arange(len(tokens)),
+                lora,
             )
         results.append(logits)
     return results

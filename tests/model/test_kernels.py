@@ -197,6 +197,7 @@ def layer_inputs(dtype: torch.dtype) -> tuple:
         heads.num_kv_heads,
         heads.head_dim,
         heads.attention_scale,
+        [],
     )
 
 
@@ -227,7 +228,22 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "int8_matmul_a8": quantized_inputs("int8", dtype, generator, a8=True),
         "kquant_matmul_a8": kquant_inputs(dtype, generator),
         "decoder_layer": layer_inputs(dtype),
+        "lora_add": lora_inputs(dtype),
     }
+
+
+def lora_inputs(dtype: torch.dtype) -> tuple:
+    """lora_add's arguments: 4 rows of 64 into 48 outputs, rows 1 and 3 with a rank-4
+    adapter on the first 16 outputs."""
+    generator = torch.Generator().manual_seed(8)
+    a, b = torch.randn(4, 64, generator=generator), torch.randn(4 * 16, generator=generator)
+    return (
+        torch.randn(4, 48, generator=generator).to(dtype),
+        torch.randn(4, 64, generator=generator).to(dtype),
+        torch.tensor([1, 3]),
+        torch.tensor([0, 2]),
+        [a.to(dtype), b.to(dtype), torch.tensor([[0, 4, 0, 16]])],
+    )
 
 
 def quantized_inputs(

@@ -43,6 +43,8 @@ ROUTES = {
     ("GET", "/v1/responses/{response_id}/input_items"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
     ("POST", "/v1/embeddings"),
     ("POST", "/v1/files"),
     ("GET", "/v1/files"),

@@ -79,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     shape.add_argument("--grammar", type=Path, help="every answer fits this Lark grammar file")
     add_engine_options(run)
+    run.add_argument(
+        "--adapter",
+        metavar="NAME",
+        help="run every prompt with this LoRA adapter (one of --lora-modules); a line "
+        "starting with @NAME and a space runs with adapter NAME instead",
+    )
     run.add_argument("--report-json", type=Path, help="write the whole report here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=run_command)

@@ -18,9 +18,10 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellbatch.types import ACTIVATION_CHOICES, QUANTIZE_CHOICES
+from cellbatch.types import ACTIVATION_CHOICES, DEFAULT_MAX_LORAS, QUANTIZE_CHOICES
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine
@@ -53,6 +54,7 @@ def check_engine_options(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    lora_adapters(args)
     from cellbatch.machine import check_numa
     from cellbatch.model.device import device_quantize, resolve_device
     from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
@@ -141,6 +143,58 @@ def add_weight_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules item, NAME=PATH (vLLM's form), as (name, path)."""
+    name, equals, path = text.partition("=")
+    if not equals or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=PATH (a name for the adapter, then its PEFT folder)"
+        )
+    return name.strip(), path.strip()
+
+
+def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
+    """The adapters --lora-modules names, by name; a name given twice or a folder that
+    does not exist is a UsageError, before the model loads."""
+    adapters: dict[str, str] = {}
+    for name, path in args.lora_modules or ():
+        if name in adapters:
+            raise UsageError(f"--lora-modules names {name!r} twice; give each adapter one name")
+        if not Path(path).is_dir():
+            raise UsageError(
+                f"--lora-modules {name}={path}: {path} is not a folder (give the folder PEFT "
+                "saved: adapter_config.json + adapter_model.safetensors)"
+            )
+        adapters[name] = path
+    if args.max_loras < 1:
+        raise UsageError(f"--max-loras must be >= 1, got {args.max_loras}")
+    if len(adapters) > args.max_loras:
+        raise UsageError(
+            f"--lora-modules names {len(adapters)} adapters, above --max-loras "
+            f"{args.max_loras}; raise --max-loras"
+        )
+    return adapters
+
+
+def add_adapter_options(parser: argparse.ArgumentParser) -> None:
+    """The LoRA adapters `run` and `serve` load beside the model."""
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=lora_module,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve beside the model: a name and the folder PEFT saved "
+        "(adapter_config.json + adapter_model.safetensors); repeat or list several",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=DEFAULT_MAX_LORAS,
+        help=f"LoRA adapters loaded at once, at most (default {DEFAULT_MAX_LORAS})",
+    )
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The model and engine-shape options `run` and `serve` share."""
     parser.add_argument("--model", help="Hugging Face folder or GGUF file (default: SmolLM2-135M)")
@@ -204,6 +258,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer); the '
         "tokens are the same as without it, only faster where drafts are accepted",
     )
+    add_adapter_options(parser)
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +319,8 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
         "weight_sharing": args.weight_sharing,
         "weights_cache": None if args.no_cache else args.cache_dir or "auto",
         "speculative": speculative_config(args),
+        "lora_adapters": lora_adapters(args),
+        "max_loras": args.max_loras,
     }
 
 

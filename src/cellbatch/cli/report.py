@@ -147,13 +147,15 @@ def _generation_entry(
         "text": text,
         "finish_reason": finish_reason,
         "error": error,
+        "adapter": prompt.adapter,
     }
 
 
 def print_report(report: dict[str, Any], engine_text: str) -> None:
     kv = report["kv"]
     for number, entry in enumerate(report["generations"], start=1):
-        print(f"=== [{number}] {entry['source']} ===")
+        adapter = f" (adapter {entry['adapter']})" if entry["adapter"] else ""
+        print(f"=== [{number}] {entry['source']}{adapter} ===")
         print(f">>> {entry['prompt']}")
         if entry["error"]:
             print(f"!!! {entry['finish_reason']}: {entry['error']}")

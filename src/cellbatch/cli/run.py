@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from cellbatch.cli.options import (
     engine_shape,
     exit_on_signal,
     load_engine,
+    lora_adapters,
     note,
 )
 from cellbatch.cli.prompts import PromptLine, read_prompts
@@ -35,7 +37,7 @@ from cellbatch.cli.report import RunRecord, build_report, memory_snapshot, print
 from cellbatch.types import Constraint, GenConfig, InvalidArgumentError, SamplingParams, Token
 
 if TYPE_CHECKING:
-    from cellbatch.engine import Engine, GenerationBatch
+    from cellbatch.engine import Engine, GenerationBatch, GenerationResult
 
 # More sessions than this are rarely faster on a CPU and cost KV memory up front.
 SESSION_CAP = 256
@@ -78,7 +80,13 @@ def _constraint(args: argparse.Namespace) -> Constraint | None:
 def run_command(args: argparse.Namespace) -> int:
     _check_run_options(args)
     constraint = _constraint(args)
-    prompts = read_prompts(args)
+    adapters = lora_adapters(args)
+    if args.adapter is not None and args.adapter not in adapters:
+        raise UsageError(
+            f"--adapter {args.adapter}: no such adapter; name one of --lora-modules "
+            f"({', '.join(adapters) or 'none given'})"
+        )
+    prompts = read_prompts(args, adapters)
     if not prompts:
         raise UsageError("every prompt line is empty: nothing to run")
     if args.model is not None and not Path(args.model).exists():
@@ -118,15 +126,28 @@ def run_command(args: argparse.Namespace) -> int:
             note(f"{len(inputs)} prompts started (Ctrl-C stops them and keeps what is done)")
         started = time.perf_counter()
         with ProgressBar(args.quiet) as progress:
-            batch = engine.generate_async(
-                [tokens for _, tokens in inputs],
-                config,
-                stop=args.stop,
-                constraint=constraint,
-                on_tokens=progress,
-            )
-            interrupted = _wait_interruptibly(batch)
-            results = batch.results()
+            # One call per adapter, so that each call's shared prefix runs under its own.
+            groups: dict[str | None, list[int]] = {}
+            for position, (index, _) in enumerate(inputs):
+                groups.setdefault(prompts[index].adapter, []).append(position)
+            batches = [
+                (
+                    positions,
+                    engine.generate_async(
+                        [inputs[position][1] for position in positions],
+                        replace(config, adapter=adapter),
+                        stop=args.stop,
+                        constraint=constraint,
+                        on_tokens=progress,
+                    ),
+                )
+                for adapter, positions in groups.items()
+            ]
+            interrupted = _wait_interruptibly([batch for _, batch in batches])
+            by_position: dict[int, GenerationResult] = {}
+            for positions, batch in batches:
+                by_position.update(zip(positions, batch.results(), strict=True))
+            results = [by_position[position] for position in range(len(inputs))]
         generate_seconds = time.perf_counter() - started
         memory["after_generate"] = memory_snapshot()
         metrics = engine.metrics()
@@ -157,8 +178,8 @@ def run_command(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _wait_interruptibly(batch: GenerationBatch) -> int:
-    """Wait for the batch; the first SIGINT or SIGTERM cancels what still runs (the
+def _wait_interruptibly(batches: list[GenerationBatch]) -> int:
+    """Wait for the batches; the first SIGINT or SIGTERM cancels what still runs (the
     results so far are kept and reported), a second SIGINT exits at once. Returns the
     signal number that interrupted the wait, or 0."""
     received: list[int] = []
@@ -167,13 +188,15 @@ def _wait_interruptibly(batch: GenerationBatch) -> int:
         if received and signum == signal.SIGINT:
             os._exit(128 + signal.SIGINT)  # the user insists: no report, no cleanup
         received.append(signum)
-        batch.cancel()
+        for batch in batches:
+            batch.cancel()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         # Short waits, so that the main thread runs the handler as soon as a signal comes.
-        while not batch.wait(0.1):
-            pass
+        for batch in batches:
+            while not batch.wait(0.1):
+                pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -38,6 +38,7 @@ from cellbatch.distributed.replicas import ReplicaSet
 from cellbatch.distributed.routing import PrefixRouter
 from cellbatch.engine.embedding import embedding_size
 from cellbatch.metrics import GenerationMetrics
+from cellbatch.model.adapters import AdapterInfo
 from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector
 from cellbatch.types import (
@@ -71,6 +72,7 @@ class ReplicaBackend:
         self._requests: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._constraints: ConstraintCompiler | None = None  # built on first use
+        self._adapters = {adapter.name: adapter for adapter in info.adapters}
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Compiled here with the replicas' tokenizer (each replica compiles it again for
@@ -152,6 +154,34 @@ class ReplicaBackend:
         up = sum(pid is not None for pid in pids)
         status = "ok" if up == len(pids) else "degraded" if up else "unavailable"
         return up > 0, {"status": status, "replicas": replicas}
+
+    def adapters(self) -> list[AdapterInfo]:
+        return list(self._adapters.values())
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """On every replica, or on none: one that refuses it unloads it from the others.
+        (A replica that Ray restarts comes back with the adapters it was started with.)"""
+        calls = [actor.load_adapter.remote(name, path) for actor in self.replicas.actors]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failed:
+            loaded = [
+                actor
+                for actor, outcome in zip(self.replicas.actors, outcomes, strict=True)
+                if not isinstance(outcome, BaseException)
+            ]
+            await asyncio.gather(
+                *(actor.unload_adapter.remote(name) for actor in loaded), return_exceptions=True
+            )
+            raise InvalidArgumentError(_cause(failed[0]))
+        self._adapters[name] = cast("AdapterInfo", outcomes[0])  # none failed
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise InvalidArgumentError(f"no LoRA adapter named {name!r} is loaded")
+        del self._adapters[name]
+        calls = [actor.unload_adapter.remote(name) for actor in self.replicas.actors]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def collector(self) -> Collector:
         return _ReplicaCollector(self)
@@ -349,3 +379,9 @@ class _ReplicaCollector(Collector):
         for (r, reason), count in list(backend.router.routed.items()):
             routed.add_metric([str(r), reason], count)
         yield from (up, running, routed, moved, failed, restarts)
+
+
+def _cause(error: BaseException) -> str:
+    """A replica's error as its last line says it (Ray wraps it in its traceback)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else repr(error)

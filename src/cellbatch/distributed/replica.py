@@ -9,8 +9,9 @@ previous list was in flight goes together; each choice's last delivery carries i
 finish reason and metrics. `cancel` ends a request's generations within a step, even
 when it arrives before the request's stream has started. `generate` is
 `Engine.generate` on a block of a larger call, seeded as that call's prompts at
-`first` onwards would be; `embed` gives prompts' pooled hidden states. The actor is
-async: many requests stream at once.
+`first` onwards would be; `embed` gives prompts' pooled hidden states.
+`load_adapter` and `unload_adapter` are the engine's. The actor is async: many requests
+stream at once.
 Never: imports Ray (`ReplicaSet` makes the actor class), or routes requests.
 """
 
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 
 from cellbatch.engine import Engine, EngineLimits, GenerationResult, Prompt
 from cellbatch.metrics import GenerationMetrics
+from cellbatch.model.adapters import AdapterInfo
 from cellbatch.model.tokenizer import Tokenizer
 from cellbatch.runner import GenerationHandle
 from cellbatch.types import GenConfig, GenerationUpdate, SamplingParams, Token
@@ -45,6 +47,7 @@ class ReplicaInfo:
     model: str
     threads: int
     speculative: str | None = None  # its speculative method, where it speculates
+    adapters: tuple[AdapterInfo, ...] = ()  # the LoRA adapters it serves
     hidden_size: int = 0  # the embeddings' size
     matryoshka_dimensions: tuple[int, ...] | None = None  # sizes they may be shortened to
 
@@ -78,6 +81,7 @@ class Replica:
             model=str(engine.model_path),
             threads=self.threads,
             speculative=engine.speculative.method if engine.speculative is not None else None,
+            adapters=tuple(engine.adapters()),
             hidden_size=engine.geometry.hidden_size,
             matryoshka_dimensions=engine.backend.matryoshka_dimensions,
         )
@@ -157,6 +161,12 @@ class Replica:
             # Prompt i of a call is seeded seed + i: this block starts at prompt `first`.
             options = {**options, "seed": (seed + first) % 2**63}
         return await asyncio.to_thread(self.engine.generate, prompts, params, **options)
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        return await asyncio.to_thread(self.engine.load_adapter, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
 
     def figures(self) -> dict[str, float]:
         from cellbatch.server.observability import engine_figures

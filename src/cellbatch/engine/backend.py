@@ -1,8 +1,8 @@
 """What runs an engine's forwards: a torch module or an exported program, behind one face.
 
 Owns: `ModelBackend` and its two kinds (`ModuleBackend`: a PackedTransformer with its
-config; `ProgramBackend`: a program file's methods), and loading each from a path with
-the options checked against what the file can do.
+config and the bank of its LoRA adapters; `ProgramBackend`: a program file's methods),
+and loading each from a path with the options checked against what the file can do.
 Promises: an Engine reads the geometry, the activations' dtype, the kernels, the weight
 summary and the weights' bytes from its backend, and gets its executor from it, without
 asking which kind it holds. A program refuses options its export fixed (dtype, kv_dtype,
@@ -27,6 +27,7 @@ from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.program import Program, load_program, read_tokenizer
 from cellbatch.machine import FileMappings
+from cellbatch.model.adapters import AdapterBank
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
 from cellbatch.model.quantized import WeightsSummary
@@ -39,7 +40,7 @@ from cellbatch.model.transformer import (
     resolve_kv_dtype,
 )
 from cellbatch.threads import in_short_lived_thread
-from cellbatch.types import InvalidArgumentError, ModelGeometry
+from cellbatch.types import DEFAULT_MAX_LORAS, InvalidArgumentError, ModelGeometry
 
 
 class ModelBackend(ABC):
@@ -89,6 +90,16 @@ class ModelBackend(ABC):
         return 0
 
     @property
+    def adapters(self) -> AdapterBank | None:
+        """The LoRA adapters its forwards run (None: it runs none)."""
+        return None
+
+    @property
+    def adapters_refusal(self) -> str:
+        """Why it runs no LoRA adapters, and the fix (where `adapters` is None)."""
+        return CellExecutor.ADAPTERS_REFUSAL
+
+    @property
     def matryoshka_dimensions(self) -> tuple[int, ...] | None:
         """The sizes its embeddings may be shortened to (ModelConfig's); None: none."""
         return None
@@ -113,6 +124,20 @@ class ModuleBackend(ModelBackend):
     module: PackedTransformer
     config: ModelConfig
     cuda: CudaOptions | None = None
+    bank: AdapterBank | None = None  # on the CPU, None: a bank of DEFAULT_MAX_LORAS is made
+
+    def __post_init__(self) -> None:
+        if self.bank is None and self.cuda is None:
+            bank = AdapterBank(self.config, self.module.dtype, DEFAULT_MAX_LORAS)
+            object.__setattr__(self, "bank", bank)  # a frozen dataclass's own default
+
+    @property
+    def adapters(self) -> AdapterBank | None:
+        return None if self.cuda is not None else self.bank
+
+    @property
+    def adapters_refusal(self) -> str:
+        return CudaExecutor.ADAPTERS_REFUSAL
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -160,7 +185,9 @@ class ModuleBackend(ModelBackend):
             return CudaExecutor(
                 self.module, self.config, shape, self.cuda, constraints, drafter=drafter
             )
-        return ModuleExecutor(self.module, self.config, shape, constraints, drafter)
+        return ModuleExecutor(
+            self.module, self.config, shape, constraints, drafter, adapters=self.adapters
+        )
 
     @classmethod
     def load(
@@ -174,18 +201,20 @@ class ModuleBackend(ModelBackend):
         device: torch.device | None = None,
         cuda: CudaOptions | None = None,
         cache: str | Path | None = None,
+        max_loras: int = DEFAULT_MAX_LORAS,
     ) -> ModuleBackend:
         """A Hugging Face folder or a GGUF file, loaded in a thread of its own (its
         native pools die with it: `in_short_lived_thread`), onto `device`; off the CPU it
         runs through a CudaExecutor with `cuda` (default options when None). None: the CPU.
-        `cache`: the repacked-weights cache's folder (see load_model)."""
+        `cache`: the repacked-weights cache's folder (see load_model). On the CPU it has a
+        bank for up to `max_loras` LoRA adapters."""
         device = device or torch.device("cpu")
         config, module = in_short_lived_thread(
             lambda: load_model(path, dtype, kernels, quantize, progress, activations, device, cache)
         )
         if device.type != "cpu":
             return cls(module, config, cuda or CudaOptions())
-        return cls(module, config)
+        return cls(module, config, bank=AdapterBank(config, module.dtype, max_loras))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +222,10 @@ class ProgramBackend(ModelBackend):
     """An exported program's compiled methods; no model code runs."""
 
     program: Program
+
+    @property
+    def adapters_refusal(self) -> str:
+        return ProgramExecutor.ADAPTERS_REFUSAL
 
     @property
     def geometry(self) -> ModelGeometry:

@@ -12,7 +12,9 @@ depend on what else shares the batch. A prefix common to all the prompts of a ca
 the same tokens as without the sharing. Sessions and submissions default to the
 model's stop tokens. `embed` gives each input's pooled last hidden states (last token
 or mean, normalised), its prompts batched in the same steps as generations; a bad
-input is refused before anything runs, naming it. After `close()`, every call says the
+input is refused before anything runs, naming it. LoRA adapters load and unload while the
+engine runs (`load_adapter`, `unload_adapter`); a generation names one in its GenConfig
+and runs beside the base model's in the same steps. After `close()`, every call says the
 engine is closed.
 Never: touches the engine thread's state directly (everything goes through the
 Runner's faces), or asks which kind of backend it holds.
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from cellbatch.constraint import ConstraintCompiler
+from cellbatch.engine.adapter_options import NoAdapters, check_lora_options
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
 from cellbatch.engine.drafters import load_draft, make_drafter
@@ -52,6 +55,7 @@ from cellbatch.machine import (
     read_topology,
 )
 from cellbatch.metrics import EngineMetrics
+from cellbatch.model.adapters import AdapterBank, AdapterInfo, AdapterUsage
 from cellbatch.model.default import default_model_path
 from cellbatch.model.device import device_quantize, resolve_device
 from cellbatch.model.loading import LoadProgress, PhaseClock
@@ -63,7 +67,9 @@ from cellbatch.model.weights_cache import cache_directory
 from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.speculative import SpeculativeConfig, parse_speculative_config
+from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (
+    DEFAULT_MAX_LORAS,
     DEFAULT_PRIORITY,
     Constraint,
     FinishReason,
@@ -149,6 +155,11 @@ class Engine:
             admission=self.admission,
             prefix_cache_entries=prefix_cache_entries,
             speculative=self.speculative,
+            adapters=(
+                backend.adapters
+                if backend.adapters is not None
+                else NoAdapters(backend.adapters_refusal)
+            ),
         )
         self._closed = False
 
@@ -172,6 +183,8 @@ class Engine:
         numa: str | int = "auto",
         weights_cache: str | Path | None = "auto",
         speculative: SpeculativeConfig | str | Mapping[str, object] | None = None,
+        lora_adapters: Mapping[str, str | Path] | None = None,
+        max_loras: int = DEFAULT_MAX_LORAS,
         **shape: Any,
     ) -> Engine:
         """Load a Hugging Face folder, a GGUF file (default: the embedded
@@ -199,8 +212,11 @@ class Engine:
         replayed; off: eager, vLLM's --enforce-eager) and `weight_sharing` (one copy of the
         weights for every method and graph). `speculative` (a `SpeculativeConfig`, or
         vLLM's JSON object or text for one) turns on speculative decoding: prompt lookup,
-        or a draft model loaded with the same options; the tokens stay the same. The
-        options are checked before anything loads."""
+        or a draft model loaded with the same options; the tokens stay the same (a
+        generation's LoRA adapter runs in the verifying rows; the draft model drafts
+        without it). `lora_adapters` maps names to PEFT LoRA adapter folders to serve
+        from the start (`load_adapter`; the CPU only); `max_loras` bounds the adapters
+        loaded at once. The options are checked before anything loads."""
         resolve_quantize(quantize)  # a bad value fails before anything loads
         check_activations(activations)
         cache_directory(weights_cache)
@@ -216,6 +232,7 @@ class Engine:
                 "the model folder or GGUF file to run on a GPU, or pass device 'cpu'"
             )
         quantize = device_quantize(quantize, target)
+        adapters = check_lora_options(lora_adapters, max_loras, is_program_file, target)
         if model is not None and is_program_file:
             return cls.from_program(
                 model,
@@ -255,8 +272,15 @@ class Engine:
             target,
             cuda,
             weights_cache,
+            max_loras,
         )
         clock = PhaseClock(progress)
+        bank = backend.adapters
+        for name, folder in adapters.items():
+            assert bank is not None  # a bank on the CPU; _check_adapters refused the rest
+            in_short_lived_thread(lambda: bank.load(name, folder))  # noqa: B023
+        if adapters:
+            clock.done(f"loaded {len(adapters)} LoRA adapter(s)")
         try:
             tokenizer = load_tokenizer(path)
         except FileNotFoundError:
@@ -411,6 +435,7 @@ class Engine:
                 self.runner,
                 [result.prompt_tokens for _, result in jobs],
                 self.shape.max_sessions,
+                base.adapter,
             )
             if share_prefix
             else None
@@ -527,6 +552,42 @@ class Engine:
         if self.tokenizer is None:
             return " ".join(str(token) for token in tokens)
         return self.tokenizer.decode(tokens)
+
+    # -- LoRA adapters ---------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Serve the PEFT LoRA adapter in folder `path` as `name` from now on, beside the
+        others and the base model; generations name it in `GenConfig(adapter=name)`.
+        Raises (loading nothing) for a folder that cannot run on this model (the file
+        and the mismatch named), a name in use, or max_loras adapters loaded."""
+        self._require_open()
+        return in_short_lived_thread(lambda: self._adapter_bank().load(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name`: new generations cannot name it; those running finish
+        with it, then its weights are freed. Raises for a name not loaded."""
+        self._require_open()
+        self._adapter_bank().unload(name)
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The LoRA adapters served now, in load order."""
+        bank = self.backend.adapters
+        return [] if bank is None else bank.adapters()
+
+    def adapter_usage(self) -> dict[str, AdapterUsage]:
+        """Per adapter name loaded since the engine started: generations, prompt and
+        generated tokens (kept after an unload)."""
+        bank = self.backend.adapters
+        return {} if bank is None else bank.usage()
+
+    def _adapter_bank(self) -> AdapterBank:
+        bank = self.backend.adapters
+        if bank is None:
+            raise InvalidArgumentError(
+                f"this engine runs a {self.executor_kind}, which runs no LoRA adapters: "
+                f"{self.backend.adapters_refusal}"
+            )
+        return bank
 
     # -- reports -------------------------------------------------------------
 

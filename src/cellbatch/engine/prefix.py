@@ -1,7 +1,8 @@
 """A prefix common to all the prompts of one `Engine.generate` call, fed once.
 
 Owns: `feed_shared_prefix` and the root session it returns.
-Promises: the root holds exactly the first `length` tokens of every prompt, and each
+Promises: the root holds exactly the first `length` tokens of every prompt, computed
+under the prompts' own LoRA adapter (or none), and each
 prompt keeps at least its last token to feed (its logits give the first new token); no
 root when the prefix is shorter than MIN_SHARED_PREFIX, when there is one prompt or one
 session, or when the engine cannot spare a session or the prefill fails.
@@ -31,9 +32,13 @@ class SharedPrefix:
 
 
 def feed_shared_prefix(
-    runner: Runner, prompts: Sequence[Sequence[Token]], max_sessions: int
+    runner: Runner,
+    prompts: Sequence[Sequence[Token]],
+    max_sessions: int,
+    adapter: str | None = None,
 ) -> SharedPrefix | None:
-    """A session fed with the prompts' common prefix, or None (see the module)."""
+    """A session fed with the prompts' common prefix under the LoRA adapter the prompts
+    run with (None: the base model), or None (see the module)."""
     if len(prompts) < 2 or max_sessions < 2:
         return None  # with one session, the root would only delay the first prompt
     arrays = [np.asarray(prompt, dtype=np.int64) for prompt in prompts]
@@ -44,7 +49,7 @@ def feed_shared_prefix(
     session = runner.open_session_async().result()
     if session is None:
         return None
-    handle = session.prefill_async(list(prompts[0][:length]))
+    handle = session.prefill_async(list(prompts[0][:length]), adapter=adapter)
     handle.wait()
     if handle.finish_reason() != FinishReason.TOKEN_LIMIT:
         session.close()

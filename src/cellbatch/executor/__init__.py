@@ -45,6 +45,10 @@ class Executor(Protocol):
     def set_sampling(self, sid: SessionId, params: SamplingParams, seed: int | None) -> None:
         """Install the policy of the session's next generation; None seeds randomly."""
 
+    def set_adapter(self, sid: SessionId, adapter: int) -> None:
+        """Install the LoRA adapter id of the session's next generation (0, NO_ADAPTER:
+        the base model alone); InvalidArgumentError where it cannot run that adapter."""
+
     def execute(self, batch: BatchInput) -> BatchOutput:
         """Run one packed step; raises when the whole batch failed."""
 

@@ -37,6 +37,7 @@ from cellbatch.executor.drafting import Draft, Drafter, DraftRequest
 from cellbatch.executor.pooling import pool_slice, slice_pooling
 from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
 from cellbatch.types import (
+    NO_ADAPTER,
     BatchInput,
     BatchOutput,
     Input,
@@ -216,21 +217,42 @@ class CellExecutor(ABC):
             )
         self.table.set_sampling(sid, params, seed)
 
+    # Whether this executor's forwards run LoRA adapters (a subclass's choice), and why
+    # not where they do not, with the fix.
+    runs_adapters = False
+    ADAPTERS_REFUSAL = "its forwards run the base model only"
+
+    def set_adapter(self, sid: SessionId, adapter: int) -> None:
+        """Installs the LoRA adapter id of the session's next generation (NO_ADAPTER: the
+        base model); refused where this executor's forwards run no adapters."""
+        if adapter != NO_ADAPTER and not self.runs_adapters:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} runs no LoRA adapters: {self.ADAPTERS_REFUSAL}"
+            )
+        self.table.set_adapter(sid, adapter)
+
     def position(self, sid: SessionId) -> int:
         return self.table.position(sid)
 
     # -- steps ---------------------------------------------------------------
 
     @abstractmethod
-    def slices(self, total: int) -> Iterable[tuple[int, int, Forward]]:
-        """(offset, length, forward) of each forward covering a packed step of `total`
-        tokens, in order."""
+    def slices(self, step: PackedStep) -> Iterable[tuple[int, int, Forward]]:
+        """(offset, length, forward) of each forward covering the packed step's tokens,
+        in order."""
 
     def pooled_forward(self) -> PooledForward | None:
         """The forward that also gives final-norm hidden states, run for the slices in
         which a pooling session (an embedding) needs them; None (the default) where this
         executor's forwards give logits only."""
         return None
+
+    def slice_pooled_forward(
+        self, step: PackedStep, offset: int, length: int
+    ) -> PooledForward | None:
+        """`pooled_forward()` for the step's tokens [offset, offset + length) (a subclass
+        whose forwards carry per-row state, LoRA adapters, gives it that slice's)."""
+        return self.pooled_forward()
 
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> BatchOutput:
@@ -243,7 +265,7 @@ class CellExecutor(ABC):
         logits: list[torch.Tensor] = []
         owners: list[np.ndarray] = []
         outputs: list[Output | None] = [None] * len(batch.inputs)
-        for offset, length, forward in self.slices(step.num_tokens):
+        for offset, length, forward in self.slices(step):
             ran = self.run_forward(step, offset, length, forward)
             if ran.inputs.size:
                 logits.append(ran.logits)
@@ -308,7 +330,7 @@ class CellExecutor(ABC):
             plan,
             picked.rows,
         )
-        pooled_forward = self.pooled_forward()
+        pooled_forward = self.slice_pooled_forward(step, offset, length)
         if pooling is not None and pooling.rows.size:
             assert step.pooling is not None
             if pooled_forward is None:  # set_sampling refuses pooling sessions here

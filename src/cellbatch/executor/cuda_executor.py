@@ -41,6 +41,7 @@ from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.graphs import CudaGraphCapture, GraphCapture, StepGraphs
+from cellbatch.executor.session_table import PackedStep
 from cellbatch.executor.step_plan import plan_calls
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.device_attention import (
@@ -119,6 +120,11 @@ class DecodeBuffers:
 
 class CudaExecutor(CellExecutor):
     """A model on a device: decode widths through captured graphs, wide steps eagerly."""
+
+    ADAPTERS_REFUSAL = (
+        "LoRA adapters run on the CPU only (the CUDA executor's forwards and graphs carry "
+        "no adapter rows); load the model with device 'cpu' to serve them"
+    )
 
     def __init__(
         self,
@@ -201,9 +207,9 @@ class CudaExecutor(CellExecutor):
 
     # -- steps -----------------------------------------------------------------
 
-    def slices(self, total: int) -> Iterator[tuple[int, int, Forward]]:
+    def slices(self, step: PackedStep) -> Iterator[tuple[int, int, Forward]]:
         for call in plan_calls(
-            total, self.shape.max_batch_tokens, self.min_prefill_tokens, self.widths
+            step.num_tokens, self.shape.max_batch_tokens, self.min_prefill_tokens, self.widths
         ):
             forward: Forward = self.wide_forward
             if call.width is not None:

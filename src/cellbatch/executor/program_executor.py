@@ -30,6 +30,7 @@ from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
 from cellbatch.executor.drafting import Drafter
+from cellbatch.executor.session_table import PackedStep
 from cellbatch.executor.step_plan import plan_calls
 from cellbatch.export.manifest import MethodSpec
 from cellbatch.export.program import Program
@@ -41,6 +42,11 @@ MIN_DYNAMIC = 2
 
 class ProgramExecutor(CellExecutor):
     """An exported program's methods, one call per slice of a packed step."""
+
+    ADAPTERS_REFUSAL = (
+        "an exported program runs its base model only; load the model from its folder or "
+        "GGUF file to serve LoRA adapters"
+    )
 
     def __init__(
         self,
@@ -87,8 +93,8 @@ class ProgramExecutor(CellExecutor):
 
     # -- steps ---------------------------------------------------------------
 
-    def slices(self, total: int) -> Iterator[tuple[int, int, Forward]]:
-        for offset, length, method in self.calls(total):
+    def slices(self, step: PackedStep) -> Iterator[tuple[int, int, Forward]]:
+        for offset, length, method in self.calls(step.num_tokens):
             yield offset, length, partial(self.forward, method)
 
     def calls(self, total: int) -> Iterator[tuple[int, int, MethodSpec]]:

@@ -1,7 +1,7 @@
 """Sessions over cache sequences: what every executor shares (docs/design.md#sessiontable).
 
 Owns: the map from session ids to `CellCache` sequences, each session's sampling
-policy and the token ids it was fed; `pack`, which lays a batch onto one token
+policy, its LoRA adapter and the token ids it was fed; `pack`, which lays a batch onto one token
 axis; `select_rows`, the logits rows a forward over one slice of that axis must
 return; `sample`, which draws every output row with its own session's policy in
 one call (penalties, then token rules and constraints; logprobs where asked);
@@ -44,6 +44,7 @@ from cellbatch.executor.step_plan import rows_in_slice
 from cellbatch.executor.token_rules import TokenRules, apply_token_rules
 from cellbatch.types import (
     MAX_POSITION,
+    NO_ADAPTER,
     BatchInput,
     InvalidArgumentError,
     OutOfResourcesError,
@@ -61,6 +62,8 @@ class PackedStep:
 
     tokens/positions/seq_ids have one entry per token; logit_indices has one per
     input: the token-axis row of its last token where it produces output, else -1.
+    adapters, when some input's session runs a LoRA adapter, holds each token's adapter
+    id (NO_ADAPTER where none); None: no token has one.
     score_ranges [inputs, 2], when some session scores its prompt, holds each input's
     token-axis rows [from, to) whose logits score that prompt (from == to: none); it
     never holds an output row. None: no input scores. drafts, when some input verifies
@@ -76,6 +79,7 @@ class PackedStep:
     logit_indices: np.ndarray
     score_ranges: np.ndarray | None = None
     drafts: np.ndarray | None = None
+    adapters: np.ndarray | None = None
     pooling: PoolingPlan | None = None
 
     @property
@@ -163,6 +167,7 @@ class _Session:
     prompt: _PromptScores | None = None  # while the generation's prompt is being scored
     matcher: ConstraintMatcher | None = None  # the generation's constraint, where it has one
     rules: TokenRules | None = None  # the generation's token rules, where it has any
+    adapter: int = NO_ADAPTER  # the generation's LoRA adapter id
     pooler: Pooler | None = None  # a pooling generation's hidden states so far
 
     def produced(self, fed: int) -> np.ndarray:
@@ -306,6 +311,11 @@ class SessionTable:
             return tuple(draft)
         return tuple(draft[: matcher.allowed_prefix(draft)])
 
+    def set_adapter(self, sid: SessionId, adapter: int) -> None:
+        """The LoRA adapter id the session's tokens run with from its next input on
+        (NO_ADAPTER: the base model alone). A clone starts without one."""
+        self._session(sid).adapter = adapter
+
     def position(self, sid: SessionId) -> int:
         """The session's committed length: the next position it would write."""
         return self.cache.seq_length(self._session(sid).seq)
@@ -400,6 +410,10 @@ class SessionTable:
         positions = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - size_array), size_array)
         positions += np.arange(len(tokens), dtype=np.int64)
         produces = np.fromiter((item.produce_output for item in batch.inputs), bool, len(sizes))
+        adapters = None
+        if any(session.adapter != NO_ADAPTER for session in sessions):
+            ids = np.asarray([session.adapter for session in sessions], dtype=np.int64)
+            adapters = np.repeat(ids, size_array)
         poolers = [session.pooler for session in sessions]
         samples = produces & np.fromiter((p is None for p in poolers), bool, len(sizes))
 
@@ -414,6 +428,7 @@ class SessionTable:
             logit_indices=np.where(samples, ends - 1, -1),
             score_ranges=self._score_ranges(sessions, starts, sizes, produces, ends),
             drafts=np.asarray(drafts, dtype=np.int64) if drafts and any(drafts) else None,
+            adapters=adapters,
             pooling=plan_pooling(poolers, starts, sizes, produces, ends),
         )
 

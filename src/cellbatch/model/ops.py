@@ -1,7 +1,7 @@
 """The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store`,
 `silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul`, `int8_matmul_a8` and
-`kquant_matmul_a8` (GGUF block kinds kept as they are, `cellbatch.model.kquants`), the
-whole-layer `decoder_layer` over them, and the table of them a model calls.
+`kquant_matmul_a8` (GGUF block kinds kept as they are, `cellbatch.model.kquants`),
+`lora_add`, the whole-layer `decoder_layer` over them, and the table of them a model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
 `cellbatch.model.attention.cell_attention_torch`, the quantised products' are in
@@ -23,8 +23,9 @@ Never: compiles anything, or loads the compiled library unless a choice asks for
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from cellbatch.kv_format import store_heads
 from cellbatch.model import kernels
 from cellbatch.model.attention import cell_attention_torch
+from cellbatch.model.gemm import in_fixed_calls
 from cellbatch.model.quantized_torch import (
     int4_matmul_a8_torch,
     int4_matmul_torch,
@@ -82,7 +84,10 @@ SCHEMAS: dict[str, str] = {
         "Tensor qkv_codes, Tensor qkv_scales, int qkv_kind, Tensor o_codes, Tensor o_scales, "
         "int o_kind, Tensor gate_up_codes, Tensor gate_up_scales, int gate_up_kind, "
         "int intermediate, Tensor down_codes, Tensor down_scales, int down_kind, "
-        "int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor"
+        "int num_heads, int num_kv_heads, int head_dim, float scale, Tensor[] lora) -> Tensor"
+    ),
+    "lora_add": (
+        "lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor offsets, Tensor[] weights) -> ()"
     ),
 }
 # decoder_layer's product kinds: a product's kind is the index of its op here (the same
@@ -94,6 +99,9 @@ PRODUCT_OPS = (
     "int8_matmul_a8",
     "kquant_matmul_a8",
 )
+# lora_add computes each row in calls of exactly this many rows (the torch implementation),
+# so that a row's low-rank product never depends on the other rows (cellbatch.model.gemm).
+LORA_ROWS_PER_CALL = 16
 
 
 # -- the pure-torch implementations -----------------------------------------------------
@@ -158,6 +166,42 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def lora_add_torch(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+) -> None:
+    """Adds x[r] · A_g^T · B_g to out[r] for each row r of group g: rows[offsets[g] :
+    offsets[g + 1]] take weights[3g : 3g + 3] (a [R, K], b flat, segments [S, 4]: the
+    layout of `cellbatch.model.lora`; R = 0 adds nothing). Computed in float32, every
+    product in calls of LORA_ROWS_PER_CALL rows, and rounded once into out."""
+    bounds = offsets.tolist()
+    for group in range(len(bounds) - 1):
+        a, b, segments = weights[3 * group : 3 * group + 3]
+        begin, end = bounds[group], bounds[group + 1]
+        if a.shape[0] == 0 or end == begin:
+            continue
+        picked = rows[begin:end]
+        low = in_fixed_calls(
+            partial(torch.matmul, other=a.float().t()),
+            x.index_select(0, picked).float(),
+            LORA_ROWS_PER_CALL,
+        )
+        delta = torch.zeros(end - begin, out.shape[1], dtype=torch.float32, device=out.device)
+        start = 0
+        for rank_start, rank_count, column, columns in segments.tolist():
+            block = b[start : start + rank_count * columns].view(rank_count, columns).float()
+            start += rank_count * columns
+            part = low[:, rank_start : rank_start + rank_count]
+            delta[:, column : column + columns] += in_fixed_calls(
+                partial(torch.matmul, other=block), part, LORA_ROWS_PER_CALL
+            )
+        summed = out.index_select(0, picked).float() + delta
+        out.index_copy_(0, picked, summed.to(out.dtype))
+
+
 def decoder_layer_torch(
     hidden: torch.Tensor,
     cos: torch.Tensor,
@@ -192,15 +236,24 @@ def decoder_layer_torch(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    lora: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """A Llama layer whose four products are quantised ops (kinds: PRODUCT_OPS), as the
-    torch implementations of its steps run it: the steps of `DecoderLayer.forward`."""
+    torch implementations of its steps run it: the steps of `DecoderLayer.forward`.
+    `lora` (empty: none) is `cellbatch.model.adapters.LayerLora.args`: rows, offsets, then
+    per product in the layer's order its groups' weights, added by `lora_add`."""
     ops = getattr(torch.ops, TORCH_NAMESPACE)
+    products = iter(range(4))
 
     def product(
         kind: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int
     ) -> torch.Tensor:
         out: torch.Tensor = getattr(ops, PRODUCT_OPS[kind])(x, codes, scales, n)
+        index = next(products)
+        if lora:
+            per = (len(lora) - 2) // 4
+            weights = list(lora[2 + index * per : 2 + (index + 1) * per])
+            ops.lora_add(out, x, lora[0], lora[1], weights)
         return out
 
     tokens, width = hidden.shape
@@ -241,6 +294,7 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "int8_matmul_a8": int8_matmul_a8_torch,
     "kquant_matmul_a8": kquant_matmul_a8_torch,
     "decoder_layer": decoder_layer_torch,
+    "lora_add": lora_add_torch,
 }
 
 
@@ -280,6 +334,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "int8_matmul_a8": _matmul_fake,
     "kquant_matmul_a8": _matmul_fake,
     "decoder_layer": _decoder_layer_fake,
+    "lora_add": _returns_nothing,
 }
 
 
@@ -320,6 +375,7 @@ class Ops:
     int8_matmul_a8: Callable[..., torch.Tensor]
     kquant_matmul_a8: Callable[..., torch.Tensor]
     decoder_layer: Callable[..., torch.Tensor]
+    lora_add: Callable[..., None]
 
 
 def table(namespace: str) -> Ops:

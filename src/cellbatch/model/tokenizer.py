@@ -140,7 +140,14 @@ def _load_cached(files: ModelFiles, mtime_ns: int) -> Tokenizer:
     from transformers import AutoTokenizer
 
     if files.kind == "gguf":
-        backend = AutoTokenizer.from_pretrained(str(files.folder), gguf_file=files.path.name)
+        try:
+            backend = AutoTokenizer.from_pretrained(str(files.folder), gguf_file=files.path.name)
+        except (KeyError, OSError, ValueError) as error:
+            # transformers reads a file without tokenizer.ggml.* metadata as a KeyError.
+            raise FileNotFoundError(
+                f"no usable tokenizer in {files.path}: its metadata holds no "
+                f"tokenizer.ggml.tokens ({error!r})"
+            ) from error
         return Tokenizer(backend)
     # transformers 5 builds an empty tokenizer from a folder without one: check first.
     missing = f"no usable tokenizer in {files.path}: it needs one of {', '.join(_TOKENIZER_FILES)}"

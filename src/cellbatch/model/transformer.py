@@ -42,6 +42,7 @@ from cellbatch.model.ops import PRODUCT_OPS, Ops, resolve
 from cellbatch.types import InvalidArgumentError, ModelGeometry
 
 if TYPE_CHECKING:
+    from cellbatch.model.adapters import LayerLora, LoraStep
     from cellbatch.model.quantized import QuantizedEmbedding
 
 DTYPES: dict[str, torch.dtype] = {
@@ -285,7 +286,10 @@ class DecoderLayer(nn.Module):
         cells: torch.Tensor,
         prepared: StepAttention,
         window: int | None,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
+        """The layer over a step's hidden rows; `lora` adds the step's adapters to the
+        rows that carry one (cellbatch.model.adapters), after each product."""
         if self.fused is not None:  # compiled ops, hence CellAttention and its flat plan
             prepared = cast(FlatAttentionPlan, prepared)
             out: torch.Tensor = self.ops.decoder_layer(
@@ -299,12 +303,14 @@ class DecoderLayer(nn.Module):
                 prepared.num_tokens,
                 window or 0,
                 *self.fused,
+                [] if lora is None else lora.args,
             )
             return out
         tokens = hidden.shape[0]
-        qkv = self.qkv(self.input_norm(hidden))
+        normed = self.input_norm(hidden)
+        qkv = self._adapted(0, self.qkv(normed), normed, lora)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -313,8 +319,20 @@ class DecoderLayer(nn.Module):
         # Rows past len(cells) are padding (PackedTransformer.min_rows): never stored.
         self.ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
         attended = self.attention.attend(q, k_cache, v_cache, prepared, window)
-        hidden = hidden + self.o_proj(attended)
-        out = hidden + self.down(self.ops.silu_mul(self.gate_up(self.post_norm(hidden))))
+        hidden = hidden + self._adapted(1, self.o_proj(attended), attended, lora)
+        normed = self.post_norm(hidden)
+        activated = self.ops.silu_mul(self._adapted(2, self.gate_up(normed), normed, lora))
+        return hidden + self._adapted(3, self.down(activated), activated, lora)
+
+    def _adapted(
+        self, product: int, out: torch.Tensor, x: torch.Tensor, lora: LayerLora | None
+    ) -> torch.Tensor:
+        """`out` = product `product` (PROJECTIONS' order) of x, plus the adapters' low-rank
+        products on their rows."""
+        weights = None if lora is None else lora.products[product]
+        if weights is not None:
+            assert lora is not None
+            self.ops.lora_add(out, x, lora.rows, lora.offsets, weights)
         return out
 
 
@@ -444,14 +462,16 @@ class PackedTransformer(nn.Module):
         kv: KVPool,
         cells: torch.Tensor,
         logit_rows: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """tokens, positions, cells: [T] long; logit_rows: [R] long -> float32 logits [R, V].
 
         The pool must already hold rows for `cells` (`kv.ensure`), and `plan` must be the
-        cache's plan for this very step (every token in exactly one group).
+        cache's plan for this very step (every token in exactly one group). `lora`: the
+        step's adapter rows (`AdapterBank.step`), None where no row has an adapter.
         """
         prepared = self.attention.prepare(plan)
-        return self.forward_flat(tokens, positions, cells, prepared, kv.k, kv.v, logit_rows)
+        return self.forward_flat(tokens, positions, cells, prepared, kv.k, kv.v, logit_rows, lora)
 
     def forward_flat(
         self,
@@ -462,10 +482,12 @@ class PackedTransformer(nn.Module):
         k: list[torch.Tensor],
         v: list[torch.Tensor],
         logit_rows: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """`forward` on tensors alone, the form `cellbatch.export` traces: the plan flat
-        (`cellbatch.cache.flatten_plan`) and the pool as its per-layer K and V tensors."""
-        hidden = self._decode_layers(tokens, positions, cells, attention, k, v)
+        """`forward` on tensors alone, the form `cellbatch.export` traces (without `lora`):
+        the plan flat (`cellbatch.cache.flatten_plan`) and the pool as its per-layer K and
+        V tensors."""
+        hidden = self._decode_layers(tokens, positions, cells, attention, k, v, lora)
         return self._head(hidden, logit_rows)
 
     def forward_pooled(
@@ -477,11 +499,12 @@ class PackedTransformer(nn.Module):
         cells: torch.Tensor,
         logit_rows: torch.Tensor,
         hidden_rows: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and the float32 hidden states [len(hidden_rows), H] of `hidden_rows`
         after the final norm (transformers' `last_hidden_state`)."""
         prepared = self.attention.prepare(plan)
-        hidden = self._decode_layers(tokens, positions, cells, prepared, kv.k, kv.v)
+        hidden = self._decode_layers(tokens, positions, cells, prepared, kv.k, kv.v, lora)
         return self._head(hidden, logit_rows), self._final_norm(hidden, hidden_rows).float()
 
     def _decode_layers(
@@ -492,8 +515,10 @@ class PackedTransformer(nn.Module):
         attention: StepAttention,
         k: list[torch.Tensor],
         v: list[torch.Tensor],
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """The last layer's output for every token (and padding row: see min_rows)."""
+        """The last layer's output for every token (and padding row: see min_rows), each
+        row with its LoRA adapter where `lora` gives one."""
         pad = self.min_rows - tokens.shape[0]
         if pad > 0:
             # Padding rows (token 0 at position 0) go through the layers but are never
@@ -503,7 +528,8 @@ class PackedTransformer(nn.Module):
         hidden = self.embed(tokens)
         for index, layer in enumerate(self.layers):
             window = self.config.layer_windows[index]
-            hidden = layer(hidden, cos, sin, k[index], v[index], cells, attention, window)
+            adapters = None if lora is None else lora.layers[index]
+            hidden = layer(hidden, cos, sin, k[index], v[index], cells, attention, window, adapters)
         out: torch.Tensor = hidden
         return out
 

@@ -27,12 +27,14 @@ import logging
 import operator
 from collections.abc import Callable, Sequence
 from time import perf_counter
+from typing import Protocol
 
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.runner.handle import GenerationHandle
 from cellbatch.text_stream import Detokenizer, TextStream, check_stop_strings
 from cellbatch.types import (
     MAX_POSITION,
+    NO_ADAPTER,
     FinishReason,
     GenConfig,
     GenerationUpdate,
@@ -47,6 +49,20 @@ log = logging.getLogger(__name__)
 
 UpdateCallback = Callable[[GenerationUpdate], None]
 SettledCallback = Callable[[GenerationHandle], None]
+# A session's adapter when turns under different LoRA adapters (or none) fed its cells:
+# its cells then match no single adapter, and it is never kept in the prefix cache.
+MIXED_ADAPTERS = -1
+
+
+class AdapterLookup(Protocol):
+    """The LoRA adapters a runner's generations may name (`cellbatch.model.adapters.
+    AdapterBank` is one): a generation acquires its adapter's id when it is submitted
+    and releases it once it has ended, so that an unloaded adapter's weights stay until
+    the generations using them are done."""
+
+    def acquire(self, name: str) -> int: ...
+
+    def release(self, adapter_id: int, prompt_tokens: int, generated_tokens: int) -> None: ...
 
 
 class SessionRecord:
@@ -65,6 +81,7 @@ class SessionRecord:
 
     __slots__ = (
         "active",
+        "adapter",
         "clone_waiters",
         "close_requested",
         "closed",
@@ -87,11 +104,21 @@ class SessionRecord:
         self.closed = False  # the executor session is gone
         self.clone_waiters = 0  # waiting submissions that start from this session
         self.last_used = 0  # engine step when its last turn ended: least recent drops first
+        # The LoRA adapter id its computed cells were computed under (MIXED_ADAPTERS: more
+        # than one); NO_ADAPTER for the base model.
+        self.adapter = NO_ADAPTER
 
     def unfed(self) -> tuple[Token, ...]:
         """Context the model has never consumed: the last generated token, or the
         rest of a turn that ended early. The next turn feeds it first."""
         return tuple(self.context[self.committed :])
+
+    def feed_with(self, adapter: int) -> None:
+        """A turn under `adapter` starts feeding it after its computed cells."""
+        if self.computed == 0 or self.adapter == adapter:
+            self.adapter = adapter
+        else:
+            self.adapter = MIXED_ADAPTERS
 
     def advance(self, end: int) -> None:
         """The session is computed up to `end`: the executor holds positions [0, end)."""
@@ -176,6 +203,8 @@ class Generation:
         self.queued_on_source = False  # a waiting submission counted in its source's waiters
         self.last_step = -1  # the last engine step that ran one of its inputs
         self.prompt_scored = False  # its prompt logprobs were delivered (never twice)
+        self.adapter_id = NO_ADAPTER  # its LoRA adapter's id, held from `prepare` to `settle`
+        self._adapters: AdapterLookup | None = None  # where adapter_id is released
 
     def move(self, to: GenerationStatus) -> None:
         """The one place a generation's status changes."""
@@ -205,11 +234,15 @@ class Generation:
         delta: Sequence[Token],
         default_stop_tokens: frozenset[Token],
         tokenizer: Detokenizer | None,
+        adapters: AdapterLookup | None = None,
     ) -> None:
-        """Check the input and settle the stopping rules; a problem is kept in
-        `input_error` and fails the generation on the engine thread."""
+        """Check the input, acquire the LoRA adapter the config names from `adapters`
+        and settle the stopping rules; a problem is kept in `input_error` and fails the
+        generation on the engine thread."""
         self.delta, self.input_error = read_delta(delta, self.config)
         config = self.config
+        if not self.input_error and config.adapter is not None:
+            self._acquire(config.adapter, adapters)
         stop_tokens = default_stop_tokens if config.stop_tokens is None else config.stop_tokens
         self.stop_tokens = stop_tokens | config.extra_stop_tokens
         if self.input_error or self.feeds_only:
@@ -226,6 +259,20 @@ class Generation:
                 "stop strings need a runner with a tokenizer (Runner(..., tokenizer=...)); "
                 "use stop tokens instead"
             )
+
+    def _acquire(self, name: str, adapters: AdapterLookup | None) -> None:
+        if adapters is None:
+            self.input_error = (
+                f"adapter {name!r}: this runner serves no LoRA adapters; load the model with "
+                "an Engine to serve them"
+            )
+            return
+        try:
+            self.adapter_id = adapters.acquire(name)
+        except InvalidArgumentError as error:
+            self.input_error = str(error)
+            return
+        self._adapters = adapters
 
     def executor_sampling(self) -> SamplingParams:
         """The policy the executor installs: the config's, with min_tokens holding back
@@ -356,6 +403,14 @@ class Generation:
             update = dataclasses.replace(update, finish_reason=reason, error=error)
         self.on_update = None
         self.metrics.end_time = perf_counter()
+        adapters, self._adapters = self._adapters, None
+        if adapters is not None:  # before waiters wake: an unload after this may drop it
+            try:
+                adapters.release(
+                    self.adapter_id, self.metrics.prompt_tokens, self.metrics.generated_tokens
+                )
+            except Exception:
+                log.exception("releasing the generation's adapter raised")
         self.handle._publish(update)
         # Dropped before the call so that its captures die with this frame.
         on_settled, self.on_settled = self.on_settled, None

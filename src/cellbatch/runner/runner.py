@@ -26,6 +26,7 @@ from cellbatch.metrics import EngineMetrics
 from cellbatch.runner.admission import AdmissionPolicy, Occupancy
 from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture, Sync
 from cellbatch.runner.generation import (
+    AdapterLookup,
     ContextSource,
     Generation,
     GenerationKind,
@@ -47,6 +48,7 @@ _EXECUTOR_METHODS = (
     "clone",
     "truncate",
     "set_sampling",
+    "set_adapter",
     "execute",
     "kv_usage",
 )
@@ -113,11 +115,11 @@ class Runner:
     snapshots, so that a later submission sharing a prefix with one starts from its
     cells (they give way first under pressure). `speculative` (the config the
     executor's drafter was built from) lets decodes verify drafted tokens, as many
-    as pay for themselves (`runner.draft_budget`). Use it as a context manager, or
-    call `shutdown()`.
+    as pay for themselves (`runner.draft_budget`); `adapters` are the LoRA adapters a
+    generation's config may name. Use it as a context manager, or call `shutdown()`.
     """
 
-    # The public constructor: an executor, and five keyword options with defaults.
+    # The public constructor: an executor, and seven options with defaults.
     def __init__(
         self,
         executor: Executor,
@@ -128,6 +130,7 @@ class Runner:
         admission: str | AdmissionPolicy = AdmissionPolicy.OPTIMISTIC,
         prefix_cache_entries: int = 0,
         speculative: SpeculativeConfig | None = None,
+        adapters: AdapterLookup | None = None,
     ) -> None:
         missing = [
             name for name in _EXECUTOR_METHODS if not callable(getattr(executor, name, None))
@@ -151,7 +154,7 @@ class Runner:
                 f"prefix_cache_entries must be an integer >= 0 (0: off), got "
                 f"{prefix_cache_entries!r}"
             )
-        self._defaults = TurnDefaults(frozenset(stop_tokens), tokenizer)
+        self._defaults = TurnDefaults(frozenset(stop_tokens), tokenizer, adapters)
         self._inbox = Inbox()
         self._loop = EngineLoop(
             executor,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from cellbatch.runner.commands import (
@@ -24,6 +24,7 @@ from cellbatch.runner.commands import (
     StartGeneration,
 )
 from cellbatch.runner.generation import (
+    AdapterLookup,
     Generation,
     GenerationKind,
     SessionRecord,
@@ -38,10 +39,12 @@ from cellbatch.types import FinishReason, GenConfig, SessionId, Token
 @dataclass(frozen=True)
 class TurnDefaults:
     """What a runner fills in for every generation: its stop tokens (for a
-    `GenConfig` whose `stop_tokens` is None) and its tokenizer (text, stop strings)."""
+    `GenConfig` whose `stop_tokens` is None), its tokenizer (text, stop strings) and
+    the LoRA adapters a config may name."""
 
     stop_tokens: frozenset[Token] = frozenset()
     tokenizer: Detokenizer | None = None
+    adapters: AdapterLookup | None = None
 
 
 def start_generation(
@@ -52,7 +55,7 @@ def start_generation(
 ) -> GenerationHandle:
     """Check a generation's input, bind its handle and post it; a refused post
     settles it at once (on this thread)."""
-    generation.prepare(delta, defaults.stop_tokens, defaults.tokenizer)
+    generation.prepare(delta, defaults.stop_tokens, defaults.tokenizer, defaults.adapters)
     generation.handle._bind(
         generation, None if inbox is None else partial(inbox.post, CancelGeneration(generation))
     )
@@ -115,6 +118,8 @@ class Session:
         config: GenConfig | None = None,
         on_update: UpdateCallback | None = None,
         on_settled: SettledCallback | None = None,
+        *,
+        adapter: str | None = None,
     ) -> GenerationHandle:
         """Start a turn: feed `delta` (after any unfed tokens), then generate.
 
@@ -124,24 +129,32 @@ class Session:
         raising on_update fails only this generation. Errors never raise here:
         they come back as a `failed` generation with a message. On a session
         that was never opened, or is closed, the handle settles before this
-        returns (and the callbacks run on this thread).
+        returns (and the callbacks run on this thread). `adapter` (or the config's)
+        names the LoRA adapter the turn runs with; the session's earlier cells stay as
+        their turns computed them.
         """
-        generation = Generation(
-            config if config is not None else GenConfig(), on_update, on_settled, state=self._state
-        )
+        config = config if config is not None else GenConfig()
+        if adapter is not None:
+            config = replace(config, adapter=adapter)
+        generation = Generation(config, on_update, on_settled, state=self._state)
         return self._start(generation, delta)
 
     def prefill_async(
-        self, delta: Sequence[Token], on_settled: SettledCallback | None = None
+        self,
+        delta: Sequence[Token],
+        on_settled: SettledCallback | None = None,
+        *,
+        adapter: str | None = None,
     ) -> GenerationHandle:
         """Start a prefill turn: feed `delta` (after any unfed tokens) and generate
         nothing. The handle settles `token_limit` with no tokens once the model has
         consumed the delta; then `position()` counts it, `clone_async` can share it,
-        and `generate_async([])` on the session or a clone generates from it."""
+        and `generate_async([])` on the session or a clone generates from it. `adapter`
+        names the LoRA adapter the delta runs through."""
         # max_new_tokens=1 sizes the position checks: the last position fed is that of
         # the delta's last token, as for a one-token generation.
         generation = Generation(
-            GenConfig(max_new_tokens=1),
+            GenConfig(max_new_tokens=1, adapter=adapter),
             None,
             on_settled,
             kind=GenerationKind.PREFILL,

@@ -21,7 +21,12 @@ from collections.abc import Callable, Iterable
 
 from cellbatch.executor import Executor
 from cellbatch.metrics import MetricsLedger, PrefixCacheHit, SessionOpened, SessionRefused
-from cellbatch.runner.generation import ContextSource, Generation, SessionRecord
+from cellbatch.runner.generation import (
+    MIXED_ADAPTERS,
+    ContextSource,
+    Generation,
+    SessionRecord,
+)
 from cellbatch.runner.snapshots import SnapshotCache
 from cellbatch.types import SessionId
 
@@ -61,6 +66,7 @@ class SessionBook:
         state = self._add(self._executor.clone(source.sid, shared), shared, source.context[:upto])
         if state is not None:
             state.committed = min(upto, source.committed)
+            state.adapter = source.adapter  # what its shared cells were computed under
         return state
 
     def count(self, state: SessionRecord | None) -> SessionRecord | None:
@@ -99,7 +105,8 @@ class SessionBook:
     def finished(self, state: SessionRecord, reusable: bool) -> None:
         """A submission's session after its generation: kept as a snapshot of what its
         cells hold when the cache is on and the session is `reusable`, else closed."""
-        if not reusable or self._snapshots.capacity == 0 or state.computed == 0:
+        unkeyable = state.adapter == MIXED_ADAPTERS
+        if not reusable or self._snapshots.capacity == 0 or state.computed == 0 or unkeyable:
             self.close(state)
             return
         del state.context[state.computed :]
@@ -114,7 +121,7 @@ class SessionBook:
         sampling = generation.config.sampling
         if sampling.prompt_logprobs is not None or sampling.pooling is not None:
             return None  # every prompt token must run through the model, scored or pooled
-        found = self._snapshots.longest_prefix(generation.delta)
+        found = self._snapshots.longest_prefix(generation.delta, generation.adapter_id)
         if found is None:
             return None
         snapshot, matched = found

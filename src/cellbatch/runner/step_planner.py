@@ -222,12 +222,15 @@ class StepPlanner:
                 self._executor.set_sampling(
                     state.sid, generation.executor_sampling(), generation.config.seed
                 )
-            except InvalidArgumentError as exc:  # a policy the executor cannot run
+                self._executor.set_adapter(state.sid, generation.adapter_id)
+            except InvalidArgumentError as exc:  # a policy or adapter the executor cannot run
                 self._fail(generation, str(exc))
                 return
             except Exception as exc:
-                self._fail(generation, f"executor.set_sampling raised {exc!r}")
+                why = f"the executor raised installing the generation's policy: {exc!r}"
+                self._fail(generation, why)
                 return
+            state.feed_with(generation.adapter_id)
         self._ledger.record(
             Admitted(self._admission.running_count(), state.committed - state.computed)
         )

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from cellbatch.engine import EngineLimits
+    from cellbatch.model.adapters import AdapterInfo
     from cellbatch.model.tokenizer import Tokenizer
 
 FINISH_REASONS = {
@@ -150,6 +151,20 @@ class Backend(Protocol):
 
     async def health(self) -> tuple[bool, dict[str, object]]:
         """(serving, what /health shows)."""
+        ...
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The LoRA adapters served now, in load order."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in folder `path` as `name`; InvalidArgumentError (or
+        OutOfResourcesError) saying why when it cannot, having loaded nothing."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (its running generations finish with it);
+        InvalidArgumentError when no adapter has that name."""
         ...
 
     def collector(self) -> Collector:

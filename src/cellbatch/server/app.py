@@ -1,7 +1,8 @@
 """`cellbatch serve`: the OpenAI-compatible HTTP app on FastAPI and uvicorn.
 
 Owns: the routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-`/health`, `/metrics`), authentication by API key, the request-size and queue
+`/health`, `/metrics`; the LoRA adapters' routes are `cellbatch.server.adapters`'s),
+authentication by API key, the request-size and queue
 limits, the mapping of every error onto OpenAI's error shape, and the server's
 life: the backend (one engine, or replicas) is closed when the app stops, and on
 SIGINT/SIGTERM running requests get `shutdown_timeout` seconds to finish before they
@@ -10,14 +11,14 @@ Promises: every answer that is not a success is in OpenAI's error shape, unknown
 routes (404) and methods (405) included; a bad request (bad JSON, wrong types, a
 prompt too long, n or top_logprobs too large, an empty stop string, a field the server
 does not support given a value that asks for something) is a 400 naming the parameter
-that harms no other request; a `model` that is neither the served name nor one of its
-aliases, a 404 `model_not_found`; an unknown top-level field is logged (once per name)
-and otherwise ignored; a body over the limit is a 413; beyond `max_queued_requests`
-waiting requests, a 429 with Retry-After; a missing or wrong key, a 401 (except
-`OPEN_PATHS`: the health check and the API's description); an unexpected exception,
-a 500 for that request alone; a client that disconnects cancels its generations within
-a step. `/openapi.json` documents each POST route's request body (exactly the fields
-read) and its answers.
+that harms no other request; a `model` that is neither the served name, one of its
+aliases nor a loaded LoRA adapter, a 404 `model_not_found`; an unknown top-level field
+is logged (once per name) and otherwise ignored; a body over the limit is a 413;
+beyond `max_queued_requests` waiting requests, a 429 with Retry-After; a missing or
+wrong key, a 401 (except `OPEN_PATHS`: the health check and the API's description); an
+unexpected exception, a 500 for that request alone; a client that disconnects cancels
+its generations within a step. `/openapi.json` documents each POST route's request body
+(exactly the fields read) and its answers.
 Never: parses HTTP or frames server-sent events by hand (FastAPI/Starlette and
 `fastapi.sse` do), or touches the engine's internals.
 """
@@ -48,6 +49,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cellbatch.engine import Engine
+from cellbatch.server.adapters import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    add_adapter_routes,
+    with_adapter,
+)
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
 from cellbatch.server.batch_features import BatchFeatures, BatchSettings
@@ -70,7 +77,6 @@ from cellbatch.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -205,8 +211,7 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, max_model_len=planner.context_limit) for name in names]
-        return ModelList(data=cards).model_dump(mode="json")
+        return ModelList(data=context.served.cards(planner.context_limit)).model_dump(mode="json")
 
     @app.get(
         "/metrics",
@@ -229,13 +234,15 @@ def create_app(
         parsed: ChatCompletionRequest | CompletionRequest = (
             parse(ChatCompletionRequest, body) if chat else parse(CompletionRequest, body)
         )
-        check_fields(parsed, context.names, context.warned)
+        adapter = context.served.adapter_for(parsed.model)
+        check_fields(parsed, context.served.all_names(), context.warned)
         service.admit()
         plan = (
             planner.plan_chat(parsed)
             if isinstance(parsed, ChatCompletionRequest)
             else planner.plan_completion(parsed)
         )
+        plan = with_adapter(plan, adapter)
         job = await service.start(plan)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -282,9 +289,12 @@ def create_app(
 
     app.include_router(responses_router(context))
     app.include_router(messages_router(context))
+    add_adapter_routes(app, backend, context.read)
     document(
         app,
         {
+            "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+            "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
             "/tokenize": TokenizeRequest,

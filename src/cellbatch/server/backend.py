@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cellbatch.engine import Engine
+from cellbatch.model.adapters import AdapterInfo
 from cellbatch.runner import GenerationHandle
 from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector, engine_figures
@@ -90,11 +91,22 @@ class LocalBackend:
             return False, {"status": "stopping"}
         return True, {"status": "ok"}
 
+    def adapters(self) -> list[AdapterInfo]:
+        return self.engine.adapters()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await asyncio.to_thread(self.engine.load_adapter, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
     def collector(self) -> Collector:
-        speculative = self.engine.speculative
+        engine = self.engine
+        speculative = engine.speculative
         return EngineFiguresCollector(
-            lambda: {"": engine_figures(self.engine)},
+            lambda: {"": engine_figures(engine)},
             speculative.method if speculative is not None else None,
+            lambda: (len(engine.adapters()), engine.adapter_usage()),
         )
 
     def stopping(self) -> bool:

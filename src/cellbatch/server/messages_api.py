@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel, ValidationError
 
+from cellbatch.server.adapters import with_adapter
 from cellbatch.server.answers import AnswerDelta, AnswerStream, whole_answer
 from cellbatch.server.api import ApiError
 from cellbatch.server.messages_protocol import (
@@ -120,6 +121,7 @@ def messages_router(context: RouteContext) -> APIRouter:
             plan = context.planner.plan_chat(_chat_request(parsed))
         except ApiError as error:
             raise _renamed(error) from None
+        plan = with_adapter(plan, context.served.adapter_for(parsed.model))
         job = await context.service.start(plan)
         message = MessageObject(
             model=context.names[0], usage=Usage(input_tokens=len(plan.prompts[0]), output_tokens=0)

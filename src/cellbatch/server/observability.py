@@ -4,7 +4,8 @@ Owns: one `CollectorRegistry` per server with the request counters and latency
 histograms the server observes, and the collector of the engine's own figures
 (tokens, preemptions, KV cells, prefix-cache hits, speculative decoding's drafts and
 acceptance) read at scrape time: one engine's, or several replicas' summed and each
-labelled `replica`.
+labelled `replica`; and of its LoRA adapters (how many are loaded; generations, prompt
+and generated tokens per adapter, labelled `adapter`).
 Promises: `/metrics` output parses with `prometheus_client`'s parser; the engine
 figures are read once per scrape, never kept twice.
 Never: observes anything on the engine thread.
@@ -13,12 +14,19 @@ Never: observes anything on the engine thread.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cellbatch.engine import Engine
+
+if TYPE_CHECKING:
+    from cellbatch.model.adapters import AdapterUsage
+
+# (LoRA adapters loaded now, each adapter name's figures since the engine started)
+AdapterFigures = tuple[int, Mapping[str, "AdapterUsage"]]
 
 # Seconds: from a decode step's few ms to a long queue's tens of seconds.
 _LATENCY_BUCKETS = (
@@ -143,11 +151,15 @@ class EngineFiguresCollector(Collector):
         self,
         read: Callable[[], Mapping[str, Mapping[str, float]]],
         speculative: str | None = None,
+        adapters: Callable[[], AdapterFigures] | None = None,
     ) -> None:
         self._read = read
         self._method = speculative
+        self._adapters = adapters
 
     def collect(self) -> Iterator[Metric]:
+        if self._adapters is not None:
+            yield from adapter_families(*self._adapters())
         engines = self._read()
         if self._method is not None:
             yield from _speculation(engines.values(), self._method)
@@ -199,3 +211,21 @@ def _speculation(engines: Iterable[Mapping[str, float]], method: str) -> Iterato
     )
     rate.add_metric([method], accepted / drafted if drafted else 0.0)
     yield rate
+
+
+def adapter_families(loaded: int, usage: Mapping[str, AdapterUsage]) -> Iterator[Metric]:
+    """The LoRA adapters' figures: how many are loaded, and per adapter name (labelled
+    `adapter`) its generations and their prompt and generated tokens."""
+    yield GaugeMetricFamily(
+        "cellbatch_lora_adapters_loaded", "LoRA adapters served now.", value=loaded
+    )
+    figures = {
+        "cellbatch_lora_generations": ("Generations run with the adapter.", "generations"),
+        "cellbatch_lora_prompt_tokens": ("Prompt tokens its generations fed.", "prompt_tokens"),
+        "cellbatch_lora_generation_tokens": ("Tokens it generated.", "generated_tokens"),
+    }
+    for name, (documentation, field) in figures.items():
+        family = CounterMetricFamily(name, documentation, labels=["adapter"])
+        for adapter, figures_of in usage.items():
+            family.add_metric([adapter], getattr(figures_of, field))
+        yield family

@@ -39,9 +39,13 @@ CROSS_FIELD_CODES = frozenset(
         "invalid_constraint",  # two constraints, or one the grammar library rejects
         "template_refused",  # a conversation the chat template raises on
         "empty_conversation",  # Responses input of reasoning items alone
+        "lora_adapter_refused",  # ADAPTER_REFUSED
         "invalid_file_encoding",  # a batch file's bytes that are not UTF-8 text
     }
 )
+# A LoRA adapter that cannot load: its folder (missing, malformed, for another model),
+# a name in use, or max_loras reached (what the adapter's files and the server hold).
+ADAPTER_REFUSED = "lora_adapter_refused"
 
 # The error answers the routes document.
 ERROR_STATUSES = {

@@ -601,6 +601,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "cellbatch"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's folder (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):

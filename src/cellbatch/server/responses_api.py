@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import ValidationError
 
+from cellbatch.server.adapters import with_adapter
 from cellbatch.server.answers import AnswerStream, whole_answer
 from cellbatch.server.api import ApiError
 from cellbatch.server.openapi import GENERATION_STATUSES, answers, errors
@@ -116,6 +117,7 @@ def responses_router(context: RouteContext) -> APIRouter:
             plan = context.planner.plan_chat(chat)
         except ApiError as error:
             raise _renamed(error) from None
+        plan = with_adapter(plan, context.served.adapter_for(parsed.model))
         job = await context.service.start(plan)
         response = _response_shell(parsed, context.names[0])
         conversation = conversation_json(items)

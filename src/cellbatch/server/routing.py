@@ -5,8 +5,9 @@ Owns: `RouteContext` (the service, the planner, the chat answers' shapes, the st
 the served names and the body limit, as the app hands them to each API's router; a
 job followed to its end unless the client leaves),
 `read_body` (the size limit, before anything is parsed), `parse` (pydantic's verdict
-as an `ApiError` naming the field: `validation_error`), `check_model`, `check_fields`
-(a generation request's unsupported fields refused) and `note_unknown_fields` (each
+as an `ApiError` naming the field: `validation_error`), `check_model`, the LoRA
+adapters a `model` may also name (`ServedModels`), `check_fields` (a generation
+request's unsupported fields refused) and `note_unknown_fields` (each
 unknown top-level field logged once per name), and `error_body` (an `ApiError` in
 OpenAI's error shape). A batch line's body is checked with the same functions, so a
 line is refused exactly where the same request over HTTP would be.
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from cellbatch.server.adapters import ServedModels
 from cellbatch.server.api import ApiError
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
@@ -61,10 +63,15 @@ class RouteContext:
     max_request_bytes: int
     warned: set[str] = field(default_factory=set)
 
+    @property
+    def served(self) -> ServedModels:
+        """What a request's `model` may name: the served names, or an adapter loaded now."""
+        return ServedModels(self.names, self.service.backend)
+
     async def read(self, request: Request, model: type[ModelT]) -> ModelT:
         """The request's body as `model`, its `model` field checked when it has one."""
         parsed = parse(model, await read_body(request, self.max_request_bytes))
-        check_model(getattr(parsed, "model", None), self.names)
+        self.served.adapter_for(getattr(parsed, "model", None))
         return parsed
 
     async def run_to_end(self, job: Job, request: Request, endpoint: str) -> bool:

@@ -1,6 +1,7 @@
 // C entry points of the cellbatch ops for AOTInductor-compiled programs: one
 // `aoti_torch_cpu_<op>` per op of cellbatch/model/ops.py's SCHEMAS but decoder_layer
-// (a program traces a layer as its steps), with the C signature
+// (a program traces a layer as its steps) and lora_add (a program runs no adapters),
+// with the C signature
 // AOTInductor's generated code calls when an op is listed in
 // `aot_inductor.custom_ops_to_c_shims` (tensors as AtenTensorHandle, int as int64_t, float
 // as double, a returned tensor through AtenTensorHandle* ret0, which an op returning

@@ -22,6 +22,8 @@ using QuantizedMatmulOp = at::Tensor(const at::Tensor&, const at::Tensor&, const
                                      int64_t);
 using RopeStoreOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);
+using LoraAddOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       at::TensorList);
 using CellAttentionOp = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, int64_t, double, at::Tensor&);
