@@ -72,7 +72,7 @@ def test_on_a_gpu_the_pool_s_memory_is_the_device_s_free_memory(monkeypatch) -> 
     it already) bounds the pool, not the host's."""
     from types import SimpleNamespace
 
-    from cellbatch.engine import engine
+    from cellbatch.engine import loader
 
     asked = []
 
@@ -81,7 +81,7 @@ def test_on_a_gpu_the_pool_s_memory_is_the_device_s_free_memory(monkeypatch) -> 
         return 30 * GIB, 80 * GIB
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.setattr(engine, "read_memory", lambda: pytest.fail("read the host's memory"))
+    monkeypatch.setattr(loader, "read_memory", lambda: pytest.fail("read the host's memory"))
     backend = SimpleNamespace(device=torch.device("cuda", 1), mapped_weights_bytes=0)
-    assert engine.machine_kv_memory(backend) == KVMemory(30 * GIB, 80 * GIB)
+    assert loader.machine_kv_memory(backend) == KVMemory(30 * GIB, 80 * GIB)
     assert asked == [torch.device("cuda", 1)]

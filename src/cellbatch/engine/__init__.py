@@ -3,7 +3,7 @@
 
 Imports only go down this list: `backend` (module or program) < `batch` (one call's
 results) < `limits` (EngineShape, EngineLimits) < `prefix` (a call's shared prompt prefix) <
-`engine`.
+`loader` (a model's files to what an Engine runs) < `engine`.
 """
 
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend

@@ -1,7 +1,8 @@
 """Engine: a model backend (a torch module or an exported program), its tokenizer, an
 executor, a scheduler and a Runner in one.
 
-Owns: the backend and tokenizer, and the Runner driving them.
+Owns: the backend and tokenizer, and the Runner driving them (what loads them from
+files is `cellbatch.engine.loader`'s).
 Promises: `generate` / `chat` take many prompts at once and return one result per
 prompt, in order; a bad prompt (empty, a token outside the vocabulary, too long for
 the session) fails alone with a message naming the numbers, and the others run.
@@ -30,40 +31,27 @@ from typing import Any
 import torch
 
 from cellbatch.constraint import ConstraintCompiler
-from cellbatch.engine.adapter_options import NoAdapters, check_lora_options
-from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
+from cellbatch.engine.adapter_options import NoAdapters
+from cellbatch.engine.backend import ModelBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
-from cellbatch.engine.drafters import load_draft, make_drafter
+from cellbatch.engine.drafters import make_drafter
 from cellbatch.engine.embedding import embedding_size, finish_embedding
-from cellbatch.engine.limits import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    EngineShape,
-    KVMemory,
-    resolve_limits,
+from cellbatch.engine.limits import EngineShape, KVMemory, resolve_limits
+from cellbatch.engine.loader import (
+    LoadedModel,
+    LoadOptions,
+    load_model,
+    load_program,
+    machine_kv_memory,
 )
 from cellbatch.engine.prefix import feed_shared_prefix
 from cellbatch.executor.cell_executor import ExecutorShape
-from cellbatch.executor.cuda_executor import CudaOptions
-from cellbatch.export import is_program
-from cellbatch.kv_format import KV_INT8
-from cellbatch.machine import (
-    Placement,
-    apply_placement,
-    plan_placement,
-    preset_thread_count,
-    read_memory,
-    read_topology,
-)
+from cellbatch.machine import Placement
 from cellbatch.metrics import EngineMetrics
 from cellbatch.model.adapters import AdapterBank, AdapterInfo, AdapterUsage
-from cellbatch.model.default import default_model_path
-from cellbatch.model.device import device_quantize, resolve_device
 from cellbatch.model.loading import LoadProgress, PhaseClock
-from cellbatch.model.ops import resolve as resolve_ops
-from cellbatch.model.quantized import WeightsSummary, check_activations, resolve_quantize
-from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
-from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
-from cellbatch.model.weights_cache import cache_directory
+from cellbatch.model.quantized import WeightsSummary
+from cellbatch.model.tokenizer import Tokenizer
 from cellbatch.runner import AdmissionPolicy, GenerationHandle, Runner, Session
 from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.speculative import SpeculativeConfig, parse_speculative_config
@@ -217,92 +205,26 @@ class Engine:
         without it). `lora_adapters` maps names to PEFT LoRA adapter folders to serve
         from the start (`load_adapter`; the CPU only); `max_loras` bounds the adapters
         loaded at once. The options are checked before anything loads."""
-        resolve_quantize(quantize)  # a bad value fails before anything loads
-        check_activations(activations)
-        cache_directory(weights_cache)
-        speculative = parse_speculative_config(speculative)
-        for name, flag in (("cuda_graph", cuda_graph), ("weight_sharing", weight_sharing)):
-            if not isinstance(flag, bool):
-                raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")
-        is_program_file = model is not None and is_program(model)
-        target = resolve_device("cpu" if is_program_file and device == "auto" else device)
-        if is_program_file and target.type != "cpu":
-            raise InvalidArgumentError(
-                f"program {model} runs on the CPU (its methods are compiled for it); load "
-                "the model folder or GGUF file to run on a GPU, or pass device 'cpu'"
-            )
-        quantize = device_quantize(quantize, target)
-        adapters = check_lora_options(lora_adapters, max_loras, is_program_file, target)
-        if model is not None and is_program_file:
-            return cls.from_program(
-                model,
-                dtype=dtype,
-                kv_dtype=kv_dtype,
-                threads=threads,
-                kernels=kernels,
-                quantize=quantize,
-                activations=activations,
-                admission=admission,
-                prefix_cache_entries=prefix_cache_entries,
-                progress=progress,
-                numa=numa,
-                speculative=speculative,
-                **shape,
-            )
-        clock = PhaseClock(progress)
-        placement = _place(threads, numa)
-        clock.done(f"placed the threads: {placement.reason}")
-        path = Path(model) if model is not None else default_model_path()
-        weight_dtype = resolve_dtype(dtype, target)
-        resolved_kv = resolve_kv_dtype(kv_dtype, weight_dtype, target)
-        if resolved_kv == KV_INT8 and target.type != "cpu":
-            raise InvalidArgumentError(
-                f"the int8 KV cache runs on the CPU only (its attention is the CPU's); on "
-                f"{target} leave kv_dtype out or give a float dtype"
-            )
-        resolve_ops(kernels, target)  # refuses "compiled" where the kernels are missing
-        cuda = CudaOptions(cuda_graph=cuda_graph, weight_sharing=weight_sharing)
-        backend = ModuleBackend.load(
-            path,
-            weight_dtype,
-            kernels,
-            quantize,
-            progress,
-            activations,
-            target,
-            cuda,
-            weights_cache,
-            max_loras,
-        )
-        clock = PhaseClock(progress)
-        bank = backend.adapters
-        for name, folder in adapters.items():
-            assert bank is not None  # a bank on the CPU; _check_adapters refused the rest
-            in_short_lived_thread(lambda: bank.load(name, folder))  # noqa: B023
-        if adapters:
-            clock.done(f"loaded {len(adapters)} LoRA adapter(s)")
-        try:
-            tokenizer = load_tokenizer(path)
-        except FileNotFoundError:
-            tokenizer = None  # token-id prompts still work; text prompts say why not
-        clock.done("read the tokenizer" if tokenizer is not None else "found no tokenizer")
-        draft = load_draft(
-            speculative, backend, kernels, quantize, activations, progress, weights_cache
-        )
-        engine = cls(
-            backend,
-            tokenizer,
-            shape=EngineShape(**shape),
-            admission=admission,
-            prefix_cache_entries=prefix_cache_entries,
-            kv_dtype=resolved_kv,
-            model_path=path,
+        options = LoadOptions(
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            threads=threads,
+            kernels=kernels,
+            quantize=quantize,
+            activations=activations,
+            progress=progress,
+            device=device,
+            cuda_graph=cuda_graph,
+            weight_sharing=weight_sharing,
+            numa=numa,
+            weights_cache=weights_cache,
             speculative=speculative,
-            draft=draft,
+            lora_adapters=lora_adapters,
+            max_loras=max_loras,
         )
-        engine.placement = placement
-        clock.done("started the engine")
-        return engine
+        return cls._start(
+            load_model(model, options, shape), admission, prefix_cache_entries, progress
+        )
 
     @classmethod
     def from_program(
@@ -326,33 +248,41 @@ class Engine:
         model code runs, and the tokenizer comes from the program's own files. Its dtypes
         and kernels were fixed at export: options asking for others are refused. The
         step width defaults to the program's widest method."""
-        placement = _place(threads, numa)
-        backend, tokenizer = ProgramBackend.load(
-            Path(path),
+        options = LoadOptions(
             dtype=dtype,
             kv_dtype=kv_dtype,
+            threads=threads,
             kernels=kernels,
             quantize=quantize,
-            progress=progress,
             activations=activations,
+            progress=progress,
+            numa=numa,
+            speculative=speculative,
         )
-        widest = backend.max_step_tokens or DEFAULT_MAX_BATCH_TOKENS
-        shape.setdefault("max_batch_tokens", min(DEFAULT_MAX_BATCH_TOKENS, widest))
-        speculative = parse_speculative_config(speculative)
-        draft = load_draft(speculative, backend, "auto", "auto", "auto", progress)
+        loaded = load_program(Path(path), options, shape)
+        return cls._start(loaded, admission, prefix_cache_entries, progress)
+
+    @classmethod
+    def _start(
+        cls,
+        loaded: LoadedModel,
+        admission: str,
+        prefix_cache_entries: int,
+        progress: LoadProgress | None,
+    ) -> Engine:
         clock = PhaseClock(progress)
         engine = cls(
-            backend,
-            tokenizer,
-            shape=EngineShape(**shape),
+            loaded.backend,
+            loaded.tokenizer,
+            shape=loaded.shape,
             admission=admission,
             prefix_cache_entries=prefix_cache_entries,
-            kv_dtype=backend.program.kv_dtype,
-            model_path=backend.program.path,
-            speculative=speculative,
-            draft=draft,
+            kv_dtype=loaded.kv_dtype,
+            model_path=loaded.model_path,
+            speculative=loaded.speculative,
+            draft=loaded.draft,
         )
-        engine.placement = placement
+        engine.placement = loaded.placement
         clock.done("started the engine")
         return engine
 
@@ -751,24 +681,3 @@ def _seeded(config: GenConfig, index: int) -> GenConfig:
     if config.seed is None:
         return config
     return replace(config, seed=(config.seed + index) % 2**63)
-
-
-def _place(threads: int | None, numa: str | int) -> Placement:
-    """Sets the threads' count and CPUs (cellbatch.machine) before anything loads, so that
-    the loading and engine threads inherit them."""
-    topology = read_topology()
-    preset = preset_thread_count(len(topology.cpus), torch.get_num_threads())
-    placement = plan_placement(topology, threads, numa, preset)
-    apply_placement(placement)
-    return placement
-
-
-def machine_kv_memory(backend: ModelBackend) -> KVMemory:
-    """What the KV pool may take on this machine now: the memory available, less the
-    weights a file mapping holds (counted as available, but needed); on a GPU, its free
-    memory with the weights on it (the pool lives there)."""
-    if backend.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(backend.device)
-        return KVMemory(free, total)
-    memory = read_memory()
-    return KVMemory(memory.available_bytes - backend.mapped_weights_bytes, memory.total_bytes)
