@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache
+from cellbatch.executor.packed_step import PackedStep, select_rows
 from cellbatch.executor.sampling import SessionSampler, sample_rows, token_logprobs
-from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
+from cellbatch.executor.session_table import SessionTable
 from cellbatch.types import (
     BatchInput,
     Constraint,

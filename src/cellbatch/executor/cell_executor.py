@@ -34,8 +34,9 @@ import torch
 from cellbatch.cache import AttentionPlan, CellCache, KVPool
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.drafting import Draft, Drafter, DraftRequest
+from cellbatch.executor.packed_step import PackedStep, select_rows
 from cellbatch.executor.pooling import pool_slice, slice_pooling
-from cellbatch.executor.session_table import PackedStep, SessionTable, select_rows
+from cellbatch.executor.session_table import SessionTable
 from cellbatch.types import (
     NO_ADAPTER,
     BatchInput,

@@ -41,7 +41,7 @@ from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.graphs import CudaGraphCapture, GraphCapture, StepGraphs
-from cellbatch.executor.session_table import PackedStep
+from cellbatch.executor.packed_step import PackedStep
 from cellbatch.executor.step_plan import plan_calls
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.device_attention import (

@@ -29,7 +29,7 @@ from cellbatch.cache import AttentionPlan, KVPool
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
-from cellbatch.executor.session_table import PackedStep
+from cellbatch.executor.packed_step import PackedStep
 from cellbatch.executor.step_plan import plan_slices
 
 if TYPE_CHECKING:

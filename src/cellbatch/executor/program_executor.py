@@ -30,7 +30,7 @@ from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
 from cellbatch.executor.drafting import Drafter
-from cellbatch.executor.session_table import PackedStep
+from cellbatch.executor.packed_step import PackedStep
 from cellbatch.executor.step_plan import plan_calls
 from cellbatch.export.manifest import MethodSpec
 from cellbatch.export.program import Program

@@ -1,13 +1,11 @@
 """Sessions over cache sequences: what every executor shares (docs/design.md#sessiontable).
 
 Owns: the map from session ids to `CellCache` sequences, each session's sampling
-policy, its LoRA adapter and the token ids it was fed; `pack`, which lays a batch onto one token
-axis; `select_rows`, the logits rows a forward over one slice of that axis must
-return; `sample`, which draws every output row with its own session's policy in
-one call (penalties, then token rules and constraints; logprobs where asked);
-`score`, which gathers a generation's prompt logprobs across its chunks; `pool`
-and `pooled`, which gather a pooling generation's hidden states across its chunks
-and answer its last chunk with their vector (`executor/pooling.py`).
+policy, its LoRA adapter, its pooler (`executor/pooling.py`) and the token ids it was fed;
+`pack`, which lays a batch onto one token axis (a `PackedStep`); `sample`, which draws
+every output row with its own session's policy in one call (penalties, then token rules
+and constraints; logprobs where asked); and `score`, which gathers a generation's
+prompt logprobs across its chunks.
 Promises: session ids are issued monotonically and never reused (cache sequence
 ids may be); sessions are bounded by `max_sessions` (clones count) and each by
 `max_session_tokens`; `pack` either succeeds or raises having changed nothing but
@@ -24,14 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from cellbatch.cache import CellCache
 from cellbatch.constraint import ConstraintCompiler, ConstraintMatcher, MaskSource, mask_rows
-from cellbatch.executor.pooling import Pooler, PoolingPlan, plan_pooling
+from cellbatch.executor.packed_step import PackedStep
+from cellbatch.executor.pooling import Pooler, plan_pooling
+from cellbatch.executor.prompt_scores import PromptScores, plan_scoring
 from cellbatch.executor.sampling import (
     GREEDY_ROW,
     NUM_PARAMS,
@@ -40,7 +39,6 @@ from cellbatch.executor.sampling import (
     sample_rows,
     token_logprobs,
 )
-from cellbatch.executor.step_plan import rows_in_slice
 from cellbatch.executor.token_rules import TokenRules, apply_token_rules
 from cellbatch.types import (
     MAX_POSITION,
@@ -57,105 +55,6 @@ from cellbatch.types import (
 
 
 @dataclass
-class PackedStep:
-    """One batch on one token axis, inputs in order (all numpy int64).
-
-    tokens/positions/seq_ids have one entry per token; logit_indices has one per
-    input: the token-axis row of its last token where it produces output, else -1.
-    adapters, when some input's session runs a LoRA adapter, holds each token's adapter
-    id (NO_ADAPTER where none); None: no token has one.
-    score_ranges [inputs, 2], when some session scores its prompt, holds each input's
-    token-axis rows [from, to) whose logits score that prompt (from == to: none); it
-    never holds an output row. None: no input scores. drafts, when some input verifies
-    drafted tokens, holds per input how many of its last tokens are drafts: their rows
-    and the row before them are all output rows (None: none does). `pooling`, when some
-    session pools its prompt's hidden states, says which rows it pools and where its
-    vector is done (a pooling input's logit index is -1: it samples no token).
-    """
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    seq_ids: np.ndarray
-    logit_indices: np.ndarray
-    score_ranges: np.ndarray | None = None
-    drafts: np.ndarray | None = None
-    adapters: np.ndarray | None = None
-    pooling: PoolingPlan | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-
-class SliceRows(NamedTuple):
-    """The logits rows one forward returns (see `select_rows`)."""
-
-    rows: np.ndarray  # int64, relative to the slice, ascending
-    inputs: np.ndarray  # int64 per row: the input whose output it samples; -1: none
-    scored: np.ndarray  # bool per row: its logits score its session's prompt
-
-
-class _PromptScores:
-    """One generation's prompt logprobs, gathered across its prompt chunks.
-
-    `entries[i]` scores the token at position `start + i` (the first is None: the
-    generation never computed the logits before it). The logits of position q score
-    the token at q + 1, which the next chunk may feed only in a later step: until
-    then that row waits in `pending`. A replay (preemption, rewind) feeds the same
-    tokens again; their entries are kept, not recomputed.
-    """
-
-    def __init__(self, top: int) -> None:
-        self.top = top
-        self.start: int | None = None
-        self.entries: list[TokenLogprob | None] = []
-        self.pending: tuple[int, torch.Tensor] | None = None
-
-    @property
-    def covered(self) -> int:
-        """One past the last position with an entry (start + len(entries))."""
-        assert self.start is not None
-        return self.start + len(self.entries)
-
-    def planned(self, input_start: int) -> int:
-        """One past the last position whose entry exists or will come from a row already
-        computed (the pending one); rows scoring from here on are new. Before the first
-        input (starting at `input_start`), that input's start."""
-        if self.start is None:
-            return input_start
-        return self.covered + (self.pending is not None)
-
-    def reach(self, position: int, history: np.ndarray) -> None:
-        """Give the token at `position` its entry if it is next and has none yet."""
-        if self.start is None:
-            self.start = position
-            self.entries.append(None)
-        elif self.covered == position and self.pending is not None:
-            before, row = self.pending
-            if before == position - 1:
-                self.entries.extend(token_logprobs(row[None], [int(history[position])], [self.top]))
-                self.pending = None
-
-    def add(
-        self, positions: np.ndarray, logits: torch.Tensor, history: np.ndarray, fed: int
-    ) -> None:
-        """Score the tokens after `positions` (ascending, contiguous, planned by
-        `SessionTable.pack` so that the first new entry is the next one) from their
-        logits rows; the last row, when its next token is not fed yet, waits in
-        `pending`."""
-        self.reach(int(positions[0]), history)
-        known = positions + 1 < fed
-        count = int(known.sum())
-        if count:
-            nexts = positions[:count] + 1
-            first = int(nexts[0])
-            scored = token_logprobs(logits[:count], history[nexts].tolist(), [self.top] * count)
-            self.entries.extend(scored[self.covered - first :])
-        if count < len(positions):
-            self.pending = (int(positions[-1]), logits[-1].clone())
-
-
-@dataclass
 class _Session:
     seq: int
     sampler: SessionSampler | None = None  # None: no generation installed yet; samples greedily
@@ -164,7 +63,7 @@ class _Session:
     # context penalties count over, drafts are looked up in, and prompt logprobs score.
     history: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     generated_from: int | None = None  # the position of the generation's first sampled token
-    prompt: _PromptScores | None = None  # while the generation's prompt is being scored
+    prompt: PromptScores | None = None  # while the generation's prompt is being scored
     matcher: ConstraintMatcher | None = None  # the generation's constraint, where it has one
     rules: TokenRules | None = None  # the generation's token rules, where it has any
     adapter: int = NO_ADAPTER  # the generation's LoRA adapter id
@@ -293,7 +192,7 @@ class SessionTable:
         session.sampler = SessionSampler(params, seed)
         session.generated_from = None
         session.prompt = (
-            None if params.prompt_logprobs is None else _PromptScores(params.prompt_logprobs)
+            None if params.prompt_logprobs is None else PromptScores(params.prompt_logprobs)
         )
         session.pooler = None if params.pooling is None else Pooler(params.pooling)
 
@@ -426,7 +325,14 @@ class SessionTable:
             positions=positions,
             seq_ids=np.repeat(np.asarray([s.seq for s in sessions], dtype=np.int64), size_array),
             logit_indices=np.where(samples, ends - 1, -1),
-            score_ranges=self._score_ranges(sessions, starts, sizes, produces, ends),
+            score_ranges=plan_scoring(
+                [session.prompt for session in sessions],
+                [session.seq for session in sessions],
+                starts,
+                sizes,
+                produces,
+                ends,
+            ),
             drafts=np.asarray(drafts, dtype=np.int64) if drafts and any(drafts) else None,
             adapters=adapters,
             pooling=plan_pooling(poolers, starts, sizes, produces, ends),
@@ -662,34 +568,6 @@ class SessionTable:
         )
         return logits.float().index_copy(0, picked, penalised)
 
-    def _score_ranges(
-        self,
-        sessions: Sequence[_Session],
-        starts: Sequence[int],
-        sizes: Sequence[int],
-        produces: np.ndarray,
-        ends: np.ndarray,
-    ) -> np.ndarray | None:
-        """Per input, the token-axis rows [from, to) whose logits give entries its
-        session's prompt lacks and no earlier row gives; None when none scores."""
-        if all(session.prompt is None for session in sessions):
-            return None
-        ranges = np.zeros((len(sessions), 2), dtype=np.int64)
-        reach: dict[int, int] = {}  # per sequence: planned() as the batch advances
-        for index, session in enumerate(sessions):
-            if session.prompt is None:
-                continue
-            start, end = starts[index], starts[index] + sizes[index]
-            planned = reach.get(session.seq, session.prompt.planned(start))
-            first = max(start, planned - 1)  # position q scores q + 1
-            last = end - 1 if produces[index] else end  # the output row samples
-            if first < last:
-                to_axis = int(ends[index]) - end
-                ranges[index] = (first + to_axis, last + to_axis)
-                planned = last + 1
-            reach[session.seq] = planned
-        return ranges
-
     def _session(self, sid: SessionId) -> _Session:
         session = self._sessions.get(sid)
         if session is None:
@@ -708,47 +586,3 @@ class SessionTable:
         self._next_sid += 1
         self._sessions[sid] = _Session(seq)
         return sid
-
-
-def select_rows(step: PackedStep, offset: int, length: int) -> SliceRows:
-    """The logits rows a forward over step tokens [offset, offset + length) must return.
-
-    Rows are relative to the slice (what the forward indexes its own hidden states
-    with), ascending: each output row (its input in `inputs`; an input verifying m
-    drafts has m + 1, its last token's and the m before it) and each row of the slice in
-    the step's score_ranges (`scored`). A slice with no wanted row returns its last row
-    with input index -1, so every forward yields some logits.
-    """
-    if offset < 0 or length < 1 or offset + length > step.num_tokens:
-        raise InvalidArgumentError(
-            f"select_rows: slice [{offset}, {offset + length}) is not a non-empty part of a "
-            f"{step.num_tokens}-token step"
-        )
-    end = offset + length
-    inputs = np.flatnonzero(step.logit_indices >= 0).astype(np.int64)
-    rows = step.logit_indices[inputs]
-    if step.drafts is not None:
-        counts = step.drafts[inputs] + 1
-        firsts = rows - counts + 1
-        inputs = np.repeat(inputs, counts)
-        rows = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(
-            int(counts.sum()), dtype=np.int64
-        )
-    inside = (rows >= offset) & (rows < end)
-    inputs, rows = inputs[inside], rows[inside]
-    scored_rows = np.zeros(0, dtype=np.int64)
-    if step.score_ranges is not None:
-        scored_rows, _ = rows_in_slice(step.score_ranges, offset, end)
-    if rows.size == 0 and scored_rows.size == 0:
-        return SliceRows(
-            np.array([length - 1], dtype=np.int64),
-            np.array([-1], dtype=np.int64),
-            np.zeros(1, dtype=bool),
-        )
-    all_rows = np.concatenate([rows, scored_rows])
-    order = np.argsort(all_rows, kind="stable")
-    return SliceRows(
-        all_rows[order] - offset,
-        np.concatenate([inputs, np.full(scored_rows.size, -1, dtype=np.int64)])[order],
-        np.concatenate([np.zeros(rows.size, bool), np.ones(scored_rows.size, bool)])[order],
-    )
