@@ -74,12 +74,8 @@ from cellbatch.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
     ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
     dump,
 )
 from cellbatch.server.responses import Responses
@@ -88,6 +84,12 @@ from cellbatch.server.responses_protocol import ResponsesRequest
 from cellbatch.server.routing import RouteContext, check_fields, error_body, parse, read_body
 from cellbatch.server.service import EngineService, Job
 from cellbatch.server.storage import Storage
+from cellbatch.server.tokenize_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from cellbatch.types import FinishReason
 
 log = logging.getLogger(__name__)

@@ -71,14 +71,13 @@ from cellbatch.server.protocol import (
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
-    TokenizeMessages,
-    TokenizeRequest,
     ToolCallMessage,
     ToolDefinition,
     ToolMessage,
 )
 from cellbatch.server.routing import RouteContext
 from cellbatch.server.service import Job
+from cellbatch.server.tokenize_protocol import TokenizeMessages, TokenizeRequest
 from cellbatch.tool_calls.calls import ToolCall
 from cellbatch.types import FinishReason
 

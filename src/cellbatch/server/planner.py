@@ -27,14 +27,16 @@ from cellbatch.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
+    ToolDefinition,
+    ToolMessage,
+)
+from cellbatch.server.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
-    NamedToolChoice,
     TokenizeMessages,
     TokenizeRequest,
     TokenizeResponse,
-    ToolDefinition,
-    ToolMessage,
 )
 from cellbatch.text_stream import check_stop_strings
 from cellbatch.tool_calls.calls import Tool, ToolChoice, ToolMode

@@ -4,7 +4,8 @@ Owns: the fields cellbatch reads from `/v1/completions` and `/v1/chat/completion
 requests, and the bodies and stream chunks it answers with, named as the OpenAI API
 names them (plus vLLM's `top_k`, `min_p` and `repetition_penalty`), tool definitions
 and calls (in history messages, answers and stream deltas) among them; the fields that
-peers take and cellbatch does not (`UNSUPPORTED_FIELDS`).
+peers take and cellbatch does not (`UNSUPPORTED_FIELDS`); the `/v1/models` list. (The
+tokenize routes' shapes are `tokenize_protocol`'s.)
 Promises: a field of the wrong type or out of range fails validation (the app
 answers 400 in OpenAI's error shape, naming the field); a request's other top-level
 fields are kept in `model_extra` for the app to refuse (an unsupported field that
@@ -26,10 +27,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    RootModel,
     SerializerFunctionWrapHandler,
     model_serializer,
-    model_validator,
 )
 
 from cellbatch.server.openapi import bound
@@ -535,64 +534,6 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-
-
-class TokenizePrompt(BaseModel):
-    """vLLM's `/tokenize` of a completion prompt."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    prompt: str
-    messages: None = None
-    add_special_tokens: bool = True
-
-
-class TokenizeMessages(BaseModel):
-    """vLLM's `/tokenize` of chat messages, through the template."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    prompt: None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
-    add_generation_prompt: bool = True
-    tools: list[ToolDefinition] | None = None
-    chat_template_kwargs: TemplateKwargs | None = None
-
-
-class TokenizeRequest(RootModel[TokenizePrompt | TokenizeMessages]):
-    """A prompt or messages (the other left out, or null)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_of_them(cls, body: Any) -> Any:
-        if isinstance(body, dict) and (body.get("prompt") is None) == (
-            body.get("messages") is None
-        ):
-            raise ValueError("give either prompt or messages, not both or neither")
-        return body
-
-    @property
-    def model(self) -> str | None:
-        return self.root.model
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    tokens: list[TokenId]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 class ModelCard(BaseModel):
