@@ -63,9 +63,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def as_default(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The tiny model stands in for the embedded one wherever no model is given."""
-    import cellbatch.engine.engine
+    import cellbatch.engine.loader
 
-    monkeypatch.setattr(cellbatch.engine.engine, "default_model_path", lambda: tiny_model)
+    monkeypatch.setattr(cellbatch.engine.loader, "default_model_path", lambda: tiny_model)
     return tiny_model
 
 
