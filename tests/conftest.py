@@ -1,10 +1,12 @@
 """Fixtures shared by the test folders: the weights cache in a temporary folder, torch's
-thread count put back after every test, and a tiny random chat model the benchmarks (the
-packaged throughput benchmark, cellbatch.bench, and the scripts of benchmarks/) run on."""
+thread count put back after every test (and one thread for the modules that ask), and a
+tiny random chat model the benchmarks (the packaged throughput benchmark,
+cellbatch.bench, and the scripts of benchmarks/) run on."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,17 @@ def torch_threads_restored():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny-model tests (`pytestmark =
+        pytest.mark.usefixtures("one_thread")`): tiny products, where a second intra-op thread
+    only adds contention on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ with its reason, never running the base model instead."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,12 +28,7 @@ NO_EOS = {"eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
 NEW_TOKENS = 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from cellbatch.engine import Engine, EngineShape, ModuleBackend
 from cellbatch.model.loading import load_model
@@ -42,12 +41,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
 PROMPTS = _prompts(32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ tokens exactly (the weights are drawn so that greedy picks are far from ties).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -54,12 +54,7 @@ CONFIG = ModelConfig(
 SHAPE = ExecutorShape(max_sessions=8, max_session_tokens=256, max_cells=2048, max_batch_tokens=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

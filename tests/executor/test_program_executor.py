@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,12 +69,7 @@ CONFIG = ModelConfig(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
