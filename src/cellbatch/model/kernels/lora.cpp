@@ -10,7 +10,8 @@
 // module's rank in order, in float32 lanes (bf16 and fp16 widened exactly), and is added
 // to out[r] and rounded to out's dtype once. Every group is checked before any row is
 // written; one parallel region covers the call, a row computed whole by one thread, and
-// work too small to pay for the region stays on the calling thread. Rows not named in
+// work too small to pay for the region stays on the calling thread. Up to kRowsTogether
+// rows of a group share each weight load. Rows not named in
 // `rows` are not touched, so a row without an adapter costs nothing.
 // Never: allocates per row or per group, or reads rows of x other than those named.
 
@@ -62,31 +63,43 @@ inline int64_t grain(int64_t tasks, int64_t work) {
   return tasks * work < kParallelWork ? tasks + 1 : std::max<int64_t>(1, kParallelWork / work);
 }
 
-// One row's low-rank product added to out[row]: t = x[row] · A^T into `low` (kRanks ranks at
-// a time, their chains interleaved: each chain's order is as alone, the interleaving only
-// hides the multiply-adds' latency; a step short of ranks repeats its last one and stores
-// it once), then per module and per block of kBlock output columns t · B_module, the
-// block's vectors' chains interleaved over the module's ranks in order.
-template <typename T>
-void add_row(T* target_row, const T* row, const at::Tensor& a, const at::Tensor& b,
-             const at::Tensor& segments, float* low) {
+// Rows of one group computed together: each weight vector loaded (and widened) once for
+// all of them. Together or alone, a row's chains are the same.
+constexpr int64_t kRowsTogether = 4;
+
+// The low-rank products of N rows of one group added to their out rows: t = x[row] · A^T
+// into `low` (kRanks ranks at a time, their chains interleaved: each chain's order is as
+// alone, the interleaving only hides the multiply-adds' latency; a step short of ranks
+// repeats its last one and stores it once), then per module and per block of kBlock
+// output columns t · B_module, the block's vectors' chains interleaved over the module's
+// ranks in order. low holds N rows of `stride` floats.
+template <typename T, int N>
+void add_rows(T* const* targets, const T* const* xs, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor& segments, float* low, int64_t stride) {
   const int64_t rank = a.size(0), in = a.size(1);
   const T* ap = a.data_ptr<T>();
   const T* bp = b.data_ptr<T>();
   for (int64_t j0 = 0; j0 < rank; j0 += kRanks) {
     const T* weights[kRanks];
     for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, rank - 1) * in;
-    Vec sum[kRanks];
-    for (int64_t q = 0; q < kRanks; ++q) sum[q] = Vec(0.f);
+    Vec sum[N][kRanks];
+    for (int r = 0; r < N; ++r) {
+      for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = Vec(0.f);
+    }
     for (int64_t k = 0; k < in; k += kLanes) {
       const int64_t lanes = std::min(kLanes, in - k);
-      const Vec xs = load_lanes(row + k, lanes);
-      for (int64_t q = 0; q < kRanks; ++q) {
-        sum[q] = at::vec::fmadd(xs, load_lanes(weights[q] + k, lanes), sum[q]);
+      Vec w[kRanks];
+      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_lanes(weights[q] + k, lanes);
+      for (int r = 0; r < N; ++r) {
+        const Vec x = load_lanes(xs[r] + k, lanes);
+        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
       }
     }
-    for (int64_t q = 0; q < kRanks && j0 + q < rank; ++q) {
-      low[j0 + q] = at::vec::vec_reduce_all<float>([](Vec p, Vec r) { return p + r; }, sum[q]);
+    for (int r = 0; r < N; ++r) {
+      for (int64_t q = 0; q < kRanks && j0 + q < rank; ++q) {
+        low[r * stride + j0 + q] =
+            at::vec::vec_reduce_all<float>([](Vec p, Vec s) { return p + s; }, sum[r][q]);
+      }
     }
   }
   constexpr int64_t kVectors = kBlock / kLanes;
@@ -98,33 +111,41 @@ void add_row(T* target_row, const T* row, const at::Tensor& a, const at::Tensor&
     const int64_t column = seg[4 * s + 2], columns = seg[4 * s + 3];
     const T* block = bp + b_offset;
     b_offset += ranks * columns;
-    const float* t = low + rank_start;
     for (int64_t c0 = 0; c0 < columns; c0 += kBlock) {
       const int64_t lanes = std::min(kBlock, columns - c0);
       const int64_t vectors = (lanes + kLanes - 1) / kLanes;
-      Vec sum[kVectors];
-      for (int64_t v = 0; v < kVectors; ++v) sum[v] = Vec(0.f);
+      Vec sum[N][kVectors];
+      for (int r = 0; r < N; ++r) {
+        for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = Vec(0.f);
+      }
       if (vectors == kVectors) {
         for (int64_t j = 0; j < ranks; ++j) {
-          const Vec scale(t[j]);
           const T* from = block + j * columns + c0;
-          for (int64_t v = 0; v < kVectors; ++v) {
-            sum[v] = at::vec::fmadd(scale, load_lanes(from + v * kLanes, kLanes), sum[v]);
+          Vec w[kVectors];
+          for (int64_t v = 0; v < kVectors; ++v) w[v] = load_lanes(from + v * kLanes, kLanes);
+          for (int r = 0; r < N; ++r) {
+            const Vec scale(low[r * stride + rank_start + j]);
+            for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = at::vec::fmadd(scale, w[v], sum[r][v]);
           }
         }
       } else {
         for (int64_t j = 0; j < ranks; ++j) {
-          const Vec scale(t[j]);
           const T* from = block + j * columns + c0;
           for (int64_t v = 0; v < vectors; ++v) {
-            const int64_t n = std::min(kLanes, lanes - v * kLanes);
-            sum[v] = at::vec::fmadd(scale, load_lanes(from + v * kLanes, n), sum[v]);
+            const Vec w = load_lanes(from + v * kLanes, std::min(kLanes, lanes - v * kLanes));
+            for (int r = 0; r < N; ++r) {
+              sum[r][v] = at::vec::fmadd(Vec(low[r * stride + rank_start + j]), w, sum[r][v]);
+            }
           }
         }
       }
-      for (int64_t v = 0; v < vectors; ++v) sum[v].store(lanes_out + v * kLanes);
-      T* target = target_row + column + c0;
-      for (int64_t l = 0; l < lanes; ++l) target[l] = narrow<T>(widen(target[l]) + lanes_out[l]);
+      for (int r = 0; r < N; ++r) {
+        for (int64_t v = 0; v < vectors; ++v) sum[r][v].store(lanes_out + v * kLanes);
+        T* target = targets[r] + column + c0;
+        for (int64_t l = 0; l < lanes; ++l) {
+          target[l] = narrow<T>(widen(target[l]) + lanes_out[l]);
+        }
+      }
     }
   }
 }
@@ -192,25 +213,46 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
     max_rank = std::max<int64_t>(max_rank, a.size(0));
     max_work = std::max<int64_t>(max_work, row_work(a, segments));
   }
-  // Every group checked before any row is written; then one parallel region over all the
-  // rows, each row computed whole by one thread.
-  const int64_t total = rows.size(0);
-  std::vector<int64_t> group_of(total);
+  // Every group checked before any row is written; then one parallel region over blocks of
+  // at most kRowsTogether rows of one group, each row computed whole by one thread.
+  std::vector<int64_t> block_starts;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t p = bounds[g]; p < bounds[g + 1]; ++p) group_of[p] = g;
+    if (!active[g]) continue;
+    for (int64_t p = bounds[g]; p < bounds[g + 1]; p += kRowsTogether) block_starts.push_back(p);
   }
-  std::vector<float> low(total * max_rank);
+  const int64_t blocks = static_cast<int64_t>(block_starts.size());
+  std::vector<int64_t> group_of(blocks), block_rows(blocks);
+  for (int64_t g = 0, i = 0; g < groups; ++g) {
+    if (!active[g]) continue;
+    for (int64_t p = bounds[g]; p < bounds[g + 1]; p += kRowsTogether, ++i) {
+      group_of[i] = g;
+      block_rows[i] = std::min(kRowsTogether, bounds[g + 1] - p);
+    }
+  }
+  std::vector<float> low(rows.size(0) * max_rank);
   for_each_scalar_type(x, "lora_add", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-    at::parallel_for(0, total, grain(total, max_work), [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t g = group_of[p];
-        if (!active[g]) continue;
-        add_row<T>(op + row_ids[p] * out_stride, xp + row_ids[p] * x_stride, weights[3 * g],
-                   weights[3 * g + 1], weights[3 * g + 2], low.data() + p * max_rank);
+    at::parallel_for(0, blocks, grain(blocks, kRowsTogether * max_work),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t g = group_of[i], first = block_starts[i];
+        T* targets[kRowsTogether];
+        const T* xs[kRowsTogether];
+        for (int64_t r = 0; r < block_rows[i]; ++r) {
+          targets[r] = op + row_ids[first + r] * out_stride;
+          xs[r] = xp + row_ids[first + r] * x_stride;
+        }
+        const at::Tensor &a = weights[3 * g], &b = weights[3 * g + 1], &seg = weights[3 * g + 2];
+        float* rows_low = low.data() + first * max_rank;
+        switch (block_rows[i]) {
+          case 4: add_rows<T, 4>(targets, xs, a, b, seg, rows_low, max_rank); break;
+          case 3: add_rows<T, 3>(targets, xs, a, b, seg, rows_low, max_rank); break;
+          case 2: add_rows<T, 2>(targets, xs, a, b, seg, rows_low, max_rank); break;
+          default: add_rows<T, 1>(targets, xs, a, b, seg, rows_low, max_rank); break;
+        }
       }
     });
   });
