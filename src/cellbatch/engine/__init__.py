@@ -2,8 +2,9 @@
 (docs/design.md#engine).
 
 Imports only go down this list: `backend` (module or program) < `batch` (one call's
-results) < `limits` (EngineShape, EngineLimits) < `prefix` (a call's shared prompt prefix) <
-`loader` (a model's files to what an Engine runs) < `engine`.
+results) < `call_checks` (one call's prompts and configs) < `limits` (EngineShape,
+EngineLimits) < `prefix` (a call's shared prompt prefix) < `loader` (a model's files to
+what an Engine runs) < `engine`.
 """
 
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend

@@ -34,6 +34,7 @@ from cellbatch.constraint import ConstraintCompiler
 from cellbatch.engine.adapter_options import NoAdapters
 from cellbatch.engine.backend import ModelBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
+from cellbatch.engine.call_checks import call_config, prompt_problem, seeded
 from cellbatch.engine.drafters import make_drafter
 from cellbatch.engine.embedding import embedding_size, finish_embedding
 from cellbatch.engine.limits import EngineShape, KVMemory, resolve_limits
@@ -354,7 +355,7 @@ class Engine:
         """`generate` without waiting: the batch can be waited on, cancelled (what
         finished stays finished) and collected."""
         self._require_open()
-        base = _gen_config(params, max_new_tokens, seed, stop)
+        base = call_config(params, max_new_tokens, seed, stop)
         if constraint is not None:
             base = replace(base, sampling=replace(base.sampling, constraint=constraint))
         unconstrainable = self._constraint_problem(base.sampling.constraint)
@@ -383,7 +384,7 @@ class Engine:
             result.shared_prefix_tokens = reused
             handle = self.runner.submit(
                 result.prompt_tokens[reused:],
-                _seeded(base, index),
+                seeded(base, index),
                 progress if on_tokens is not None else None,
                 source=root.session if root is not None else None,
                 upto=reused,
@@ -444,7 +445,9 @@ class Engine:
         prompts = []
         for index, prompt in enumerate(inputs):
             tokens = self._prepare(prompt, config, "").prompt_tokens
-            problem = self._prompt_problem(tokens, config, "")
+            problem = prompt_problem(
+                tokens, config, "", self.geometry.vocab_size, self.shape.max_session_tokens
+            )
             if problem:
                 raise InvalidArgumentError(f"input {index}: {problem}")
             prompts.append(tokens)
@@ -600,7 +603,9 @@ class Engine:
         else:
             tokens = [int(token) for token in prompt]
         result = GenerationResult(prompt=prompt, prompt_tokens=tokens)
-        result.error = self._prompt_problem(tokens, config, unconstrainable)
+        result.error = prompt_problem(
+            tokens, config, unconstrainable, self.geometry.vocab_size, self.shape.max_session_tokens
+        )
         return result
 
     def check_constraint(self, constraint: Constraint) -> None:
@@ -622,62 +627,3 @@ class Engine:
         except InvalidArgumentError as error:
             return str(error)
         return ""
-
-    def _prompt_problem(
-        self, tokens: Sequence[Token], config: GenConfig, unconstrainable: str
-    ) -> str:
-        """Why the prompt cannot run, or "": emptiness, the call's constraint, the
-        vocabulary and the session limit (a bad max_new_tokens is the runner's to
-        refuse)."""
-        if not tokens:
-            return "the prompt is empty: a generation must feed at least one token"
-        if unconstrainable:
-            return unconstrainable
-        vocab = self.geometry.vocab_size
-        for index, token in enumerate(tokens):
-            if not 0 <= token < vocab:
-                return (
-                    f"token id {token} at index {index} is outside the vocabulary "
-                    f"[0, {vocab}); use ids of this model's tokenizer"
-                )
-        limit = self.shape.max_session_tokens
-        needed = len(tokens) + config.max_new_tokens
-        if needed > limit:
-            return (
-                f"the prompt has {len(tokens)} tokens and asks for {config.max_new_tokens} new "
-                f"ones ({needed} in all), above the session limit of {limit} tokens; shorten "
-                "the prompt, lower max_new_tokens or raise max_session_tokens"
-            )
-        return ""
-
-
-def _gen_config(
-    params: GenConfig | SamplingParams | None,
-    max_new_tokens: int | None,
-    seed: int | None,
-    stop: Sequence[str],
-) -> GenConfig:
-    if isinstance(params, GenConfig):
-        config = params
-    elif isinstance(params, SamplingParams):
-        config = GenConfig(sampling=params)
-    elif params is None:
-        config = GenConfig()
-    else:
-        raise InvalidArgumentError(
-            f"params must be a GenConfig or SamplingParams, got {type(params).__name__}"
-        )
-    if max_new_tokens is not None:
-        config = replace(config, max_new_tokens=max_new_tokens)
-    if seed is not None:
-        config = replace(config, seed=seed)
-    if isinstance(stop, str):
-        stop = (stop,)
-    return replace(config, stop_strings=(*config.stop_strings, *stop))
-
-
-def _seeded(config: GenConfig, index: int) -> GenConfig:
-    """Prompt `index`'s own seed, so a seeded run does not depend on batching."""
-    if config.seed is None:
-        return config
-    return replace(config, seed=(config.seed + index) % 2**63)
