@@ -33,8 +33,10 @@ def _logits(position: int) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(500 + position)) * 2
 
 
-def _one_at_a_time(params: SamplingParams, seed: int, steps: int) -> list[Output]:
-    """The session's outputs decoding one token a step."""
+def _decoded(
+    params: SamplingParams, seed: int, steps: int
+) -> tuple[list[Output], SessionTable, int]:
+    """A session's outputs decoding one token a step, its table and its id."""
     table = _table()
     sid = table.open()
     table.set_sampling(sid, params, seed)
@@ -44,22 +46,19 @@ def _one_at_a_time(params: SamplingParams, seed: int, steps: int) -> list[Output
         position = table.position(sid)
         _run(table, [Input(sid, True, 0, 1, outputs[-1].tokens, position)])
         outputs.append(table.sample([sid], _logits(position)[None])[0])
-    return outputs
+    return outputs, table, sid
+
+
+def _one_at_a_time(params: SamplingParams, seed: int, steps: int) -> list[Output]:
+    """The session's outputs decoding one token a step."""
+    return _decoded(params, seed, steps)[0]
 
 
 def _verified(
     params: SamplingParams, seed: int, drafts: list[int], first_steps: int = 1
 ) -> tuple[list[Output], SessionTable, int]:
     """Decode `first_steps` tokens one at a time, then verify `drafts` after the last."""
-    table = _table()
-    sid = table.open()
-    table.set_sampling(sid, params, seed)
-    _run(table, [Input(sid, True, 0, len(PROMPT), tuple(PROMPT), 0)])
-    outputs = [table.sample([sid], _logits(len(PROMPT) - 1)[None])[0]]
-    for _ in range(first_steps - 1):
-        position = table.position(sid)
-        _run(table, [Input(sid, True, 0, 1, outputs[-1].tokens, position)])
-        outputs.append(table.sample([sid], _logits(position)[None])[0])
+    outputs, table, sid = _decoded(params, seed, first_steps)
     start = table.position(sid)
     payload = (*outputs[-1].tokens, *drafts)
     step = _run(table, [Input(sid, True, 0, len(payload), payload, start)], [len(drafts)])
