@@ -79,3 +79,16 @@ def tiny_bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def default_reference():  # -> transformers.PreTrainedModel
+    """transformers' fp32 model of the embedded default model's GGUF file: the reference
+    the default-model tests compare against, loaded once (reading and dequantising the
+    file takes seconds). Tests only read it; one that would change it (PEFT wraps the
+    model it is given) loads its own."""
+    from cellbatch.model.default import default_model_path
+    from tiny_models import reference_model
+
+    path = default_model_path()
+    return reference_model(path.parent, gguf_file=path.name)

@@ -396,12 +396,11 @@ def default_engine() -> Iterator[Engine]:
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers(default_engine: Engine) -> None:
+def test_default_model_matches_transformers(default_engine: Engine, default_reference) -> None:
     engine = default_engine
     prompts = [engine.chat_tokens(text) for text in CHAT_PROMPTS]
     results = engine.generate(prompts, GenConfig(max_new_tokens=DEFAULT_NEW_TOKENS))
-    path = engine.model_path
-    reference = reference_model(path.parent, gguf_file=path.name)
+    reference = default_reference
     stops = sorted(engine.stop_tokens)
     mismatches = []
     for text, prompt, result in zip(CHAT_PROMPTS, prompts, results, strict=True):

@@ -51,15 +51,12 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(default_reference):
     import transformers
 
     path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model.eval(), tokenizer
+    return default_reference, tokenizer
 
 
 @pytest.mark.slow
