@@ -44,9 +44,7 @@ from quantized import mode_options, weights_label
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
 
-def chunk_nll(
-    model: torch.nn.Module, tokens: Sequence[int], kv_dtype: torch.dtype
-) -> list[float]:
+def chunk_nll(model: torch.nn.Module, tokens: Sequence[int], kv_dtype: torch.dtype) -> list[float]:
     """Negative log-likelihoods of the second half of `tokens`, prefilled as one step (each
     layer stores the chunk's K/V in the pool, then attends over the stored K/V)."""
     config = model.config

