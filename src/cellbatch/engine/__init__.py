@@ -11,6 +11,7 @@ from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
 from cellbatch.engine.engine import Engine, Message
 from cellbatch.engine.limits import DEFAULT_MAX_BATCH_TOKENS, EngineLimits, EngineShape
+from cellbatch.engine.loader import LoadOptions
 from cellbatch.engine.prefix import MIN_SHARED_PREFIX
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "EngineShape",
     "GenerationBatch",
     "GenerationResult",
+    "LoadOptions",
     "Message",
     "ModelBackend",
     "ModuleBackend",

@@ -178,34 +178,10 @@ class Engine:
     ) -> Engine:
         """Load a Hugging Face folder, a GGUF file (default: the embedded
         SmolLM2-135M-Instruct) or a program file (`.pt2`, from `cellbatch export`: see
-        `from_program`). `shape` takes EngineShape's fields. `kv_dtype`
-        defaults to the weight dtype; "int8" quantises K/V per cell and head, about half
-        bf16's bytes (cellbatch.kv_format). `kernels`: "auto" (the compiled CPU kernels where
-        they build, else pure torch), "compiled" or "torch". `quantize`: "auto" (a GGUF
-        file keeps its precision class, e.g. Q4_1 -> int4; other models stay float),
-        "none", "int8" or "int4" (see cellbatch.model.quantized). `activations`: what the
-        int4 products do with their inputs: "auto" (int8 for some products where the
-        kernels have a vector int8 path, AVX512-VNNI or AVX2, and the model runs in the
-        dtype `auto` picks, else float), "float" (the model's dtype) or "int8" (quantised
-        per group of 32: see quantized.resolve_activations). `threads`: default one per
-        physical core (a count the process set already is kept); `numa`: "auto" binds the
-        threads to one NUMA node where the machine has several, "off" never, or a node
-        number (cellbatch.machine). `weights_cache`: where weights converted at load (a
-        GGUF file's blocks, `quantize`) are kept for the next start to map instead of
-        converting ("auto": CELLBATCH_CACHE_DIR or ~/.cache/cellbatch; a folder; None: no
-        cache; see cellbatch.model.weights_cache; the CPU only). `progress` hears of each
-        phase of the load as it ends (what it did, and its seconds). `device`: "auto" (a
-        CUDA GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"; on a GPU
-        the weights are float (bf16 by default: `quantize` "auto" means float there) and a
-        CudaExecutor runs them, with `cuda_graph` (one captured graph per decode width,
-        replayed; off: eager, vLLM's --enforce-eager) and `weight_sharing` (one copy of the
-        weights for every method and graph). `speculative` (a `SpeculativeConfig`, or
-        vLLM's JSON object or text for one) turns on speculative decoding: prompt lookup,
-        or a draft model loaded with the same options; the tokens stay the same (a
-        generation's LoRA adapter runs in the verifying rows; the draft model drafts
-        without it). `lora_adapters` maps names to PEFT LoRA adapter folders to serve
-        from the start (`load_adapter`; the CPU only); `max_loras` bounds the adapters
-        loaded at once. The options are checked before anything loads."""
+        `from_program`). The keyword options are `LoadOptions`' fields, each described
+        there, plus `admission` and `prefix_cache_entries` (as the constructor takes them);
+        `shape` takes EngineShape's fields. The options are checked before anything
+        loads."""
         options = LoadOptions(
             dtype=dtype,
             kv_dtype=kv_dtype,

@@ -52,7 +52,45 @@ from cellbatch.types import DEFAULT_MAX_LORAS, InvalidArgumentError
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load a model (see `Engine.from_pretrained` for each one's meaning)."""
+    """How `Engine.from_pretrained` loads a model: its keyword options.
+
+    Attributes:
+        dtype: the weights' and activations' float type: "auto" (bf16 on CPUs with native
+            bf16 matrix units, AVX512-BF16 or AMX, and on GPUs; else float32), or
+            "float32", "bfloat16", "float16" or a torch dtype.
+        kv_dtype: the KV cache's type; default the weights' dtype. "int8" quantises K/V
+            per cell and head, about half bf16's bytes (cellbatch.kv_format).
+        threads: torch's thread count; default one per physical core (a count the
+            process set already is kept).
+        kernels: "auto" (the compiled CPU kernels where they build, else pure torch),
+            "compiled" or "torch".
+        quantize: "auto" (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; other
+            models stay float), "none", "int8" or "int4" (cellbatch.model.quantized).
+        activations: what the int4 products do with their inputs: "auto" (int8 for some
+            products where the kernels have a vector int8 path, AVX512-VNNI or AVX2, and
+            the model runs in the dtype `auto` picks, else float), "float" (the model's
+            dtype) or "int8" (quantised per group of 32: quantized.resolve_activations).
+        progress: hears of each phase of the load as it ends (what it did, its seconds).
+        device: "auto" (a CUDA GPU when torch sees one, else the CPU), "cpu", "cuda" or
+            "cuda:N". On a GPU the weights are float (bf16 by default: `quantize` "auto"
+            means float there) and a CudaExecutor runs them.
+        cuda_graph: on a GPU, one captured graph per decode width, replayed (off: eager,
+            vLLM's --enforce-eager).
+        weight_sharing: on a GPU, one copy of the weights for every method and graph.
+        numa: "auto" binds the threads to one NUMA node where the machine has several,
+            "off" never, or a node number (cellbatch.machine).
+        weights_cache: where weights converted at load (a GGUF file's blocks, `quantize`)
+            are kept for the next start to map instead of converting ("auto":
+            CELLBATCH_CACHE_DIR or ~/.cache/cellbatch; a folder; None: no cache; the CPU
+            only; cellbatch.model.weights_cache).
+        speculative: a `SpeculativeConfig`, or vLLM's JSON object or text for one, turns
+            on speculative decoding: prompt lookup, or a draft model loaded with the same
+            options. The tokens stay the same (a generation's LoRA adapter runs in the
+            verifying rows; the draft model drafts without it).
+        lora_adapters: names mapped to PEFT LoRA adapter folders, served from the start
+            (`Engine.load_adapter`; the CPU only).
+        max_loras: the most adapters loaded at once.
+    """
 
     dtype: str | torch.dtype = "auto"
     kv_dtype: str | torch.dtype | None = None
