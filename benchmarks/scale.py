@@ -40,7 +40,9 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -173,64 +175,65 @@ def vllm(
 
 def llama_server(path: str, threads: int, workload: dict[str, list[list[int]]]) -> dict[str, Any]:
     """llama-server -np 32 on the file: each run's requests sent at once to /completion."""
-    import httpx
-
     port = 18000 + os.getpid() % 1000
-    slots = 32
     command = [
         str(llama_cpp_tools.binary("llama-server")), "-m", path, "-t", str(threads),
-        "-tb", str(threads), "-np", str(slots), "-kvu", "-c", "8192",
+        "-tb", str(threads), "-np", "32", "-kvu", "-c", "8192",
         "--host", "127.0.0.1", "--port", str(port), "--no-webui",
     ]  # fmt: skip
-    server = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(timeout=3600) as client:
-            began = time.perf_counter()
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"llama-server exited: {server.stderr.read()[-2000:]}")
-                try:
-                    if client.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-            loaded = time.perf_counter() - began
+    # Its log goes to a file: a pipe left unread would stall it once full.
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            return _timed_server(f"http://127.0.0.1:{port}", server, log, workload)
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
 
-            def complete(prompt: list[int], new: int) -> int:
-                body = {
-                    "prompt": prompt,
-                    "n_predict": new,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                    "cache_prompt": False,
-                }
-                answer = client.post(f"{url}/completion", json=body)
-                answer.raise_for_status()
-                return int(answer.json()["tokens_predicted"])
 
-            from concurrent.futures import ThreadPoolExecutor
+def _timed_server(
+    url: str, server: subprocess.Popen[str], log: Any, workload: dict[str, list[list[int]]]
+) -> dict[str, Any]:
+    import httpx
 
-            timed: dict[str, dict[str, float]] = {}
-            with ThreadPoolExecutor(slots) as pool:
-                complete(workload["single"][0], 4)  # warm-up
-                for run in _runs(workload):
-                    start = time.perf_counter()
-                    news = [run["max_new_tokens"]] * len(run["prompts"])
-                    counts = list(pool.map(complete, run["prompts"], news))
-                    timed[run["name"]] = {
-                        "seconds": time.perf_counter() - start,
-                        "tokens": sum(counts),
-                    }
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with httpx.Client(timeout=3600) as client:
+        began = time.perf_counter()
+        while True:
+            if server.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"llama-server exited: {log.read()[-2000:]}")
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        loaded = time.perf_counter() - began
+
+        def complete(prompt: list[int], new: int) -> int:
+            body = {
+                "prompt": prompt,
+                "n_predict": new,
+                "ignore_eos": True,
+                "temperature": 0,
+                "cache_prompt": False,
+            }
+            answer = client.post(f"{url}/completion", json=body)
+            answer.raise_for_status()
+            return int(answer.json()["tokens_predicted"])
+
+        timed: dict[str, dict[str, float]] = {}
+        with ThreadPoolExecutor(32) as pool:
+            complete(workload["single"][0], 4)  # warm-up
+            for run in _runs(workload):
+                start = time.perf_counter()
+                news = [run["max_new_tokens"]] * len(run["prompts"])
+                counts = list(pool.map(complete, run["prompts"], news))
+                timed[run["name"]] = {"seconds": time.perf_counter() - start, "tokens": sum(counts)}
     return {"load_seconds": loaded} | _rates(timed)
 
 
@@ -365,6 +368,13 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _save(results: dict[str, Any], path: Path | None) -> None:
+    """The figures so far: nothing measured is lost to a later failure."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
@@ -407,18 +417,18 @@ def main() -> int:
             print(f"scale bench: llama.cpp on {Path(path).name} ...", file=sys.stderr, flush=True)
             run["llama_cpp"] = llama_cpp(path, args.threads)
         workload = run["cellbatch"].pop("workload")
+        results["models"][Path(path).name] = run
+        _save(results, args.output_json)
         if args.llama_server:
             print(f"scale bench: llama-server on {Path(path).name}", file=sys.stderr, flush=True)
             run["llama_server"] = llama_server(path, args.threads, workload)
+            _save(results, args.output_json)
         if args.vllm:
             folder = Path(path).parent / "hf"
             print(f"scale bench: vLLM on {folder} ...", file=sys.stderr, flush=True)
             run["vllm"] = vllm(args.vllm_python, folder, args.threads, workload)
-        results["models"][Path(path).name] = run
-        print(table(results), file=sys.stderr, flush=True)  # so far: nothing lost to a stop
-        if args.output_json:
-            args.output_json.parent.mkdir(parents=True, exist_ok=True)
-            args.output_json.write_text(json.dumps(results, indent=1) + "\n")
+        _save(results, args.output_json)
+        print(table(results), file=sys.stderr, flush=True)
     print(table(results))
     return 0
 
