@@ -1,7 +1,8 @@
 """Fixtures shared by the test folders: the weights cache in a temporary folder, torch's
 thread count put back after every test (and one thread for the modules that ask), and a
 tiny random chat model the benchmarks (the packaged throughput benchmark,
-cellbatch.bench, and the scripts of benchmarks/) run on."""
+cellbatch.bench, and the scripts of benchmarks/) run on, the default model's transformers
+reference, and Runners over fake executors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from cellbatch.bench.workload import CHAT_PROMPTS
+from fake_executor import FakeRunners
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -92,3 +94,11 @@ def default_reference():  # -> transformers.PreTrainedModel
 
     path = default_model_path()
     return reference_model(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture
+def runners() -> Iterator[FakeRunners]:
+    """Runners over fake executors, shut down and checked after the test (FakeRunners)."""
+    made = FakeRunners()
+    yield made
+    made.close()

@@ -313,3 +313,28 @@ def open_session(runner: Runner) -> Session:
     session = runner.open_session_async().result(WAIT_S)
     assert session is not None
     return session
+
+
+class FakeRunners:
+    """The Runners a test starts over FakeExecutors (the `runners` fixture of
+    tests/conftest.py): each on a decode-first scheduler of 64 cells, 8 sessions and 16
+    tokens a step. `close` opens each fake's gate, shuts its runner down and checks that
+    the fake was only called from the engine thread and was left no session open."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[Runner, FakeExecutor]] = []
+
+    def make(self, fake: FakeExecutor | None = None, **options: Any) -> tuple[Runner, FakeExecutor]:
+        from cellbatch.scheduler import DecodeFirstScheduler
+
+        fake = fake if fake is not None else FakeExecutor()
+        runner = Runner(fake, DecodeFirstScheduler.create(64, 8, 16), **options)
+        self.made.append((runner, fake))
+        return runner, fake
+
+    def close(self) -> None:
+        for runner, fake in self.made:
+            fake.release()
+            runner.shutdown()
+            assert fake.wrong_thread_calls == 0
+            assert fake.open_count == 0

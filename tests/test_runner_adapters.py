@@ -6,14 +6,11 @@ one adapter's cells to another."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
-from cellbatch import Runner
-from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError
-from fake_executor import WAIT_S, FakeExecutor, make_tokens, open_session
+from fake_executor import WAIT_S, make_tokens, open_session
 
 
 class Adapters:
@@ -37,26 +34,9 @@ class Adapters:
             self.released.append((adapter_id, prompt_tokens, generated_tokens))
 
 
-@pytest.fixture
-def runners() -> Iterator[list[tuple[Runner, FakeExecutor]]]:
-    made: list[tuple[Runner, FakeExecutor]] = []
-    yield made
-    for runner, fake in made:
-        fake.release()
-        runner.shutdown()
-        assert fake.wrong_thread_calls == 0
-
-
-def make(made: list, adapters: Adapters | None, **options: object) -> tuple[Runner, FakeExecutor]:
-    fake = FakeExecutor()
-    runner = Runner(fake, DecodeFirstScheduler.create(64, 8, 16), adapters=adapters, **options)
-    made.append((runner, fake))
-    return runner, fake
-
-
 def test_a_generation_runs_with_its_adapter_and_releases_it_once_settled(runners) -> None:
     adapters = Adapters({"sql": 7})
-    runner, fake = make(runners, adapters)
+    runner, fake = runners.make(adapters=adapters)
     fake.hold()
     handle = runner.submit(make_tokens(10), GenConfig(max_new_tokens=3, adapter="sql"))
     assert fake.wait_held(WAIT_S)
@@ -70,7 +50,7 @@ def test_a_generation_runs_with_its_adapter_and_releases_it_once_settled(runners
 
 def test_the_base_model_is_installed_for_a_generation_without_an_adapter(runners) -> None:
     adapters = Adapters({"sql": 7})
-    runner, fake = make(runners, adapters)
+    runner, fake = runners.make(adapters=adapters)
     session = open_session(runner)
     for adapter, expected in (("sql", 7), (None, 0)):
         handle = session.generate_async(
@@ -92,7 +72,7 @@ def test_the_base_model_is_installed_for_a_generation_without_an_adapter(runners
 def test_an_unknown_adapter_fails_the_generation_and_runs_nothing(
     runners, adapters, message
 ) -> None:
-    runner, fake = make(runners, adapters)
+    runner, fake = runners.make(adapters=adapters)
     handle = runner.submit(make_tokens(5), GenConfig(adapter="chat"))
     assert handle.wait(WAIT_S) and handle.finish_reason() == FinishReason.FAILED
     assert message in handle.error()
@@ -101,7 +81,7 @@ def test_an_unknown_adapter_fails_the_generation_and_runs_nothing(
 
 def test_a_prefill_turn_runs_with_its_adapter(runners) -> None:
     adapters = Adapters({"sql": 7})
-    runner, fake = make(runners, adapters)
+    runner, fake = runners.make(adapters=adapters)
     session = open_session(runner)
     handle = session.prefill_async(make_tokens(6), adapter="sql")
     assert handle.wait(WAIT_S) and handle.finish_reason() == FinishReason.TOKEN_LIMIT
@@ -111,7 +91,7 @@ def test_a_prefill_turn_runs_with_its_adapter(runners) -> None:
 
 def test_the_prefix_cache_serves_a_prefix_only_to_its_own_adapter(runners) -> None:
     adapters = Adapters({"a": 1, "b": 2})
-    runner, _ = make(runners, adapters, prefix_cache_entries=8)
+    runner, _ = runners.make(adapters=adapters, prefix_cache_entries=8)
     prompt = make_tokens(20)
     for adapter in ("a", None):
         handle = runner.submit(prompt, GenConfig(max_new_tokens=2, adapter=adapter))

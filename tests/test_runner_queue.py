@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -19,7 +19,6 @@ from cellbatch import GenerationHandle, Runner
 from cellbatch.runner import Occupancy
 from cellbatch.runner.admission import GROWTH_CELLS, Admission, AdmissionPolicy
 from cellbatch.runner.generation import ContextSource, Generation, GenerationKind
-from cellbatch.scheduler import DecodeFirstScheduler
 from cellbatch.types import (
     BATCH_PRIORITY,
     FinishReason,
@@ -43,26 +42,6 @@ class LetterTokenizer:
         return "".join("" if t == 2 else chr(ord("a") + t % 26) for t in tokens)
 
 
-@pytest.fixture
-def runners() -> Iterator[list[tuple[Runner, FakeExecutor]]]:
-    made: list[tuple[Runner, FakeExecutor]] = []
-    yield made
-    for runner, fake in made:
-        fake.release()
-        runner.shutdown()
-        assert fake.wrong_thread_calls == 0
-        assert fake.open_count == 0
-
-
-def make(
-    made: list[tuple[Runner, FakeExecutor]], fake: FakeExecutor | None = None, **options: object
-) -> tuple[Runner, FakeExecutor]:
-    fake = fake if fake is not None else FakeExecutor()
-    runner = Runner(fake, DecodeFirstScheduler.create(64, 8, 16), **options)
-    made.append((runner, fake))
-    return runner, fake
-
-
 def settle(handle: GenerationHandle) -> GenerationHandle:
     assert handle.wait(WAIT_S)
     return handle
@@ -76,7 +55,7 @@ def expected_tokens(prompt_length: int, count: int) -> list[int]:
 
 
 def test_sync_returns_once_a_settled_submission_has_given_its_cells_back(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(cell_limit=512))
+    runner, fake = runners.make(FakeExecutor(cell_limit=512))
     slow_settle = threading.Event()
 
     def on_settled(handle: GenerationHandle) -> None:
@@ -92,13 +71,13 @@ def test_sync_returns_once_a_settled_submission_has_given_its_cells_back(runners
 
 
 def test_sync_on_a_stopped_runner_returns_at_once(runners) -> None:
-    runner, _ = make(runners)
+    runner, _ = runners.make()
     runner.shutdown()
     assert runner.sync(0.0)
 
 
 def test_submissions_beyond_the_session_limit_wait_and_all_complete(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(max_sessions=3))
+    runner, fake = runners.make(FakeExecutor(max_sessions=3))
     handles = [runner.submit(make_tokens(5 + i), GenConfig(max_new_tokens=4)) for i in range(10)]
     for i, handle in enumerate(handles):
         assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT
@@ -111,7 +90,7 @@ def test_occupancy_counts_running_and_waiting_generations_as_of_the_last_step(
     runners,
 ) -> None:
     fake = FakeExecutor(max_sessions=2)
-    runner, _ = make(runners, fake)
+    runner, _ = runners.make(fake)
     seen: list[Occupancy] = []
     fake.on_execute = lambda batch: seen.append(runner.occupancy())
     assert runner.occupancy() == Occupancy(running=0, waiting=0)
@@ -130,7 +109,7 @@ def test_occupancy_counts_running_and_waiting_generations_as_of_the_last_step(
 
 
 def test_submissions_start_in_arrival_order(runners) -> None:
-    runner, _ = make(runners, FakeExecutor(max_sessions=1))
+    runner, _ = runners.make(FakeExecutor(max_sessions=1))
     order: list[int] = []
     handles = [
         runner.submit(
@@ -144,7 +123,7 @@ def test_submissions_start_in_arrival_order(runners) -> None:
 
 
 def test_submissions_from_a_closed_source_share_it_and_the_last_takes_it_over(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(max_sessions=3))
+    runner, fake = runners.make(FakeExecutor(max_sessions=3))
     root = open_session(runner)
     prefix = make_tokens(8)
     assert settle(root.prefill_async(prefix)).finish_reason() == FinishReason.TOKEN_LIMIT
@@ -164,7 +143,7 @@ def test_submissions_from_a_closed_source_share_it_and_the_last_takes_it_over(ru
 
 
 def test_a_submission_with_an_empty_prompt_and_no_source_fails_alone(runners) -> None:
-    runner, _ = make(runners)
+    runner, _ = runners.make()
     bad = settle(runner.submit([], GenConfig(max_new_tokens=2)))
     good = settle(runner.submit(make_tokens(3), GenConfig(max_new_tokens=2)))
     assert bad.finish_reason() == FinishReason.FAILED and "prompt is empty" in bad.error()
@@ -172,7 +151,7 @@ def test_a_submission_with_an_empty_prompt_and_no_source_fails_alone(runners) ->
 
 
 def test_cancelling_a_waiting_submission_releases_its_place(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(max_sessions=1))
+    runner, fake = runners.make(FakeExecutor(max_sessions=1))
     fake.hold()
     first = runner.submit(make_tokens(3), GenConfig(max_new_tokens=2))
     assert fake.wait_held()
@@ -188,7 +167,7 @@ def test_cancelling_a_waiting_submission_releases_its_place(runners) -> None:
 
 
 def test_sessions_default_to_the_runners_stop_tokens(runners) -> None:
-    runner, _ = make(runners, FakeExecutor(stop_after=2, stop_token=7), stop_tokens=[7])
+    runner, _ = runners.make(FakeExecutor(stop_after=2, stop_token=7), stop_tokens=[7])
     session = open_session(runner)
     handle = settle(session.generate_async(make_tokens(3), GenConfig(max_new_tokens=10)))
     assert handle.finish_reason() == FinishReason.STOP_TOKEN and handle.tokens()[-1] == 7
@@ -198,7 +177,7 @@ def test_sessions_default_to_the_runners_stop_tokens(runners) -> None:
 
 
 def test_generate_after_a_prefill_turn_with_an_empty_delta(runners) -> None:
-    runner, _ = make(runners)
+    runner, _ = runners.make()
     session = open_session(runner)
     settle(session.prefill_async(make_tokens(6)))
     clone = session.clone_async(session.position()).result(WAIT_S)
@@ -211,7 +190,7 @@ def test_generate_after_a_prefill_turn_with_an_empty_delta(runners) -> None:
 
 
 def test_an_empty_delta_on_an_empty_session_fails(runners) -> None:
-    runner, _ = make(runners)
+    runner, _ = runners.make()
     handle = settle(open_session(runner).generate_async([], GenConfig(max_new_tokens=2)))
     assert handle.finish_reason() == FinishReason.FAILED and "delta is empty" in handle.error()
 
@@ -220,7 +199,7 @@ def test_an_empty_delta_on_an_empty_session_fails(runners) -> None:
 
 
 def test_updates_carry_text_and_a_stop_string_ends_the_generation(runners) -> None:
-    runner, fake = make(runners, tokenizer=LetterTokenizer())
+    runner, fake = runners.make(tokenizer=LetterTokenizer())
     session = open_session(runner)
     # Prompt of 4 tokens: generated tokens 1004, 1005, ... decode to q, r, s, t, ...
     updates: list[GenerationUpdate] = []
@@ -243,7 +222,7 @@ def test_updates_carry_text_and_a_stop_string_ends_the_generation(runners) -> No
 
 def test_stop_checking_costs_per_token_not_per_generation(runners) -> None:
     tokenizer = LetterTokenizer()
-    runner, _ = make(runners, tokenizer=tokenizer)
+    runner, _ = runners.make(tokenizer=tokenizer)
     config = GenConfig(max_new_tokens=3000, stop_strings=("zzz", "never"))
     session = open_session(runner)
     handle = settle(session.generate_async(make_tokens(4), config))
@@ -254,7 +233,7 @@ def test_stop_checking_costs_per_token_not_per_generation(runners) -> None:
 
 
 def test_stop_strings_without_a_tokenizer_fail_clearly(runners) -> None:
-    runner, _ = make(runners)
+    runner, _ = runners.make()
     config = GenConfig(max_new_tokens=3, stop_strings=("x",))
     handle = settle(open_session(runner).generate_async(make_tokens(3), config))
     assert handle.finish_reason() == FinishReason.FAILED and "tokenizer" in handle.error()
@@ -264,7 +243,7 @@ def test_stop_strings_without_a_tokenizer_fail_clearly(runners) -> None:
 
 
 def test_awaiting_a_running_generation_waits_for_its_end(runners) -> None:
-    runner, _ = make(runners)
+    runner, _ = runners.make()
     session = open_session(runner)
     handle = session.generate_async(list(range(10, 30)), GenConfig(max_new_tokens=50))
 
@@ -276,7 +255,7 @@ def test_awaiting_a_running_generation_waits_for_its_end(runners) -> None:
 
 
 def test_a_cancel_in_the_step_that_consumes_a_fresh_prompt_harms_no_one(runners) -> None:
-    runner, _ = make(runners)
+    runner, _ = runners.make()
     a, b, c = open_session(runner), open_session(runner), open_session(runner)
     handles: dict[str, GenerationHandle] = {}
 
@@ -314,7 +293,7 @@ def test_generations_over_a_small_pool_are_preempted_and_give_the_same_tokens(
     new_tokens = GROWTH_CELLS + 24  # each outgrows the growth reserve it started with
 
     def run_all(fake: FakeExecutor) -> tuple[list[list[int]], Runner]:
-        runner, _ = make(runners, fake)
+        runner, _ = runners.make(fake)
         handles = [
             runner.submit(p, GenConfig(max_new_tokens=new_tokens, sampling=sampling, seed=i))
             for i, p in enumerate(prompts)
@@ -333,7 +312,7 @@ def test_generations_over_a_small_pool_are_preempted_and_give_the_same_tokens(
 
 
 def test_a_preempted_generation_keeps_its_random_stream(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(cell_limit=60))
+    runner, fake = runners.make(FakeExecutor(cell_limit=60))
     session = open_session(runner)
     # Hold the second step so that others join and force a preemption.
     handle = session.generate_async(
@@ -347,7 +326,7 @@ def test_a_preempted_generation_keeps_its_random_stream(runners) -> None:
 
 
 def test_a_turn_cancelled_while_it_waits_for_cells_leaves_its_delta_unfed(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(cell_limit=60))
+    runner, fake = runners.make(FakeExecutor(cell_limit=60))
     busy, waiting = open_session(runner), open_session(runner)
     fake.hold()
     running = busy.generate_async(make_tokens(40), GenConfig(max_new_tokens=10))
@@ -368,7 +347,7 @@ def test_a_turn_cancelled_while_it_waits_for_cells_leaves_its_delta_unfed(runner
 
 
 def test_idle_sessions_give_their_cells_back_and_recompute_on_their_next_turn(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(cell_limit=50))
+    runner, fake = runners.make(FakeExecutor(cell_limit=50))
     idle = open_session(runner)
     first = settle(idle.generate_async(make_tokens(20), GenConfig(max_new_tokens=5)))
     busy = settle(runner.submit(make_tokens(30), GenConfig(max_new_tokens=10)))
@@ -383,7 +362,7 @@ def test_idle_sessions_give_their_cells_back_and_recompute_on_their_next_turn(ru
 
 
 def test_clones_sharing_a_prefix_keep_it_when_another_is_preempted(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(cell_limit=70))
+    runner, fake = runners.make(FakeExecutor(cell_limit=70))
     root = open_session(runner)
     settle(root.prefill_async(make_tokens(16)))
     handles = [
@@ -398,7 +377,7 @@ def test_clones_sharing_a_prefix_keep_it_when_another_is_preempted(runners) -> N
 
 
 def test_a_context_too_big_for_the_whole_pool_fails_alone_with_the_numbers(runners) -> None:
-    runner, _ = make(runners, FakeExecutor(cell_limit=30))
+    runner, _ = runners.make(FakeExecutor(cell_limit=30))
     small = runner.submit(make_tokens(5), GenConfig(max_new_tokens=5))
     big = runner.submit(make_tokens(40), GenConfig(max_new_tokens=5))
     assert settle(big).finish_reason() == FinishReason.FAILED
@@ -407,7 +386,7 @@ def test_a_context_too_big_for_the_whole_pool_fails_alone_with_the_numbers(runne
 
 
 def test_a_generation_that_outgrows_the_pool_fails_with_the_numbers(runners) -> None:
-    runner, _ = make(runners, FakeExecutor(cell_limit=20))
+    runner, _ = runners.make(FakeExecutor(cell_limit=20))
     handle = settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=30)))
     assert handle.finish_reason() == FinishReason.FAILED
     assert "pool has 20" in handle.error()
@@ -415,7 +394,7 @@ def test_a_generation_that_outgrows_the_pool_fails_with_the_numbers(runners) -> 
 
 
 def test_reserve_admission_never_preempts(runners) -> None:
-    runner, _ = make(runners, FakeExecutor(cell_limit=6 * 34), admission="reserve")
+    runner, _ = runners.make(FakeExecutor(cell_limit=6 * 34), admission="reserve")
     handles = [runner.submit(make_tokens(10), GenConfig(max_new_tokens=24)) for _ in range(16)]
     for handle in handles:
         assert settle(handle).finish_reason() == FinishReason.TOKEN_LIMIT
@@ -424,7 +403,7 @@ def test_reserve_admission_never_preempts(runners) -> None:
 
 
 def test_a_raising_callback_during_pressure_fails_only_its_generation(runners) -> None:
-    runner, _ = make(runners, FakeExecutor(cell_limit=80))
+    runner, _ = runners.make(FakeExecutor(cell_limit=80))
     calls = threading.Event()
 
     def boom(update: GenerationUpdate) -> None:
@@ -442,7 +421,7 @@ def test_a_raising_callback_during_pressure_fails_only_its_generation(runners) -
 
 
 def test_a_submission_sharing_a_prefix_starts_from_a_kept_snapshot(runners) -> None:
-    runner, fake = make(runners, prefix_cache_entries=4)
+    runner, fake = runners.make(prefix_cache_entries=4)
     first = settle(runner.submit(make_tokens(20), GenConfig(max_new_tokens=3)))
     # A longer prompt that begins with the first's prompt and answer (a chat's next turn).
     follow_up = [*make_tokens(20), *first.tokens()[:-1], 77, 78]
@@ -457,7 +436,7 @@ def test_a_submission_sharing_a_prefix_starts_from_a_kept_snapshot(runners) -> N
 
 
 def test_a_prompt_always_feeds_its_last_token_even_when_all_of_it_is_cached(runners) -> None:
-    runner, _ = make(runners, prefix_cache_entries=4)
+    runner, _ = runners.make(prefix_cache_entries=4)
     settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=2)))
     again = settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=2)))
     assert again.metrics().cached_tokens == 9
@@ -465,9 +444,7 @@ def test_a_prompt_always_feeds_its_last_token_even_when_all_of_it_is_cached(runn
 
 
 def test_snapshots_give_way_to_live_work_for_sessions_and_cells(runners) -> None:
-    runner, fake = make(
-        runners, FakeExecutor(max_sessions=2, cell_limit=40), prefix_cache_entries=8
-    )
+    runner, fake = runners.make(FakeExecutor(max_sessions=2, cell_limit=40), prefix_cache_entries=8)
     for start in (10, 40):
         settle(runner.submit(make_tokens(12, start), GenConfig(max_new_tokens=2)))
     assert fake.open_count == 2  # both slots held by snapshots
@@ -480,7 +457,7 @@ def test_with_every_session_busy_a_matching_snapshot_is_taken_over(runners) -> N
     # As many streaming clients as sessions: the only session not generating is the
     # finished request's snapshot, and the next request sharing its prefix (a system
     # prompt) starts from its cells instead of closing it and feeding everything again.
-    runner, fake = make(runners, FakeExecutor(max_sessions=1), prefix_cache_entries=4)
+    runner, fake = runners.make(FakeExecutor(max_sessions=1), prefix_cache_entries=4)
     settle(runner.submit(make_tokens(20), GenConfig(max_new_tokens=3)))
     prompt = [*make_tokens(12), 90, 91]
     second = settle(runner.submit(prompt, GenConfig(max_new_tokens=3)))
@@ -494,7 +471,7 @@ def test_with_every_session_busy_a_matching_snapshot_is_taken_over(runners) -> N
 
 
 def test_a_matching_snapshot_keeps_its_session_and_an_older_one_gives_way(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(max_sessions=2), prefix_cache_entries=4)
+    runner, fake = runners.make(FakeExecutor(max_sessions=2), prefix_cache_entries=4)
     settle(runner.submit(make_tokens(20), GenConfig(max_new_tokens=3)))
     settle(runner.submit(make_tokens(20, 40), GenConfig(max_new_tokens=3)))  # newer
     assert fake.open_count == 2  # both sessions held by snapshots
@@ -510,14 +487,14 @@ def test_a_matching_snapshot_keeps_its_session_and_an_older_one_gives_way(runner
 
 
 def test_failed_submissions_are_not_kept(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(fail_steps={2}), prefix_cache_entries=4)
+    runner, fake = runners.make(FakeExecutor(fail_steps={2}), prefix_cache_entries=4)
     failed = settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=3)))
     assert failed.finish_reason() == FinishReason.FAILED
     assert wait_until(lambda: fake.open_count == 0)
 
 
 def test_the_prefix_cache_is_off_by_default_and_refuses_bad_sizes(runners) -> None:
-    runner, fake = make(runners)
+    runner, fake = runners.make()
     settle(runner.submit(make_tokens(10), GenConfig(max_new_tokens=2)))
     assert wait_until(lambda: fake.open_count == 0)
     with pytest.raises(InvalidArgumentError):
@@ -572,7 +549,7 @@ def test_the_victim_is_the_newest_of_the_least_urgent() -> None:
 
 
 def test_a_more_urgent_submission_starts_ahead_of_waiting_batch_ones(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(max_sessions=1))
+    runner, fake = runners.make(FakeExecutor(max_sessions=1))
     order: list[str] = []
     fake.hold()
     first = runner.submit(make_tokens(3), BATCH, on_settled=lambda h: order.append("batch 0"))
@@ -589,7 +566,7 @@ def test_a_more_urgent_submission_starts_ahead_of_waiting_batch_ones(runners) ->
 
 
 def test_an_urgent_prompt_is_fed_in_steps_without_less_urgent_work(runners) -> None:
-    runner, fake = make(runners, FakeExecutor())
+    runner, fake = runners.make(FakeExecutor())
     fake.hold()
     batch = [
         runner.submit(make_tokens(5, start=20 + i), GenConfig(max_new_tokens=40, priority=10))
@@ -617,7 +594,7 @@ def test_an_urgent_prompt_is_fed_in_steps_without_less_urgent_work(runners) -> N
 
 
 def test_an_urgent_generation_short_of_cells_takes_them_from_a_batch_one(runners) -> None:
-    runner, fake = make(runners, FakeExecutor(cell_limit=80))
+    runner, fake = runners.make(FakeExecutor(cell_limit=80))
     fake.hold()
     batch = runner.submit(make_tokens(10), GenConfig(max_new_tokens=60, priority=BATCH_PRIORITY))
     assert fake.wait_held()
