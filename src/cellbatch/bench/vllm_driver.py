@@ -9,12 +9,15 @@ cellbatch's), so it imports only vLLM and the standard library, never cellbatch.
     python vllm_driver.py generate < request.json > answer.json
         request: {"model": FOLDER, "dtype": "float32" | "bfloat16", "threads": N,
                   "prompts": [[ids], ...], "max_new_tokens": M, "stop": [ids],
-                  "warmup_tokens": W}
+                  "warmup_tokens": W, "one_at_a_time": false,
+                  "speculative_config": null}
         answer (the stdout line that starts with ANSWER_MARK; vLLM logs there too):
                  {"outputs": [[ids], ...], "seconds": S, "version": V}: greedy tokens
                  of each prompt (through the first stop token), all prompts submitted
-                 at once, and the wall time of that one `generate` call (after a warm-up
-                 call on every prompt, as the other peers get; loading is not counted).
+                 at once (one `generate` call each with "one_at_a_time"), and the wall
+                 time of those calls (after a warm-up call on every prompt, as the other
+                 peers get; loading is not counted); "speculative_config" is vLLM's own
+                 (`{"method": "ngram", ...}`).
     python vllm_driver.py serve FOLDER DTYPE THREADS PORT MAX_SEQS
         runs `vllm serve FOLDER` on 127.0.0.1:PORT (served name "vllm-peer") with that
         dtype, OpenMP threads bound to cores 0 .. THREADS - 1 and at most MAX_SEQS
@@ -125,6 +128,7 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=len(prompts),
         max_model_len=max(longest, 512),
         seed=0,
+        **({"speculative_config": spec} if (spec := request.get("speculative_config")) else {}),
     )
     stop = [int(t) for t in request["stop"]]
 
@@ -136,7 +140,11 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
 
     llm.generate(prompts, greedy(int(request.get("warmup_tokens", 4))), use_tqdm=False)
     start = time.perf_counter()
-    answers = llm.generate(prompts, greedy(int(request["max_new_tokens"])), use_tqdm=False)
+    params = greedy(int(request["max_new_tokens"]))
+    if request.get("one_at_a_time"):
+        answers = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        answers = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     outputs = []
     for answer in answers:
