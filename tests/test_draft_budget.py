@@ -91,3 +91,27 @@ def test_step_time_is_interpolated_between_widths_observed() -> None:
     assert budget.time(8) == pytest.approx(0.04)
     assert budget.time(4) == 0.02
     assert 0.0 < budget.time(1) < 0.02 < budget.time(20)
+
+
+def test_a_stream_reads_its_own_step_times_not_a_batchs() -> None:
+    """Drafts of one stream are nearly free beside its weights; rows of more sessions
+    are not: a width costs what steps of the same base took."""
+    budget = DraftBudget(SpeculativeConfig("ngram", num_speculative_tokens=K))
+    for width in (2, 4, 6):  # two sessions and their drafts: every row costs
+        budget.observe(width, 0.010 * width, base=2)
+    budget.observe(1, 0.010, base=1)
+    budget.observe(3, 0.0102, base=1)
+    (one,) = _generations(1)
+    for _ in range(20):
+        budget.verified(one, K, K - 1)
+    assert budget.grant([one], 1, 500) == [K]
+    assert budget.time(4, base=2) == pytest.approx(0.040)
+
+
+def test_a_width_the_model_rules_out_is_measured_again() -> None:
+    budget = DraftBudget(SpeculativeConfig("ngram", num_speculative_tokens=K))
+    budget.observe(1, 0.010, base=1)
+    budget.observe(2, 0.500, base=1)  # one slow step: drafts look ruinous
+    (one,) = _generations(1)
+    grants = [budget.grant([one], 1, 500)[0] for _ in range(32)]
+    assert grants.count(0) >= 30 and max(grants) > 0

@@ -3,7 +3,10 @@
 
 Owns: per generation, how often its drafts are accepted (decayed counts: a
 generation's copying phases come and go); the engine's step time by its width in
-tokens, learnt from the steps it runs (`observe`).
+tokens, learnt from the steps it runs (`observe`), for each width of a step before its
+drafts (its base): a draft row shares its session's weights and KV reads, so what a
+row costs depends on what the step already holds (one stream's drafts are nearly
+free, a 32-session step's are not), and a base never observed reads every step's.
 Promises: `grant` gives each decoding generation of a step 0 to
 `num_speculative_tokens` drafts, never more than its token budget can use, within the
 step's spare tokens and cells, and only while the expected tokens the drafts add
@@ -11,7 +14,10 @@ step's spare tokens and cells, and only while the expected tokens the drafts add
 expected tokens per second: none at a width where a step's rows are no longer
 nearly free (many decoding sessions, a compute-bound step) unless acceptance is near
 certain, and none for a generation whose drafts are mostly rejected. A generation
-that stops being granted drafts drifts back towards the prior and is tried again.
+that stops being granted drafts drifts back towards the prior and is tried again;
+so does a width: every `_EXPLORE_EVERY`-th step that stopped short of a draft only
+for the time its width was taken to cost grants that draft, so that one slow step
+never keeps a width's estimate wrong for good.
 Never: sees tokens, drafts or the executor; the step planner asks it and applies
 what it says.
 """
@@ -41,6 +47,9 @@ _TIME_WEIGHT = 0.2
 # tokens plus (n - m) / _PRIOR_FIXED_ROWS times it: rows are cheap next to reading the
 # weights until a step holds some tens of them (a memory-bound forward).
 _PRIOR_FIXED_ROWS = 24.0
+# One in this many steps that the step-time model alone kept from another draft grants
+# it anyway, to measure that width again.
+_EXPLORE_EVERY = 16
 
 
 @dataclass
@@ -54,14 +63,62 @@ class _Acceptance:
         return self.accepted / (self.accepted + self.rejected)
 
 
+class _StepTimes:
+    """Step time by width in tokens, learnt from the steps observed."""
+
+    def __init__(self) -> None:
+        self._widths: list[int] = []  # observed, ascending
+        self._times: dict[int, float] = {}  # width -> seconds
+
+    def __bool__(self) -> bool:
+        return bool(self._widths)
+
+    def observe(self, width: int, seconds: float) -> None:
+        known = self._times.get(width)
+        if known is None:
+            bisect.insort(self._widths, width)
+            self._times[width] = seconds
+        else:
+            self._times[width] = known + _TIME_WEIGHT * (seconds - known)
+
+    def time(self, width: int, wider: _StepTimes | None = None) -> float:
+        """What the widths observed around `width` took (interpolated), or the prior
+        alone, in units of a one-token step, before any. Beyond them: the prior's slope,
+        or, given the times of `wider` steps than these (every step's, for the steps of
+        one base), their slope from here: the slope of the widths observed here where
+        there are two or more, else how `wider`'s times grow."""
+        widths = self._widths
+        if not widths:
+            return _prior(width)
+        at = bisect.bisect_left(widths, width)
+        if at < len(widths) and widths[at] == width:
+            return self._times[width]
+        if at == 0:  # below every width observed
+            high = widths[0]
+            return self._times[high] * _prior(width) / _prior(high)
+        low = widths[at - 1]
+        if at == len(widths):  # above every width observed
+            if wider is not None and len(widths) > 1:
+                first = widths[0]
+                slope = max(self._times[low] - self._times[first], 0.0) / (low - first)
+                return self._times[low] + slope * (width - low)
+            if wider is not None:
+                return self._times[low] * wider.time(width) / wider.time(low)
+            return self._times[low] * _prior(width) / _prior(low)
+        high = widths[at]
+        low_time, high_time = self._times[low], self._times[high]
+        return low_time + max(high_time - low_time, 0.0) * (width - low) / (high - low)
+
+
 class DraftBudget:
     """Grants drafts per step (engine thread only)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._k = config.num_speculative_tokens
-        self._widths: list[int] = []  # observed, ascending
-        self._times: dict[int, float] = {}  # width -> seconds
+        self._all = _StepTimes()  # every step, by its width
+        self._by_base: dict[int, _StepTimes] = {}  # steps by their width before drafts
+        self._held_back = 0  # steps the step-time model alone kept from another draft
         self._acceptance: weakref.WeakKeyDictionary[Generation, _Acceptance] = (
             weakref.WeakKeyDictionary()
         )
@@ -85,8 +142,12 @@ class DraftBudget:
         width = step_tokens
         while candidates and spare > 0:
             gain, index, nth = candidates[0]
-            if (tokens - gain) * self.time(width) <= tokens * self.time(width + 1):
-                break  # the best draft left would lower the tokens a second
+            if (tokens - gain) * self.time(width, step_tokens) <= tokens * self.time(
+                width + 1, step_tokens
+            ):
+                self._held_back += 1
+                if self._held_back % _EXPLORE_EVERY:
+                    break  # the best draft left would lower the tokens a second
             heapq.heappop(candidates)
             grants[index] = nth
             tokens -= gain
@@ -105,36 +166,21 @@ class DraftBudget:
         counts.accepted = counts.accepted * _DECAY + accepted
         counts.rejected = counts.rejected * _DECAY + (accepted < drafted)
 
-    def observe(self, width: int, seconds: float) -> None:
-        """A step of `width` tokens took `seconds`."""
+    def observe(self, width: int, seconds: float, base: int | None = None) -> None:
+        """A step of `width` tokens, `base` of them before its drafts (None: all of
+        them), took `seconds`."""
         if width < 1:
             return
-        known = self._times.get(width)
-        if known is None:
-            bisect.insort(self._widths, width)
-            self._times[width] = seconds
-        else:
-            self._times[width] = known + _TIME_WEIGHT * (seconds - known)
+        self._all.observe(width, seconds)
+        base = width if base is None else base
+        self._by_base.setdefault(base, _StepTimes()).observe(width, seconds)
 
-    def time(self, width: int) -> float:
-        """A step of `width` tokens' expected time: what the widths observed around it
-        took (interpolated; beyond them, the prior's slope), or the prior alone, in units
-        of a one-token step, before any step ran."""
-        widths = self._widths
-        if not widths:
-            return _prior(width)
-        at = bisect.bisect_left(widths, width)
-        if at < len(widths) and widths[at] == width:
-            return self._times[width]
-        if at == 0:  # below every width observed
-            high = widths[0]
-            return self._times[high] * _prior(width) / _prior(high)
-        low = widths[at - 1]
-        if at == len(widths):  # above every width observed
-            return self._times[low] * _prior(width) / _prior(low)
-        high = widths[at]
-        low_time, high_time = self._times[low], self._times[high]
-        return low_time + max(high_time - low_time, 0.0) * (width - low) / (high - low)
+    def time(self, width: int, base: int | None = None) -> float:
+        """A step of `width` tokens' expected time, `base` of them before drafts: from
+        the steps of that base (every step's, before one of that base ran), or the
+        prior alone, in units of a one-token step, before any step ran."""
+        times = self._by_base.get(width if base is None else base)
+        return times.time(width, self._all) if times else self._all.time(width)
 
     def _of(self, generation: Generation) -> _Acceptance:
         counts = self._acceptance.get(generation)

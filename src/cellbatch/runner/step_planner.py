@@ -262,13 +262,13 @@ class StepPlanner:
         """A step ran: what its verifications kept, and its time, teach the draft budget."""
         if self._drafts is None:
             return
-        width = 0
+        base = drafted = 0
         for generation, inp, output in zip(step.owners, step.inputs, outputs, strict=True):
-            width += inp.size
+            base += inp.size
             if output is not None and output.drafted:
-                width += output.drafted
+                drafted += output.drafted
                 self._drafts.verified(generation, output.drafted, len(output.tokens) - 1)
-        self._drafts.observe(width, seconds)
+        self._drafts.observe(base + drafted, seconds, base)
 
     def _grant_drafts(self, work: list[tuple[Task, Generation]], inputs: list[Input]) -> None:
         """Let the step's decodes verify drafts, as many as the draft budget grants
