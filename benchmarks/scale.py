@@ -40,7 +40,6 @@ import platform
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,6 +49,7 @@ import llama_cpp_tools
 from cellbatch.bench.vllm_driver import ANSWER_MARK
 from cellbatch.bench.workload import DEFAULT_VLLM_PYTHON
 from cellbatch.machine import process_memory
+from llama_server import running_llama_server
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODELS = (
@@ -173,56 +173,21 @@ def vllm(
     } | _rates(answer["runs"])
 
 
-def llama_server(path: str, threads: int, workload: dict[str, list[list[int]]]) -> dict[str, Any]:
-    """llama-server -np 32 on the file: each run's requests sent at once to /completion."""
-    port = 18000 + os.getpid() % 1000
-    command = [
-        str(llama_cpp_tools.binary("llama-server")), "-m", path, "-t", str(threads),
-        "-tb", str(threads), "-np", "32", "-kvu", "-c", "8192",
-        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-    ]  # fmt: skip
-    # Its log goes to a file: a pipe left unread would stall it once full.
-    with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            return _timed_server(f"http://127.0.0.1:{port}", server, log, workload)
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-
-
-def _timed_server(
-    url: str, server: subprocess.Popen[str], log: Any, workload: dict[str, list[list[int]]]
+def llama_server_rates(
+    path: str, threads: int, workload: dict[str, list[list[int]]]
 ) -> dict[str, Any]:
+    """llama-server -np 32 on the file: each run's requests sent at once to /completion."""
     import httpx
 
-    with httpx.Client(timeout=3600) as client:
-        began = time.perf_counter()
-        while True:
-            if server.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"llama-server exited: {log.read()[-2000:]}")
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        loaded = time.perf_counter() - began
+    with (
+        running_llama_server(path, threads, 32, 8192) as server,
+        httpx.Client(timeout=3600) as client,
+    ):
 
         def complete(prompt: list[int], new: int) -> int:
-            body = {
-                "prompt": prompt,
-                "n_predict": new,
-                "ignore_eos": True,
-                "temperature": 0,
-                "cache_prompt": False,
-            }
-            answer = client.post(f"{url}/completion", json=body)
+            body = {"prompt": prompt, "n_predict": new, "ignore_eos": True,
+                    "temperature": 0, "cache_prompt": False}  # fmt: skip
+            answer = client.post(f"{server.url}/completion", json=body)
             answer.raise_for_status()
             return int(answer.json()["tokens_predicted"])
 
@@ -234,7 +199,7 @@ def _timed_server(
                 news = [run["max_new_tokens"]] * len(run["prompts"])
                 counts = list(pool.map(complete, run["prompts"], news))
                 timed[run["name"]] = {"seconds": time.perf_counter() - start, "tokens": sum(counts)}
-    return {"load_seconds": loaded} | _rates(timed)
+    return {"load_seconds": server.load_seconds} | _rates(timed)
 
 
 def bandwidth(threads: int) -> float:
@@ -421,7 +386,7 @@ def main() -> int:
         _save(results, args.output_json)
         if args.llama_server:
             print(f"scale bench: llama-server on {Path(path).name}", file=sys.stderr, flush=True)
-            run["llama_server"] = llama_server(path, args.threads, workload)
+            run["llama_server"] = llama_server_rates(path, args.threads, workload)
             _save(results, args.output_json)
         if args.vllm:
             folder = Path(path).parent / "hf"

@@ -13,7 +13,6 @@ Never: imports llama.cpp or vLLM here, or tokenises (every peer reads the same i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-import llama_cpp_tools
 from cellbatch.bench.vllm_driver import ANSWER_MARK
 from cellbatch.bench.vllm_peer import DRIVER
+from llama_server import running_llama_server
 
 # llama.cpp's own speculation on the copy-heavy workload: its n-gram drafter that drafts
 # what followed the last match of the context's tail (`ngram-simple`), sized like ours
@@ -55,44 +54,26 @@ def llama_server(
 
     slots = 1 if mode == "stream" else len(prompts)
     longest = max(len(p) for p in prompts) + max_new + 16
-    port = 18500 + os.getpid() % 500
-    command = [
-        str(llama_cpp_tools.binary("llama-server")), "-m", str(gguf), "-t", str(threads),
-        "-tb", str(threads), "-np", str(slots), "-kvu", "-c", str(longest * slots),
-        "--host", "127.0.0.1", "--port", str(port), "--no-webui", *spec,
-    ]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(timeout=3600) as client:
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"llama-server exited: {server.stderr.read()[-3000:]}")
-                try:
-                    if client.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.3)
+    with (
+        running_llama_server(gguf, threads, slots, longest * slots, spec) as server,
+        httpx.Client(timeout=3600) as client,
+    ):
 
-            def complete(prompt: list[int], new: int = max_new) -> dict[str, Any]:
-                body = {"prompt": prompt, "n_predict": new, "temperature": 0,
-                        "cache_prompt": False, "return_tokens": True}  # fmt: skip
-                answer = client.post(f"{url}/completion", json=body)
-                answer.raise_for_status()
-                return dict(answer.json())
+        def complete(prompt: list[int], new: int = max_new) -> dict[str, Any]:
+            body = {"prompt": prompt, "n_predict": new, "temperature": 0,
+                    "cache_prompt": False, "return_tokens": True}  # fmt: skip
+            answer = client.post(f"{server.url}/completion", json=body)
+            answer.raise_for_status()
+            return dict(answer.json())
 
-            complete(prompts[0], 8)  # warm-up
-            start = time.perf_counter()
-            if slots == 1:
-                answers = [complete(prompt) for prompt in prompts]
-            else:
-                with ThreadPoolExecutor(slots) as pool:
-                    answers = list(pool.map(complete, prompts))
-            seconds = time.perf_counter() - start
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+        complete(prompts[0], 8)  # warm-up
+        start = time.perf_counter()
+        if slots == 1:
+            answers = [complete(prompt) for prompt in prompts]
+        else:
+            with ThreadPoolExecutor(slots) as pool:
+                answers = list(pool.map(complete, prompts))
+        seconds = time.perf_counter() - start
     timings = [answer.get("timings", {}) for answer in answers]
     return PeerRun(
         seconds,
