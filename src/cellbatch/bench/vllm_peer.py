@@ -1,8 +1,9 @@
 """vLLM's CPU build as a peer of the throughput benchmark.
 
 Owns: the model as vLLM reads it (the GGUF dequantised once by transformers into a
-Hugging Face folder of safetensors, kept for later runs) and the peer that runs
-`vllm_driver.py` under the Python of vLLM's own virtualenv (`make peers`).
+Hugging Face folder of safetensors, kept for later runs), the call of `vllm_driver.py`
+under the Python of vLLM's own virtualenv (`make peers`; `call_driver`, which the scale
+and speculation benchmarks use too) and the peer built on it.
 Promises: the peer reads the same prompt tokens, dtype, threads and token budget as the
 others, decodes greedily and stops at the same stop tokens (kept in its output); its
 time is its generation alone, measured in its process after a warm-up.
@@ -15,6 +16,7 @@ import json
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,15 +55,40 @@ def vllm_folder(model: Path, cache: Path) -> Path:
     return folder
 
 
-def vllm_peer(
-    python: Path, folder: Path, count: int, dtype: str, threads: int, stop: frozenset[Token]
-) -> Peer:
-    """vLLM over `count` prompts, all submitted at once, in a process of its own."""
+def require_environment(python: Path) -> None:
+    """Raises, saying how to build one, when vLLM's Python is not there."""
     if not python.exists():
         raise FileNotFoundError(
             f"no vLLM environment at {python}: run `make peers` (it builds .venv-peers/vllm), "
             "or point --vllm-python at one"
         )
+
+
+def call_driver(python: Path, command: str, request: dict[str, Any]) -> dict[str, Any]:
+    """`vllm_driver.py COMMAND` under vLLM's Python, fed `request`: its answer line."""
+    require_environment(python)
+    done = subprocess.run(
+        [str(python), str(DRIVER), command],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM failed ({done.returncode}): {done.stderr[-3000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith(ANSWER_MARK)]
+    if not lines:
+        raise RuntimeError(f"vLLM gave no answer: {done.stdout[-2000:]}")
+    answer: dict[str, Any] = json.loads(lines[-1].removeprefix(ANSWER_MARK))
+    return answer
+
+
+def vllm_peer(
+    python: Path, folder: Path, count: int, dtype: str, threads: int, stop: frozenset[Token]
+) -> Peer:
+    """vLLM over `count` prompts, all submitted at once, in a process of its own."""
+    require_environment(python)
     timed: list[float] = []
 
     def generate(prompts: Sequence[Sequence[Token]], new: int) -> list[list[Token]]:
@@ -74,20 +101,7 @@ def vllm_peer(
             "stop": sorted(stop),
             "warmup_tokens": WARMUP_TOKENS,
         }
-        done = subprocess.run(
-            [str(python), str(DRIVER), "generate"],
-            input=json.dumps(request),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM failed ({done.returncode}): {done.stderr[-2000:]}")
-        lines = [line for line in done.stdout.splitlines() if line.startswith(ANSWER_MARK)]
-        if not lines:
-            raise RuntimeError(f"vLLM gave no answer: {done.stdout[-2000:]}")
-        answer = json.loads(lines[-1].removeprefix(ANSWER_MARK))
+        answer = call_driver(python, "generate", request)
         timed[:] = [float(answer["seconds"])]
         return [list(output) for output in answer["outputs"]]
 
