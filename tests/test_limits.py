@@ -85,3 +85,28 @@ def test_on_a_gpu_the_pool_s_memory_is_the_device_s_free_memory(monkeypatch) -> 
     backend = SimpleNamespace(device=torch.device("cuda", 1), mapped_weights_bytes=0)
     assert loader.machine_kv_memory(backend) == KVMemory(30 * GIB, 80 * GIB)
     assert asked == [torch.device("cuda", 1)]
+
+
+def test_a_draft_model_s_cache_counts_against_the_same_memory(monkeypatch) -> None:
+    """A draft model keeps a cell of its own beside each of the pool's: the cap fits the
+    two together, a refusal says so, and the draft's mapped weights are not free memory."""
+    from types import SimpleNamespace
+
+    from cellbatch.engine import loader
+    from cellbatch.machine import MemoryInfo
+
+    memory = KVMemory(available_bytes=12 * GIB, total_bytes=24 * GIB)
+    draft_cell = kv_bytes_per_cell(8, 4, 64, torch.bfloat16)
+    alone = resolve_limits(EngineShape(), GEOMETRY, torch.bfloat16, memory)
+    drafted = resolve_limits(EngineShape(), GEOMETRY, torch.bfloat16, memory, draft_cell)
+    assert drafted.max_cells == memory.pool_bytes // (BF16_CELL + draft_cell) < alone.max_cells
+    with pytest.raises(InvalidArgumentError, match="the draft model's cache included"):
+        resolve_limits(
+            EngineShape(max_cells=alone.max_cells), GEOMETRY, torch.bfloat16, memory, draft_cell
+        )
+    monkeypatch.setattr(
+        loader, "read_memory", lambda: MemoryInfo(total_bytes=24 * GIB, available_bytes=10 * GIB)
+    )
+    target = SimpleNamespace(device=torch.device("cpu"), mapped_weights_bytes=GIB)
+    draft = SimpleNamespace(device=torch.device("cpu"), mapped_weights_bytes=GIB // 2)
+    assert loader.machine_kv_memory(target, draft).available_bytes == 10 * GIB - GIB - GIB // 2

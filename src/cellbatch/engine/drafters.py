@@ -1,8 +1,9 @@
 """The drafter a speculative config asks for (docs/design.md#speculative-decoding).
 
-Owns: loading a draft model (`load_draft`) and building the executor's drafter from a
-`SpeculativeConfig` (`make_drafter`): prompt lookup, or a draft model with an executor
-of its own sized like the target's.
+Owns: loading a draft model (`load_draft`), the bytes its cache keeps per cell of the
+pool (`draft_bytes_per_cell`, which the KV memory cap counts), and building the
+executor's drafter from a `SpeculativeConfig` (`make_drafter`): prompt lookup, or a
+draft model with an executor of its own sized like the target's.
 Promises: a draft model is loaded with the target's dtype, device and the same kernel
 and weight options, and refused, naming both sizes, when its vocabulary is not the
 target's (a draft must speak the target's tokens).
@@ -18,6 +19,7 @@ from cellbatch.engine.backend import ModelBackend, ModuleBackend
 from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.draft_model import ModelDrafter
 from cellbatch.executor.drafting import Drafter, NgramDrafter
+from cellbatch.kv_format import kv_bytes_per_cell
 from cellbatch.model.loading import LoadProgress, PhaseClock
 from cellbatch.speculative import SpeculativeConfig
 from cellbatch.types import InvalidArgumentError
@@ -58,16 +60,15 @@ def make_drafter(
     shape: ExecutorShape,
     draft: ModelBackend | None,
 ) -> Drafter | None:
-    """The drafter of `config` for an executor of `shape` over `target` (a draft model
-    is loaded here when the caller did not load it)."""
+    """The drafter of `config` for an executor of `shape` over `target`, with `draft`
+    the draft model `load_draft` loaded for a "draft_model" config."""
     if config is None:
         return None
     if config.method == "ngram":
         low, high = config.lookup
         return NgramDrafter(low, high)
     if draft is None:
-        draft = load_draft(config, target, "auto", "auto", "auto", None)
-        assert draft is not None
+        raise ValueError("a draft_model config needs its draft model loaded (load_draft)")
     vocab, draft_vocab = target.geometry.vocab_size, draft.geometry.vocab_size
     if draft_vocab != vocab:
         raise InvalidArgumentError(
@@ -76,3 +77,12 @@ def make_drafter(
         )
     draft_shape = dataclasses.replace(shape, kv_dtype=draft.dtype)
     return ModelDrafter(draft.executor(draft_shape))
+
+
+def draft_bytes_per_cell(draft: ModelBackend | None) -> int:
+    """The bytes a draft model's cache keeps per cell of the pool (its cache has as many
+    cells, in its own dtype; 0 without a draft model)."""
+    if draft is None:
+        return 0
+    shape = draft.geometry
+    return kv_bytes_per_cell(shape.num_layers, shape.num_kv_heads, shape.head_dim, draft.dtype)

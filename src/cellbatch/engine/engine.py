@@ -35,7 +35,7 @@ from cellbatch.engine.adapter_options import NoAdapters
 from cellbatch.engine.backend import ModelBackend
 from cellbatch.engine.batch import GenerationBatch, GenerationResult, Prompt
 from cellbatch.engine.call_checks import call_config, prompt_problem, seeded
-from cellbatch.engine.drafters import make_drafter
+from cellbatch.engine.drafters import draft_bytes_per_cell, load_draft, make_drafter
 from cellbatch.engine.embedding import embedding_size, finish_embedding
 from cellbatch.engine.limits import EngineShape, KVMemory, resolve_limits
 from cellbatch.engine.loader import (
@@ -105,11 +105,14 @@ class Engine:
         self.stop_tokens = frozenset(
             tokenizer.stop_tokens if tokenizer is not None else backend.geometry.eos_token_ids
         )
+        if draft is None:
+            draft = load_draft(self.speculative, backend, "auto", "auto", "auto", None)
         self.shape = resolve_limits(
             shape or EngineShape(),
             backend.geometry,
             self.kv_dtype,
-            memory if memory is not None else machine_kv_memory(backend),
+            memory if memory is not None else machine_kv_memory(backend, draft),
+            draft_bytes_per_cell(draft),
         )
         # Where its threads run, when this engine placed them (from_pretrained does).
         self.placement: Placement | None = None

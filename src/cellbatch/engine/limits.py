@@ -91,9 +91,12 @@ def resolve_limits(
     geometry: ModelGeometry,
     kv_dtype: torch.dtype,
     memory: KVMemory | None = None,
+    draft_bytes_per_cell: int = 0,
 ) -> EngineLimits:
     """`shape` with every unset limit derived; `memory` bounds the KV pool (None: no
-    bound but what the sessions can fill)."""
+    bound but what the sessions can fill). A draft model's cache holds a cell of
+    `draft_bytes_per_cell` beside each of the pool's (the same count), so memory bounds
+    the two together."""
     if shape.max_sessions < 1:
         raise InvalidArgumentError(f"max_sessions must be >= 1, got {shape.max_sessions}")
     if shape.max_batch_tokens < 2:
@@ -115,7 +118,15 @@ def resolve_limits(
     cells = shape.max_cells or shape.max_sessions * session_tokens
     if memory is not None:
         asked = shape.max_cells is not None
-        cells = _fit_cells(cells, asked, bytes_per_cell, kv_dtype, memory, shape.max_batch_tokens)
+        cells = _fit_cells(
+            cells,
+            asked,
+            bytes_per_cell + draft_bytes_per_cell,
+            kv_dtype,
+            memory,
+            shape.max_batch_tokens,
+            ", the draft model's cache included" if draft_bytes_per_cell else "",
+        )
     return EngineLimits(
         max_sessions=shape.max_sessions,
         max_batch_tokens=shape.max_batch_tokens,
@@ -133,6 +144,7 @@ def _fit_cells(
     kv_dtype: torch.dtype,
     memory: KVMemory,
     step_tokens: int,
+    draft: str,
 ) -> int:
     """`cells` within `memory`: an asked count that does not fit is refused, a default one
     lowered to what fits, and refused too when not even one step's tokens fit."""
@@ -144,13 +156,13 @@ def _fit_cells(
     if asked:
         raise InvalidArgumentError(
             f"max_cells={cells} needs a KV pool of {_gib(cells * bytes_per_cell)} "
-            f"({bytes_per_cell} bytes per cell of {dtype}), but {memory.explain()}; lower "
+            f"({bytes_per_cell} bytes per cell of {dtype}{draft}), but {memory.explain()}; lower "
             f"max_cells to at most {fit}{smaller}, or free memory"
         )
     if fit < step_tokens:
         raise InvalidArgumentError(
             f"no memory is left for the KV pool: {memory.explain()}, under one step's "
-            f"{step_tokens} cells of {bytes_per_cell} bytes; free memory{smaller}, or load a "
-            "smaller or more quantised model"
+            f"{step_tokens} cells of {bytes_per_cell} bytes{draft}; free memory{smaller}, or "
+            "load a smaller or more quantised model"
         )
     return fit

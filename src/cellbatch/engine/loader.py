@@ -243,12 +243,13 @@ def place_threads(threads: int | None, numa: str | int) -> Placement:
     return placement
 
 
-def machine_kv_memory(backend: ModelBackend) -> KVMemory:
+def machine_kv_memory(backend: ModelBackend, draft: ModelBackend | None = None) -> KVMemory:
     """What the KV pool may take on this machine now: the memory available, less the
-    weights a file mapping holds (counted as available, but needed); on a GPU, its free
-    memory with the weights on it (the pool lives there)."""
+    weights a file mapping holds, the model's and a draft model's (counted as available,
+    but needed); on a GPU, its free memory with the weights on it (the pool lives there)."""
     if backend.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(backend.device)
         return KVMemory(free, total)
     memory = read_memory()
-    return KVMemory(memory.available_bytes - backend.mapped_weights_bytes, memory.total_bytes)
+    mapped = backend.mapped_weights_bytes + (0 if draft is None else draft.mapped_weights_bytes)
+    return KVMemory(memory.available_bytes - mapped, memory.total_bytes)
