@@ -1,8 +1,7 @@
 // The kept GGUF block formats (cellbatch/model/kquants.py writes them) as the products of
 // quantized_kq.cpp (VNNI, portable), quantized_kq_avx2.cpp (AVX2) and quantized_kq_amx.cpp
-// (AMX tiles) read them: the kinds,
-// the header of a weight's segments, each segment's panels, and the scalar reading of one
-// code and one sub-group's scale and offset (the portable loop's, which the vector paths
+// (AMX tiles) read them: the kinds, the header of a weight's segments, each segment's
+// panels, and the scalar reading of one code and one sub-group's scale and offset (the portable loop's, which the vector paths
 // must equal).
 //
 // Per panel of 16 outputs and group g of 32 inputs the codes take 256 bytes of nibbles
