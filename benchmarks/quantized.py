@@ -24,6 +24,7 @@ figure is its single-token steps).
         [--output-json PATH]   (docs/results/quantized.json publishes it: docs/benchmarks.md)
     .venv/bin/python benchmarks/quantized.py --products [--threads 2] [--rows 1,8,32]
         [--passes 15] [--layers 30]   (the model's products alone, per kernel)
+        [--shapes 1b --kernels "Q4_K a8 vnni,Q4_K a8 amx,Q6_K a8 vnni,Q6_K a8 amx"]
 
 Owns: the per-format runs (one process each, so RSS and allocator state start clean) and
 the table. Never: judges the figures against targets (it prints them and float32 ratios).
@@ -177,6 +178,14 @@ LAYER_SHAPES = {
     "down": (576, 1536),
 }
 HEAD_SHAPE = (49152, 576)
+# Llama 3.2 1B's (benchmarks/scale_models.py's 1B shape): --shapes 1b.
+LAYER_SHAPES_1B = {
+    "qkv": (3072, 2048),
+    "o_proj": (2048, 2048),
+    "gate_up": (16384, 2048),
+    "down": (2048, 8192),
+}
+HEAD_SHAPE_1B = (128256, 2048)
 PRODUCT_KERNELS = (
     "fp32",
     "bf16",
@@ -195,6 +204,36 @@ PRODUCT_KERNELS = (
 # never takes the tiles, "amx" always.
 AMX_KERNELS = ("int4 a8 vnni", "int8 a8 vnni", "int4 a8 amx", "int8 a8 amx")
 AMX_SWITCH = {"vnni": "0", "amx": "always"}
+# GGUF K-quant blocks kept as they are (`kquant_matmul_a8`, bf16 inputs), by --kernels only:
+# "Q4_K a8" as CELLBATCH_AMX says, "... vnni" and "... amx" on one path.
+KQUANT_KINDS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _kquant_call(kind: str, shape: tuple[int, int], switch: str | None, generator) -> Any:
+    """call(x) for a product of `shape` in GGUF blocks of `kind`: random codes and integer
+    scales, float16 block scales of a real weight's size (speed does not depend on them)."""
+    import numpy as np
+    import torch
+
+    from cellbatch.model import kquants, ops
+
+    n, k = shape
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
+    seed = int(torch.randint(0, 2**31, (1,), generator=generator))
+    blocks = np.random.default_rng(seed).integers(0, 256, (n, k // 256 * size), dtype=np.uint8)
+    view = blocks.reshape(n, k // 256, size)
+    scale = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
+    for at in (size - 2,) if kind == "Q6_K" else (0, 2):  # d (and dmin): finite, small
+        view[:, :, at : at + 2] = scale
+    codes, scales = kquants.pack(kquants.from_blocks(blocks, kind))
+    op = ops.table(ops.NAMESPACE).kquant_matmul_a8
+    chosen = os.environ.get("CELLBATCH_AMX", "") if switch is None else switch
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        os.environ["CELLBATCH_AMX"] = chosen  # the kernels read it at each call
+        return op(x.bfloat16(), codes, scales, n)
+
+    return call
 
 
 def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
@@ -210,6 +249,8 @@ def _product_calls(kernel: str, shape: tuple[int, int], generator) -> Any:
     from cellbatch.model.transformer import can_pack_linears
 
     n, k = shape
+    if kernel.split()[0] in KQUANT_KINDS:
+        return _kquant_call(kernel.split()[0], shape, AMX_SWITCH.get(kernel.split()[-1]), generator)
     weight = torch.randn(n, k, generator=generator) * 0.05
     if kernel in ("fp32", "bf16", "bf16 fixed"):
         dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
@@ -270,12 +311,16 @@ def _as_run(kernel: str, name: str) -> str:
     return kernel.replace("int4", "int8") if name == "lm_head" else kernel
 
 
-def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
-    """Milliseconds per forward pass of the default model's products alone (`layers`
+def products(
+    threads: int, rows: list[int], passes: int, layers: int, shapes: str, chosen: str
+) -> None:
+    """Milliseconds per forward pass of the default model's (or, shapes "1b", Llama 3.2
+    1B's) products alone (`layers`
     layers of distinct random weights, so that they come from memory as in the model, and
     the LM head), per kernel and row count: best of `passes`, kernels interleaved. On a
     CPU with AMX the int8-input products also run on each of their paths alone
-    (AMX_KERNELS), beside "a8" (the choice by width that `auto` makes)."""
+    (AMX_KERNELS), beside "a8" (the choice by width that `auto` makes). `chosen`, a comma
+    list of kernels, runs those alone (the K-quant ones only so: "Q4_K a8 amx", ...)."""
     import torch
 
     from cellbatch.model import kernels
@@ -287,22 +332,27 @@ def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
     generator = torch.Generator().manual_seed(0)
     tiles = cpu_has_amx() and amx_switch() != "0"
     kernel_names = PRODUCT_KERNELS + (AMX_KERNELS if tiles else ())
+    if chosen:
+        kernel_names = tuple(name.strip() for name in chosen.split(","))
+    layer_shapes, head_shape = (
+        (LAYER_SHAPES_1B, HEAD_SHAPE_1B) if shapes == "1b" else (LAYER_SHAPES, HEAD_SHAPE)
+    )
     calls = {
         kernel: {
             name: [_product_calls(kernel, shape, generator) for _ in range(layers)]
-            for name, shape in LAYER_SHAPES.items()
+            for name, shape in layer_shapes.items()
         }
-        | {"lm_head": [_product_calls(kernel, HEAD_SHAPE, generator)]}
+        | {"lm_head": [_product_calls(kernel, head_shape, generator)]}
         for kernel in kernel_names
     }
-    names = [*LAYER_SHAPES, "lm_head"]
+    names = [*layer_shapes, "lm_head"]
     print(
         f"products: {layers} layers + LM head, {threads} threads, "
         f"{torch.backends.cpu.get_cpu_capability()}: ms per pass (best of {passes})"
     )
     for count in rows:
-        inputs = {name: torch.randn(count, shape[1]) for name, shape in LAYER_SHAPES.items()}
-        inputs["lm_head"] = torch.randn(count, HEAD_SHAPE[1])
+        inputs = {name: torch.randn(count, shape[1]) for name, shape in layer_shapes.items()}
+        inputs["lm_head"] = torch.randn(count, head_shape[1])
         best = {(kernel, name): float("inf") for kernel in kernel_names for name in names}
         for _ in range(passes):
             for kernel in kernel_names:  # interleaved: a load swing hits every kernel
@@ -320,8 +370,9 @@ def products(threads: int, rows: list[int], passes: int, layers: int) -> None:
             for kernel in kernel_names
         }
         cells = " ".join(f"{total[k] * 1e3:12.2f}" for k in kernel_names)
-        ratios = " ".join(f"{total['fp32'] / total[k]:12.2f}" for k in kernel_names)
-        print(f"  {'model':<8} {cells}\n  {'x fp32':<8} {ratios}", flush=True)
+        first = kernel_names[0]
+        ratios = " ".join(f"{total[first] / total[k]:12.2f}" for k in kernel_names)
+        print(f"  {'model':<8} {cells}\n  {'x ' + first:<8} {ratios}", flush=True)
 
 
 def _tokens(outputs: list[list[int]]) -> int:
@@ -419,12 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32", help="--products: rows per product")
     parser.add_argument("--passes", type=int, default=15, help="--products: passes, best kept")
     parser.add_argument("--layers", type=int, default=30, help="--products: layers")
+    parser.add_argument(
+        "--shapes", choices=("default", "1b"), default="default", help="--products: whose"
+    )
+    parser.add_argument("--kernels", default="", help="--products: these kernels alone")
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv_given)
     if args.products:
         rows = [int(count) for count in args.rows.split(",")]
-        products(args.threads, rows, args.passes, args.layers)
+        products(args.threads, rows, args.passes, args.layers, args.shapes, args.kernels)
         return 0
     if args.child:
         json.dump(measure(args), sys.stdout)

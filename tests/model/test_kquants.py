@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.model import kquants, ops, quantized, quantized_torch
+from cellbatch.model import cpu, kquants, ops, quantized, quantized_torch
 from cellbatch.model.gguf_blocks import from_gguf
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import QuantizedLinear
@@ -135,7 +135,8 @@ def test_the_products_are_the_weight_s_with_int8_inputs(compiled_ops, torch_ops,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_portable_loop_gives_the_vector_path_s_bits(compiled_ops, dtype) -> None:
     """CELLBATCH_A8_PORTABLE=1 runs the portable loop: the same chain, the same bits as the
-    path this CPU takes (VNNI here; the AVX2 run of this file holds the AVX2 path to it)."""
+    paths this CPU takes (VNNI for 1 row and, where there is AMX, tiles for 9; the AVX2 run of
+    this file holds the AVX2 path to it)."""
     weight = _weight(*MIXED, 512)
     codes, scales = kquants.pack(weight)
     x = _inputs(9, 512, dtype)
@@ -164,6 +165,27 @@ def test_a_row_depends_on_neither_the_other_rows_nor_the_threads(compiled_ops) -
     for count in (1, 7, 70, 150):
         assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
     assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
+
+
+@pytest.mark.skipif(not cpu.cpu_has_amx(), reason="needs AMX (and torch at the AVX512 width)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tile_path_gives_the_vnni_path_s_bits(compiled_ops, monkeypatch, dtype) -> None:
+    """CELLBATCH_AMX=always puts every call on the AMX tiles: each row's bits are the VNNI
+    path's, for every kind in one weight (Q6_K's sub-groups apart), a chunk of fewer groups,
+    part-filled row tiles and blocks, and more than one pass of rows, on 1 and 2 threads."""
+    op = compiled_ops.kquant_matmul_a8
+    for weight in (_weight(*MIXED, 512), _weight(("Q5_1", "Q4_0"), (20, 30), 96)):
+        codes, scales = kquants.pack(weight)
+        out, cols = weight.shape
+        x = _inputs(150, cols, dtype)
+        monkeypatch.setenv("CELLBATCH_AMX", "0")
+        vnni = op(x, codes, scales, out)
+        monkeypatch.setenv("CELLBATCH_AMX", "always")
+        for threads in (1, 2):
+            torch.set_num_threads(threads)  # tests/conftest.py puts it back after the test
+            for n in (1, 4, 15, 17, 129, 150):
+                assert torch.equal(op(x[:n], codes, scales, out), vnni[:n]), (threads, n)
+            assert torch.equal(op(x[40:73], codes, scales, out), vnni[40:73]), threads
 
 
 def test_a_bad_header_or_shape_is_refused(compiled_ops) -> None:

@@ -60,6 +60,7 @@ from torch import nn
 from cellbatch.model.cpu import (
     amx_switch,
     cpu_dtype,
+    cpu_has_amx,
     cpu_has_int8_products,
     int8_products_path,
 )
@@ -549,7 +550,7 @@ def describe_kept(model: DecoderModel) -> str:
     """What runs a model's GGUF blocks kept as they are (`kquants.KQuantLinear`: a
     `bytes_by_kind` per kind), per kind ("" when none): "Q4_K in 56 products (457.9 MiB),
     Q6_K in 17 products (317.1 MiB) kept as they are: kquant_matmul_a8, int8 inputs
-    (VPDPBUSD, AVX512-VNNI)"."""
+    (VPDPBUSD, AVX512-VNNI; AMX tiles for Q4_K, Q5_K from 32 rows)"."""
     counts: dict[str, int] = {}
     sizes: dict[str, int] = {}
     compiled = False
@@ -568,4 +569,6 @@ def describe_kept(model: DecoderModel) -> str:
         for kind in sorted(counts)
     ]
     how = int8_products_path() if compiled else "torch implementation"
+    if compiled and how.endswith("AVX512-VNNI") and cpu_has_amx() and amx_switch() != "0":
+        how += "; AMX tiles for Q4_K, Q5_K from 32 rows"  # kernels/quantized_kq.cpp chooses
     return f"{', '.join(parts)} kept as they are: kquant_matmul_a8, int8 inputs ({how})"

@@ -124,26 +124,17 @@ struct alignas(64) TileConfig {
   }
 };
 
-// A thread's tiles over one call: configured at its first tile product, released when the
-// thread is done with the call.
-class Tiles {
- public:
-  Tiles() = default;
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-  ~Tiles() {
-    if (configured_) _tile_release();
-  }
-  void configure() {
-    if (configured_) return;
-    const TileConfig config;
-    _tile_loadconfig(&config);
-    configured_ = true;
-  }
+// One object that holds the configuration in memory: built on the stack beside the load,
+// its rows and widths were stores the compiler dropped (it sees LDTILECFG read no further).
+const TileConfig kTileConfig;
 
- private:
-  bool configured_ = false;
-};
+}  // namespace
+
+void load_tile_config() { _tile_loadconfig(&kTileConfig); }
+
+void release_tiles() { _tile_release(); }
+
+namespace {
 
 // A format's panels as the tile products read them: tile(p, g, scratch), the 512 bytes of
 // tile B for panel p's group g (8 rows of 16 outputs' four codes), made in scratch when
@@ -317,6 +308,8 @@ void int8_products_amx(const Quantised& xs, const int8_t* codes, const S* scales
 #else  // not x86-64 Linux with GCC or Clang: no tiles
 
 bool amx_products_available() { return false; }
+void load_tile_config() { TORCH_CHECK(false, "load_tile_config: no AMX path in this build"); }
+void release_tiles() {}
 
 template <typename S, typename T>
 void int4_products_amx(const Quantised&, const int32_t*, const S*, int64_t, int64_t, T*) {

@@ -22,6 +22,34 @@ bool amx_products_available();
 bool amx_takes(int64_t rows);
 int64_t amx_min_rows();
 
+// The tile products' configuration (palette 1) loaded on this thread: tile 0, 16 rows of
+// 32 input bytes; tiles 1-3, 8 rows of 64 code bytes (four inputs of 16 outputs to a 32-bit
+// lane); tiles 4-6, 16 x 16 int32 dot products. Then the tiles released. Only after
+// amx_products_available().
+void load_tile_config();
+void release_tiles();
+
+// A thread's tiles over one call: configured at its first tile product, released when the
+// thread is done with the call, so that torch's oneDNN (which uses AMX too) and these
+// products never see each other's tile state.
+class Tiles {
+ public:
+  Tiles() = default;
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+  ~Tiles() {
+    if (configured_) release_tiles();
+  }
+  void configure() {
+    if (configured_) return;
+    load_tile_config();
+    configured_ = true;
+  }
+
+ private:
+  bool configured_ = false;
+};
+
 // y [count, out_features] (T: float or c10::BFloat16) from the quantised rows and int4
 // panels (Int4Layout) or int8 ones (Int8Layout, whose [P, K / 4, 16, 4] codes are the
 // tiles' own layout: any format whose int8 codes and per-group scales can be laid out so

@@ -34,7 +34,9 @@
 
 #include "common.h"
 #include "quantized_a8.h"
+#include "quantized_amx.h"
 #include "quantized_kq.h"
+#include "quantized_kq_vnni.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,13 +44,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define CELLBATCH_KQ_VNNI 1
-#include <immintrin.h>
-#endif
-
 namespace cellbatch::kq {
 namespace {
+
+constexpr int64_t kAmxMinRows = 32;  // rows from which `auto` takes the tiles
 
 // The portable loop over rows [0, count) and panels [p0, p1) of one segment.
 template <typename T>
@@ -97,66 +96,6 @@ constexpr int64_t kFusedRows = 3;  // calls of up to this many rows make operand
 constexpr int64_t kRowChunk = 64;  // rows per pass over a block
 constexpr int64_t kAhead = 8;      // few-row path: codes asked for this many groups ahead
 constexpr int64_t kBlockWidth = kBlock * kPanel;
-
-// Operand s of a group (inputs 4s .. 4s + 3 of its 16 outputs) from its codes `at`.
-template <int kBits, int kS>
-inline __m512i operand(const uint8_t* at) {
-  const __m512i word = _mm512_loadu_si512(at + (kS / 2) * 64);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i q = kS % 2 == 0 ? _mm512_and_si512(word, low)
-                          : _mm512_and_si512(_mm512_srli_epi32(word, 4), low);
-  if constexpr (kBits == 5) {
-    const __m512i high = _mm512_loadu_si512(at + 256);
-    const __m512i moved = kS <= 4 ? _mm512_slli_epi32(high, 4 - kS) : _mm512_srli_epi32(high, kS - 4);
-    q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x10)));
-  } else if constexpr (kBits == 6) {
-    const __m512i high = _mm512_loadu_si512(at + 256 + (kS / 4) * 64);
-    constexpr int kShift = 2 * (kS % 4);
-    const __m512i moved =
-        kShift <= 4 ? _mm512_slli_epi32(high, 4 - kShift) : _mm512_srli_epi32(high, kShift - 4);
-    q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
-  }
-  return q;
-}
-
-// A panel's float16 terms as floats: group kinds' d and m (each group), K-quants' d and
-// -dmin (Q6_K: d) of the block of 256 they are from, kept while the groups run through it.
-struct Halves {
-  __m512 d, second;
-  int64_t block = -1;
-};
-
-// Sub-group `sub` of group g's 16 scales and offsets (the vector form of Panels::terms:
-// the same products, so the same values).
-inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, Halves& halves,
-                  __m512* scale, __m512* offset) {
-  const bool blocks = in_blocks(panels.kind);
-  if (!blocks || halves.block != g / 8) {
-    const uint8_t* h = panels.halves(p, g);
-    halves.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-    if (panels.kind != kQ6_K) {
-      const __m512 second =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
-      // K-quants: -dmin, so that o = (-dmin) mn, which is -(dmin mn) exactly.
-      halves.second = blocks ? _mm512_sub_ps(_mm512_setzero_ps(), second) : second;
-    }
-    halves.block = blocks ? g / 8 : -1;
-  }
-  const __m512 d = halves.d;
-  if (panels.kind == kQ6_K) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
-    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-  } else if (blocks) {
-    const uint8_t* sm = panels.small(p, g, 0);
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
-    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanel));
-    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-    *offset = _mm512_mul_ps(halves.second, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
-  } else {
-    *scale = d;
-    *offset = _mm512_sub_ps(halves.second, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
-  }
-}
 
 // A chunk of a block's operands and terms, for the rows to run over.
 struct alignas(64) Buffer {
@@ -341,14 +280,7 @@ void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, 
         block<decltype(width)::value, kBits>(panels, in, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < panels.rows; ++p) {
-            const int64_t start = (p0 + p) * kPanel;
-            const int64_t width = std::min(kPanel, panels.rows - start);
-            T* row = y + (m0 + r) * out_features + panels.column + start;
-            const float* from = sums + r * kBlockWidth + p * kPanel;
-            for (int64_t c = 0; c < width; ++c) row[c] = static_cast<T>(from[c]);
-          }
+        store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
       });
 }
 
@@ -437,11 +369,22 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
       in.qs16[h] = sum;
     }
   }
+  const bool vnni = path == a8::Path::kVnni && vnni_available();
+  const bool amx = a8::amx_takes(count) && vnni;  // a bad CELLBATCH_AMX fails everywhere
+  // Under `auto` the tiles take 4- and 5-bit segments from kAmxMinRows rows (below, and for
+  // Q6_K's two tile products per group, the VNNI path is faster: benchmarks/quantized.py
+  // --products --shapes 1b); CELLBATCH_AMX=always (amx_takes of one row) takes every one.
+  const bool always = amx && a8::amx_takes(1);
+  auto tiles = [&](const Panels& panels) {
+    return amx && (always || (bits(panels.kind) != 6 && count >= kAmxMinRows));
+  };
   auto run = [&](auto tag) {
     using T = decltype(tag);
     T* y = out.data_ptr<T>();
     for (const Panels& panels : parts) {
-      if (path == a8::Path::kVnni && vnni_available()) {
+      if (tiles(panels)) {
+        products_amx(in, panels, out_features, y);
+      } else if (vnni) {
         product_vnni(in, panels, out_features, y);
       } else if (path == a8::Path::kAvx2) {
         products_avx2(in, panels, out_features, y);

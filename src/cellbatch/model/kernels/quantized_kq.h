@@ -1,7 +1,7 @@
 // The kept GGUF block formats (cellbatch/model/kquants.py writes them) as the products of
-// quantized_kq.cpp (VNNI, portable) and quantized_kq_avx2.cpp (AVX2) read them: the kinds,
-// the header of a weight's segments, each segment's panels, and the scalar reading of one
-// code and one sub-group's scale and offset (the portable loop's, which the vector paths
+// quantized_kq.cpp (VNNI, portable), quantized_kq_avx2.cpp (AVX2) and quantized_kq_amx.cpp
+// (AMX tiles) read them: the kinds, the header of a weight's segments, each segment's
+// panels, and the scalar reading of one code and one sub-group's scale and offset (the portable loop's, which the vector paths
 // must equal).
 //
 // Per panel of 16 outputs and group g of 32 inputs the codes take 256 bytes of nibbles
@@ -122,5 +122,10 @@ struct Inputs {
 // the portable loop's chain (quantized_kq.cpp), bit for bit.
 template <typename T>
 void products_avx2(const Inputs& in, const Panels& panels, int64_t out_features, T* y);
+
+// The same products by AMX tiles (quantized_kq_amx.cpp), the same bits: only after
+// a8::amx_takes said yes for the call.
+template <typename T>
+void products_amx(const Inputs& in, const Panels& panels, int64_t out_features, T* y);
 
 }  // namespace cellbatch::kq

@@ -1,0 +1,229 @@
+// The kept GGUF block kinds' products (`kquant_matmul_a8`) on CPUs with AMX: quantized_kq.cpp
+// calls them for the calls a8::amx_takes gives the tiles (from a few rows up).
+//
+// Owns: the tile arithmetic of those products. A tile product (TDPBSUD: the signed int8
+// inputs by the unsigned codes) of 16 rows' 32 quantised inputs of a group (tile A, the
+// rows' own bytes, K apart) and one panel's operands of that group (tile B, 8 x 64 bytes:
+// row s is the VNNI path's operand s, inputs 4s .. 4s + 3 of the 16 outputs) into a zeroed
+// tile C gives each row's exact int32 dot product per output over the group, the value
+// VPDPBUSD sums in the VNNI path. Q6_K's sub-groups of 16 inputs take one product each,
+// tile B holding that sub-group's four operand rows and zero in the other four, so the
+// two sums never mix. Tile C goes to an L1 buffer, and the float chain over groups and
+// sub-groups (quantized_kq.cpp's comment) runs there, 4 rows at a time:
+//   4/5-bit kinds: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
+//   Q6_K:          t = fma(float(dot_h - 32 qs_h), s_h * d, t)
+// A block of three panels' operands and terms is made once per 4 groups for every row of
+// the call. Tiles: 0 the rows' inputs, 1-3 the block's operands, 4-6 its dot products
+// (a8::load_tile_config's configuration).
+// Promises: the VNNI path's chain over the same exact values, so y's bits do not depend on
+// which path a call takes, on the other rows or on the thread count. Each thread configures
+// its tiles when it starts a call and releases them when it ends it (a8::Tiles).
+// Never: allocates per row, or runs unless a8::amx_takes said yes.
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include "common.h"
+#include "quantized_amx.h"
+#include "quantized_kq.h"
+#include "quantized_kq_vnni.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(CELLBATCH_KQ_VNNI) && defined(__linux__)
+#define CELLBATCH_KQ_AMX 1
+#endif
+
+namespace cellbatch::kq {
+
+#ifdef CELLBATCH_KQ_AMX
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-int8")
+
+namespace {
+
+constexpr int64_t kTileRows = 16;    // rows of an input tile and of a dot-product tile
+constexpr int64_t kBlock = 3;        // panels per block: one tile each for operands and dots
+constexpr int64_t kChunkGroups = 4;  // groups per fill of a block's operand tiles
+constexpr int64_t kRowChunk = 128;   // rows per pass over a block: their inputs stay in L2
+constexpr int64_t kRunRows = 4;      // rows per run of the float chain: 12 float sums
+constexpr int64_t kTileBytes = 8 * 64;
+constexpr int64_t kBlockWidth = kBlock * kPanel;
+
+// What a thread holds for a call: its tiles; for the chunk of groups at hand, the block's
+// operand tiles and terms per group and sub-group (Q6_K: 2; else 1); a row tile's dot
+// products; and a last row tile of fewer than 16 rows, copied out.
+struct alignas(64) Buffer {
+  int8_t operands[kChunkGroups][2][kBlock][kTileBytes];
+  int32_t dots[kChunkGroups][2][kBlock][kTileRows * kPanel];
+  __m512 scales[kChunkGroups][2][kBlock];
+  __m512 offsets[kChunkGroups][2][kBlock];
+  int8_t tail[kTileRows][kChunkGroups * kGroup] = {};
+  a8::Tiles tiles;
+};
+
+template <int kBits, int kS>
+inline void put(const uint8_t* at, int8_t* tile) {
+  _mm512_store_si512(tile + 64 * kS, operand<kBits, kS>(at));
+}
+
+// Groups [g0, g0 + chunk) of P panels from p0: their operand tiles and terms.
+template <int P, int kBits>
+void fill(const Panels& panels, int64_t p0, int64_t g0, int64_t chunk, Buffer* buffer) {
+  for (int p = 0; p < P; ++p) {
+    Halves halves;
+    for (int64_t i = 0; i < chunk; ++i) {
+      const int64_t g = g0 + i;
+      const uint8_t* at = panels.group_codes(p0 + p, g);
+      int8_t* first = buffer->operands[i][0][p];
+      put<kBits, 0>(at, first), put<kBits, 1>(at, first);
+      put<kBits, 2>(at, first), put<kBits, 3>(at, first);
+      int8_t* second = first;
+      if constexpr (kBits == 6) {  // sub-group 1's rows in their own tile, zero beside
+        second = buffer->operands[i][1][p];
+        const __m512i zero = _mm512_setzero_si512();
+        for (int s = 0; s < 4; ++s) {
+          _mm512_store_si512(first + 64 * (4 + s), zero);
+          _mm512_store_si512(second + 64 * s, zero);
+        }
+      }
+      put<kBits, 4>(at, second), put<kBits, 5>(at, second);
+      put<kBits, 6>(at, second), put<kBits, 7>(at, second);
+      for (int sub = 0; sub < subs(panels.kind); ++sub)
+        terms(panels, p0 + p, g, sub, halves, &buffer->scales[i][sub][p],
+              &buffer->offsets[i][sub][p]);
+    }
+  }
+}
+
+// Tile products of one row tile (inputs of the chunk's first group at `inputs`, rows
+// `stride` bytes apart) for the chunk's groups, sub-groups and P panels.
+template <int P, int kSubs>
+void tile_dots(Buffer* buffer, const int8_t* inputs, int64_t stride, int64_t chunk) {
+  // Tile numbers are immediates: one statement per panel. The panels' products are issued
+  // together, and only then stored, so that a store does not wait on the product before it.
+  for (int64_t i = 0; i < chunk; ++i) {
+    _tile_loadd(0, inputs + i * kGroup, stride);
+    for (int sub = 0; sub < kSubs; ++sub) {
+      _tile_zero(4);
+      if constexpr (P > 1) _tile_zero(5);
+      if constexpr (P > 2) _tile_zero(6);
+      _tile_loadd(1, buffer->operands[i][sub][0], 64);
+      if constexpr (P > 1) _tile_loadd(2, buffer->operands[i][sub][1], 64);
+      if constexpr (P > 2) _tile_loadd(3, buffer->operands[i][sub][2], 64);
+      _tile_dpbsud(4, 0, 1);
+      if constexpr (P > 1) _tile_dpbsud(5, 0, 2);
+      if constexpr (P > 2) _tile_dpbsud(6, 0, 3);
+      _tile_stored(4, buffer->dots[i][sub][0], 64);
+      if constexpr (P > 1) _tile_stored(5, buffer->dots[i][sub][1], 64);
+      if constexpr (P > 2) _tile_stored(6, buffer->dots[i][sub][2], 64);
+    }
+  }
+}
+
+// The chain of R rows (row `first` of a row tile, row m of the call) over the chunk's
+// `chunk` groups from g0, P panels; sums[r][16 kBlock] continue from group g0.
+template <int R, int P, bool kSix>
+void chain(const Inputs& in, int64_t m, int64_t first, int64_t g0, int64_t chunk,
+           const Buffer* buffer, float* sums) {
+  const a8::Quantised& xs = in.xs;
+  const int64_t groups = xs.in_features / kGroup;
+  __m512 total[R][P];
+  load_totals<R, P, kBlockWidth>(total, sums, g0 != 0);
+  for (int64_t i = 0; i < chunk; ++i) {
+    const int64_t g = g0 + i;
+    for (int sub = 0; sub < (kSix ? 2 : 1); ++sub) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m + r) * groups + g;
+        const __m512 row_d = _mm512_set1_ps(xs.d[at]);
+        const __m512 row_sx = _mm512_set1_ps(kSix ? 0.0f : xs.sx[at]);
+        const __m512i sum32 = _mm512_set1_epi32(kSix ? 32 * in.qs16[2 * at + sub] : 0);
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) {
+          const __m512 row_scale = _mm512_mul_ps(buffer->scales[i][sub][p], row_d);
+          const __m512i dot = _mm512_load_si512(buffer->dots[i][sub][p] + (first + r) * kPanel);
+          if constexpr (kSix) {
+            const __m512i exact = _mm512_sub_epi32(dot, sum32);
+            total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), row_scale, total[r][p]);
+          } else {
+            total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, total[r][p]);
+            total[r][p] = _mm512_fmadd_ps(buffer->offsets[i][sub][p], row_sx, total[r][p]);
+          }
+        }
+      }
+    }
+  }
+  store_totals<R, P, kBlockWidth>(total, sums);
+}
+
+// One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
+template <int P, int kBits>
+void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int64_t p0,
+           Buffer* buffer, float* sums) {
+  constexpr bool kSix = kBits == 6;
+  const int64_t in_features = in.xs.in_features, groups = panels.groups;
+  buffer->tiles.configure();
+  for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+    const int64_t chunk = std::min(kChunkGroups, groups - g0);
+    fill<P, kBits>(panels, p0, g0, chunk, buffer);
+    for (int64_t row0 = 0; row0 < count; row0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, count - row0);
+      const int8_t* inputs = in.xs.q.data() + (m + row0) * in_features + g0 * kGroup;
+      int64_t stride = in_features;
+      if (rows < kTileRows) {  // the last tile, part-filled
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(buffer->tail[r], inputs + r * in_features, chunk * kGroup);
+        inputs = buffer->tail[0], stride = kChunkGroups * kGroup;
+      }
+      tile_dots<P, kSix ? 2 : 1>(buffer, inputs, stride, chunk);
+      for (int64_t r = 0; r < rows; r += kRunRows)
+        with_count<kRunRows>(std::min(kRunRows, rows - r), [&](auto run) {
+          chain<decltype(run)::value, P, kSix>(in, m + row0 + r, r, g0, chunk, buffer,
+                                               sums + (row0 + r) * kBlockWidth);
+        });
+    }
+  }
+}
+
+template <int kBits, typename T>
+void product_amx(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  for_each_block<Buffer, kBlock, kRowChunk, 0>(
+      in.count(), panels.panel_count,
+      [&](auto width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
+        block<decltype(width)::value, kBits>(panels, in, m0, n, p0, buffer, sums);
+      },
+      [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
+        store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
+      });
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+template <typename T>
+void products_amx(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  switch (bits(panels.kind)) {
+    case 4: return product_amx<4>(in, panels, out_features, y);
+    case 5: return product_amx<5>(in, panels, out_features, y);
+    default: return product_amx<6>(in, panels, out_features, y);
+  }
+}
+
+#else  // not x86-64 Linux with GCC or Clang: no tiles
+
+template <typename T>
+void products_amx(const Inputs&, const Panels&, int64_t, T*) {
+  TORCH_CHECK(false, "kquant products_amx: no AMX path in this build");
+}
+
+#endif
+
+template void products_amx<float>(const Inputs&, const Panels&, int64_t, float*);
+template void products_amx<c10::BFloat16>(const Inputs&, const Panels&, int64_t, c10::BFloat16*);
+
+}  // namespace cellbatch::kq
