@@ -12,12 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from cellbatch.cli.options import UsageError
+from cellbatch.cli.options import UsageError, usage_error
 
 
 def export_command(args: argparse.Namespace) -> int:
     from cellbatch.export.exporter import ExportOptions, export_program
-    from cellbatch.types import InvalidArgumentError
 
     try:
         widths = tuple(int(width) for width in args.decode_widths.split(","))
@@ -42,8 +41,7 @@ def export_command(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
 
-    try:
+    # ValueError: InvalidArgumentError among them.
+    with usage_error(errors=(ValueError, FileNotFoundError)):
         export_program(args.model, args.output, options, progress)
-    except (InvalidArgumentError, ValueError, FileNotFoundError) as error:
-        raise UsageError(str(error)) from error
     return 0

@@ -1,8 +1,9 @@
 """The options `run`, `serve` and `export` share, and loading the engine they ask for.
 
-Owns: `UsageError` (bad command-line input found before any work), the engine options
-and their checks, the shape they give, loading the engine with progress lines, and
-the exit on a signal while a phase that cannot be stopped part-way runs.
+Owns: `UsageError` (bad command-line input found before any work) and `usage_error` (a
+checker's refusal turned into one), the engine options and their checks, the shape they
+give, loading the engine with progress lines, and the exit on a signal while a phase
+that cannot be stopped part-way runs.
 Promises: an option that is wrong whatever the model is a `UsageError` before the model
 loads; loading says on stderr what it did, phase by phase, with the time each took
 (not with --quiet), and Ctrl-C or SIGTERM while it loads ends the process at once with
@@ -21,7 +22,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellbatch.types import ACTIVATION_CHOICES, DEFAULT_MAX_LORAS, QUANTIZE_CHOICES
+from cellbatch.types import (
+    ACTIVATION_CHOICES,
+    DEFAULT_MAX_LORAS,
+    QUANTIZE_CHOICES,
+    InvalidArgumentError,
+)
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine
@@ -30,6 +36,18 @@ if TYPE_CHECKING:
 
 class UsageError(Exception):
     """Bad command-line input found before any work was done."""
+
+
+@contextmanager
+def usage_error(
+    option: str = "", errors: type[Exception] | tuple[type[Exception], ...] = InvalidArgumentError
+) -> Iterator[None]:
+    """Inside the block, an exception of `errors` (a checker's refusal) becomes a
+    UsageError with its message, after `option: ` when an option is named."""
+    try:
+        yield
+    except errors as error:
+        raise UsageError(f"{option}: {error}" if option else str(error)) from error
 
 
 def note(message: str) -> None:
@@ -58,40 +76,26 @@ def check_engine_options(args: argparse.Namespace) -> None:
     from cellbatch.machine import check_numa
     from cellbatch.model.device import device_quantize, resolve_device
     from cellbatch.model.transformer import resolve_dtype, resolve_kv_dtype
-    from cellbatch.types import InvalidArgumentError
 
-    try:
+    with usage_error("--numa", ValueError):
         check_numa(args.numa)
-    except ValueError as error:
-        raise UsageError(f"--numa: {error}") from error
-    try:
+    with usage_error("--dtype"):
         weights = resolve_dtype(args.dtype)
-    except InvalidArgumentError as error:
-        raise UsageError(f"--dtype: {error}") from error
-    try:
+    with usage_error("--kv-dtype"):
         resolve_kv_dtype(args.kv_dtype, weights)
-    except InvalidArgumentError as error:
-        raise UsageError(f"--kv-dtype: {error}") from error
-    try:
+    with usage_error(f"--device {args.device}"):
         device = resolve_device(args.device)
-    except InvalidArgumentError as error:
-        raise UsageError(f"--device {args.device}: {error}") from error
-    try:
+    with usage_error(f"--quantize {args.quantize}"):
         device_quantize(args.quantize, device)
-    except InvalidArgumentError as error:
-        raise UsageError(f"--quantize {args.quantize}: {error}") from error
     speculative_config(args)
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """--speculative-config, checked (a UsageError when it is wrong)."""
     from cellbatch.speculative import parse_speculative_config
-    from cellbatch.types import InvalidArgumentError
 
-    try:
+    with usage_error("--speculative-config"):
         return parse_speculative_config(args.speculative_config)
-    except InvalidArgumentError as error:
-        raise UsageError(f"--speculative-config: {error}") from error
 
 
 @contextmanager
@@ -328,20 +332,18 @@ def load_engine(args: argparse.Namespace, shape: dict[str, Any], **options: Any)
     """The Engine the shared options ask for; a bad option is a UsageError, before anything
     loads. Unless --quiet, each phase of the load says what it did on stderr."""
     check_engine_options(args)
-    try:
-        with exit_on_signal("loading the model"):
-            if not args.quiet:
-                print(f"cellbatch: loading {args.model or 'the default model'}", file=sys.stderr)
-            from cellbatch.engine import Engine
+    # ValueError: InvalidArgumentError among them.
+    with usage_error(errors=(ValueError, FileNotFoundError)), exit_on_signal("loading the model"):
+        if not args.quiet:
+            print(f"cellbatch: loading {args.model or 'the default model'}", file=sys.stderr)
+        from cellbatch.engine import Engine
 
-            return Engine.from_pretrained(
-                args.model,
-                threads=args.threads,
-                numa=args.numa,
-                progress=None if args.quiet else say_loaded,
-                **model_options(args),
-                **options,
-                **shape,
-            )
-    except (ValueError, FileNotFoundError) as error:  # InvalidArgumentError among them
-        raise UsageError(str(error)) from error
+        return Engine.from_pretrained(
+            args.model,
+            threads=args.threads,
+            numa=args.numa,
+            progress=None if args.quiet else say_loaded,
+            **model_options(args),
+            **options,
+            **shape,
+        )

@@ -31,10 +31,11 @@ from cellbatch.cli.options import (
     load_engine,
     lora_adapters,
     note,
+    usage_error,
 )
 from cellbatch.cli.prompts import PromptLine, read_prompts
 from cellbatch.cli.report import RunRecord, build_report, memory_snapshot, print_report
-from cellbatch.types import Constraint, GenConfig, InvalidArgumentError, SamplingParams, Token
+from cellbatch.types import Constraint, GenConfig, SamplingParams, Token
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine, GenerationBatch, GenerationResult
@@ -99,10 +100,8 @@ def run_command(args: argparse.Namespace) -> int:
                 f"{len(prompts)} prompts, {SESSION_CAP} sessions at once (--max-sessions to change)"
             )
 
-    try:
+    with usage_error():
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    except InvalidArgumentError as error:
-        raise UsageError(str(error)) from error
     shape = engine_shape(args, max_sessions)
 
     with exit_on_signal("loading the model"):
@@ -116,10 +115,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     with engine:
         if constraint is not None:
-            try:
+            with usage_error():
                 engine.check_constraint(constraint)  # one message, not one per prompt
-            except InvalidArgumentError as error:
-                raise UsageError(str(error)) from error
         inputs, failures = _encode(prompts, engine)
         config = GenConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
         if not args.quiet:
