@@ -53,7 +53,6 @@ from cellbatch.server.adapters import (
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
     add_adapter_routes,
-    with_adapter,
 )
 from cellbatch.server.api import ApiError, Backend
 from cellbatch.server.backend import LocalBackend
@@ -81,7 +80,7 @@ from cellbatch.server.protocol import (
 from cellbatch.server.responses import Responses
 from cellbatch.server.responses_api import RESPONSES_EVENTS, responses_router
 from cellbatch.server.responses_protocol import ResponsesRequest
-from cellbatch.server.routing import RouteContext, check_fields, error_body, parse, read_body
+from cellbatch.server.routing import RouteContext, check_fields, error_body
 from cellbatch.server.service import EngineService, Job
 from cellbatch.server.storage import Storage
 from cellbatch.server.tokenize_protocol import (
@@ -232,20 +231,20 @@ def create_app(
 
     async def generate(request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat/completions"
-        body = await read_body(request, settings.max_request_bytes)
         parsed: ChatCompletionRequest | CompletionRequest = (
-            parse(ChatCompletionRequest, body) if chat else parse(CompletionRequest, body)
+            await context.read(request, ChatCompletionRequest)
+            if chat
+            else await context.read(request, CompletionRequest)
         )
-        adapter = context.served.adapter_for(parsed.model)
         check_fields(parsed, context.served.all_names(), context.warned)
-        service.admit()
-        plan = (
-            planner.plan_chat(parsed)
-            if isinstance(parsed, ChatCompletionRequest)
-            else planner.plan_completion(parsed)
+        job = await context.start(
+            lambda: (
+                planner.plan_chat(parsed)
+                if isinstance(parsed, ChatCompletionRequest)
+                else planner.plan_completion(parsed)
+            ),
+            parsed.model,
         )
-        plan = with_adapter(plan, adapter)
-        job = await service.start(plan)
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             return EventSourceResponse(_stream(service, responses, job, endpoint, include_usage))

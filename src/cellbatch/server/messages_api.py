@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel, ValidationError
 
-from cellbatch.server.adapters import with_adapter
 from cellbatch.server.answers import AnswerDelta, AnswerStream, whole_answer
 from cellbatch.server.api import ApiError
 from cellbatch.server.messages_protocol import (
@@ -113,24 +112,20 @@ def messages_router(context: RouteContext) -> APIRouter:
         ),
     )
     async def create(request: Request) -> Response:
-        parsed = await context.read(request, MessagesRequest)
-        context.check_extras(parsed.model_extra, MESSAGES_UNSUPPORTED)
-        context.service.admit()
-        try:
-            plan = context.planner.plan_chat(_chat_request(parsed))
-        except ApiError as error:
-            raise _renamed(error) from None
-        plan = with_adapter(plan, context.served.adapter_for(parsed.model))
-        job = await context.service.start(plan)
+        parsed = await context.read(request, MessagesRequest, MESSAGES_UNSUPPORTED)
+        job = await context.start(
+            lambda: context.planner.plan_chat(_chat_request(parsed)), parsed.model, _renamed
+        )
+        prompt_tokens = len(job.plan.prompts[0])
         message = MessageObject(
-            model=context.names[0], usage=Usage(input_tokens=len(plan.prompts[0]), output_tokens=0)
+            model=context.names[0], usage=Usage(input_tokens=prompt_tokens, output_tokens=0)
         )
         if parsed.stream:
             return EventSourceResponse(_stream(context, job, message, parsed))
         if not await context.run_to_end(job, request, ENDPOINT):
             return Response(status_code=499)
         (choice,) = job.choices
-        answer = whole_answer(plan.reading, "".join(choice.text))
+        answer = whole_answer(job.plan.reading, "".join(choice.text))
         message.content = _blocks(answer.reasoning, answer.content, answer.calls)
         message.stop_reason, message.stop_sequence = _stop(context, job, parsed, bool(answer.calls))
         message.usage = _usage(context, job)
@@ -141,8 +136,7 @@ def messages_router(context: RouteContext) -> APIRouter:
         responses=answers(TokenCount, AnthropicError, 400, 401, 404, 413),
     )
     async def count_tokens(request: Request) -> JSONResponse:
-        parsed = await context.read(request, CountTokensRequest)
-        context.check_extras(parsed.model_extra, MESSAGES_UNSUPPORTED)
+        parsed = await context.read(request, CountTokensRequest, MESSAGES_UNSUPPORTED)
         chat = _chat_request(parsed)
         offered = chat.tools if chat.tool_choice != "none" else None
         tokenize = TokenizeRequest(

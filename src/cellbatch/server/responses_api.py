@@ -27,7 +27,6 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import ValidationError
 
-from cellbatch.server.adapters import with_adapter
 from cellbatch.server.answers import AnswerStream, whole_answer
 from cellbatch.server.api import ApiError
 from cellbatch.server.openapi import GENERATION_STATUSES, answers, errors
@@ -102,8 +101,7 @@ def responses_router(context: RouteContext) -> APIRouter:
         ),
     )
     async def create(request: Request) -> Response:
-        parsed = await context.read(request, ResponsesRequest)
-        context.check_extras(parsed.model_extra, RESPONSES_UNSUPPORTED)
+        parsed = await context.read(request, ResponsesRequest, RESPONSES_UNSUPPORTED)
         history: list[InputItem] = []
         if parsed.previous_response_id is not None:
             kept = await asyncio.to_thread(store.history, parsed.previous_response_id)
@@ -112,13 +110,7 @@ def responses_router(context: RouteContext) -> APIRouter:
             history = kept
         items = history + _input_items(parsed)
         chat = _chat_request(parsed, items)
-        context.service.admit()
-        try:
-            plan = context.planner.plan_chat(chat)
-        except ApiError as error:
-            raise _renamed(error) from None
-        plan = with_adapter(plan, context.served.adapter_for(parsed.model))
-        job = await context.service.start(plan)
+        job = await context.start(lambda: context.planner.plan_chat(chat), parsed.model, _renamed)
         response = _response_shell(parsed, context.names[0])
         conversation = conversation_json(items)
         if parsed.stream:
@@ -127,7 +119,7 @@ def responses_router(context: RouteContext) -> APIRouter:
         if not await context.run_to_end(job, request, ENDPOINT):
             return Response(status_code=499)
         (choice,) = job.choices
-        answer = whole_answer(plan.reading, "".join(choice.text))
+        answer = whole_answer(job.plan.reading, "".join(choice.text))
         response.output = _output_items(answer.reasoning, answer.content, answer.calls)
         _settle(context, job, response, answer.reasoning)
         if parsed.store:

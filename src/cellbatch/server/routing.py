@@ -2,8 +2,10 @@
 served model's names, and what the routes of each API are given to work with.
 
 Owns: `RouteContext` (the service, the planner, the chat answers' shapes, the storage,
-the served names and the body limit, as the app hands them to each API's router; a
-job followed to its end unless the client leaves),
+the served names and the body limit, as the app hands them to each API's router; the
+prelude every generation route shares, a request read and checked then admitted,
+planned and started under its adapter; a job followed to its end unless the client
+leaves),
 `read_body` (the size limit, before anything is parsed), `parse` (pydantic's verdict
 as an `ApiError` naming the field: `validation_error`), `check_model`, the LoRA
 adapters a `model` may also name (`ServedModels`), `check_fields` (a generation
@@ -21,15 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from cellbatch.server.adapters import ServedModels
-from cellbatch.server.api import ApiError
+from cellbatch.server.adapters import ServedModels, with_adapter
+from cellbatch.server.api import ApiError, Plan
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import (
     CHAT_ONLY_FIELDS,
@@ -68,11 +70,37 @@ class RouteContext:
         """What a request's `model` may name: the served names, or an adapter loaded now."""
         return ServedModels(self.names, self.service.backend)
 
-    async def read(self, request: Request, model: type[ModelT]) -> ModelT:
-        """The request's body as `model`, its `model` field checked when it has one."""
+    async def read(
+        self,
+        request: Request,
+        model: type[ModelT],
+        unsupported: tuple[str, ...] | None = None,
+    ) -> ModelT:
+        """The request's body as `model`, its `model` field checked when it has one, and
+        with `unsupported` given, its extra fields checked against it (`check_extras`)."""
         parsed = parse(model, await read_body(request, self.max_request_bytes))
         self.served.adapter_for(getattr(parsed, "model", None))
+        if unsupported is not None:
+            self.check_extras(parsed.model_extra, unsupported)
         return parsed
+
+    async def start(
+        self,
+        plan: Callable[[], Plan],
+        model: str | None,
+        renamed: Callable[[ApiError], ApiError] | None = None,
+    ) -> Job:
+        """A generation request's start, once read: admitted (a 429 when too many wait),
+        planned by `plan` (its refusal as `renamed` gives it, in the route's API's field
+        names), run under the adapter its `model` names."""
+        self.service.admit()
+        try:
+            planned = plan()
+        except ApiError as error:
+            if renamed is None:
+                raise
+            raise renamed(error) from None
+        return await self.service.start(with_adapter(planned, self.served.adapter_for(model)))
 
     async def run_to_end(self, job: Job, request: Request, endpoint: str) -> bool:
         """Follows `job` to its end and accounts for it; False if the client left first
