@@ -4,7 +4,8 @@
 Imports only go down this list: `backend` (module or program) < `batch` (one call's
 results) < `call_checks` (one call's prompts and configs) < `limits` (EngineShape,
 EngineLimits) < `prefix` (a call's shared prompt prefix) < `loader` (a model's files to
-what an Engine runs) < `engine`.
+what an Engine runs) < `start` (an Engine's construction and loading) < `engine` (the
+calls on a started one).
 """
 
 from cellbatch.engine.backend import ModelBackend, ModuleBackend, ProgramBackend
