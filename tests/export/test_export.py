@@ -274,6 +274,15 @@ def test_limits_the_program_cannot_hold_are_refused(program: Path) -> None:
         Engine.from_pretrained(program, dtype="bfloat16")
 
 
+def test_from_program_runs_the_program_and_refuses_what_its_export_fixed(program: Path) -> None:
+    with Engine.from_program(program, **ENGINE_SHAPE) as engine:
+        assert engine.executor_kind == "program"
+        (result,) = engine.generate([prompts(VOCAB)[0]], max_new_tokens=2)
+        assert result.ok and len(result.tokens) == 2
+    with pytest.raises(InvalidArgumentError, match="runs in float32"):
+        Engine.from_program(program, dtype="bfloat16")
+
+
 def test_cellbatch_run_reports_the_program_executor(
     program: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
