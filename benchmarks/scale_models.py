@@ -2,7 +2,7 @@
 8B), as a Hugging Face folder (bf16 safetensors) and as GGUF files through llama.cpp's own
 converter and quantiser, so that every engine reads the same weights.
 
-    python benchmarks/scale_models.py [--sizes 1b,3b] [--kinds Q4_K_M,Q4_0,Q8_0]
+    python benchmarks/scale_models.py [--sizes 1b,3b] [--kinds Q4_K_M,Q4_0,Q8_0] [--via q8_0]
         [--out /work/models] [--peers /work/peers]
 
 Writes OUT/llama-SIZE/hf/ (config.json, model-*.safetensors, the tokenizer) and
@@ -89,8 +89,8 @@ def write_tokenizer(folder: Path) -> tuple[int, int]:
 
 
 def write_weights(shape: Shape, folder: Path, seed: int = 0) -> None:
-    """Random bf16 weights, a few layers per safetensors shard (one tensor generated at a
-    time), with the index."""
+    """Random bf16 weights, a few layers per safetensors shard, each shard written as soon
+    as it is made (an 8B model never sits whole in memory), with the index."""
     import torch
     from safetensors.torch import save_file
 
@@ -103,38 +103,43 @@ def write_weights(shape: Shape, folder: Path, seed: int = 0) -> None:
     def ones(size: int) -> torch.Tensor:
         return torch.ones(size, dtype=torch.bfloat16)
 
-    shards: list[dict[str, torch.Tensor]] = [
-        {"model.embed_tokens.weight": normal(VOCAB, shape.hidden)}
-    ]
-    per_shard = max(1, shape.layers // 8)
-    for i in range(shape.layers):
-        if i % per_shard == 0:
-            shards.append({})
+    def layer(i: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
-        shards[-1].update(
-            {
-                p + "input_layernorm.weight": ones(shape.hidden),
-                p + "self_attn.q_proj.weight": normal(shape.heads * head_dim, shape.hidden),
-                p + "self_attn.k_proj.weight": normal(shape.kv_heads * head_dim, shape.hidden),
-                p + "self_attn.v_proj.weight": normal(shape.kv_heads * head_dim, shape.hidden),
-                p + "self_attn.o_proj.weight": normal(shape.hidden, shape.heads * head_dim),
-                p + "post_attention_layernorm.weight": ones(shape.hidden),
-                p + "mlp.gate_proj.weight": normal(shape.intermediate, shape.hidden),
-                p + "mlp.up_proj.weight": normal(shape.intermediate, shape.hidden),
-                p + "mlp.down_proj.weight": normal(shape.hidden, shape.intermediate),
-            }
-        )
-    last = {"model.norm.weight": ones(shape.hidden)}
-    if not shape.tied:
-        last["lm_head.weight"] = normal(VOCAB, shape.hidden)
-    shards.append(last)
+        return {
+            p + "input_layernorm.weight": ones(shape.hidden),
+            p + "self_attn.q_proj.weight": normal(shape.heads * head_dim, shape.hidden),
+            p + "self_attn.k_proj.weight": normal(shape.kv_heads * head_dim, shape.hidden),
+            p + "self_attn.v_proj.weight": normal(shape.kv_heads * head_dim, shape.hidden),
+            p + "self_attn.o_proj.weight": normal(shape.hidden, shape.heads * head_dim),
+            p + "post_attention_layernorm.weight": ones(shape.hidden),
+            p + "mlp.gate_proj.weight": normal(shape.intermediate, shape.hidden),
+            p + "mlp.up_proj.weight": normal(shape.intermediate, shape.hidden),
+            p + "mlp.down_proj.weight": normal(shape.hidden, shape.intermediate),
+        }
+
+    per_shard = max(1, shape.layers // 8)
+    groups = [
+        range(start, min(start + per_shard, shape.layers))
+        for start in range(0, shape.layers, per_shard)
+    ]
+    count = len(groups) + 2  # the embedding first, the final norm (and head) last
     weight_map, total = {}, 0
-    for n, shard in enumerate(shards, start=1):
-        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+
+    def save(n: int, shard: dict[str, torch.Tensor]) -> None:
+        nonlocal total
+        name = f"model-{n:05d}-of-{count:05d}.safetensors"
         save_file(shard, str(folder / name), metadata={"format": "pt"})
         for key, tensor in shard.items():
             weight_map[key] = name
             total += tensor.numel() * tensor.element_size()
+
+    save(1, {"model.embed_tokens.weight": normal(VOCAB, shape.hidden)})
+    for n, group in enumerate(groups, start=2):
+        save(n, {key: tensor for i in group for key, tensor in layer(i).items()})
+    last = {"model.norm.weight": ones(shape.hidden)}
+    if not shape.tied:
+        last["lm_head.weight"] = normal(VOCAB, shape.hidden)
+    save(count, last)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
@@ -151,22 +156,24 @@ def make_hf(size: str, root: Path) -> Path:
     return folder
 
 
-def make_gguf(size: str, kind: str, root: Path, peers: Path) -> Path:
-    """The GGUF of `kind`, through a bf16 GGUF that is deleted afterwards."""
+def make_gguf(size: str, kind: str, root: Path, peers: Path, via: str = "bf16") -> Path:
+    """The GGUF of `kind`, through an intermediate GGUF (`via`: bf16, or q8_0 where the
+    disk lacks room for a bf16 copy beside the folder) that is deleted afterwards."""
     folder = root / f"llama-{size}"
     out = folder / f"llama-{size}-{kind}.gguf"
     if out.is_file():
         return out
     hf = make_hf(size, root)
-    plain = folder / f"llama-{size}-bf16.gguf"
+    plain = folder / f"llama-{size}-{via}.gguf"
     if not plain.is_file():
         converter = llama_cpp_tools.converter(peers)
         python = llama_cpp_tools.venv_python(peers)
-        command = [str(python), str(converter), str(hf), "--outtype", "bf16"]
+        command = [str(python), str(converter), str(hf), "--outtype", via]
         subprocess.run([*command, "--outfile", str(plain)], check=True)
     quantize = llama_cpp_tools.binary("llama-quantize", peers)
     partial = out.with_suffix(".partial")
-    subprocess.run([str(quantize), str(plain), str(partial), kind], check=True)
+    requantize = ["--allow-requantize"] if via != "bf16" else []
+    subprocess.run([str(quantize), *requantize, str(plain), str(partial), kind], check=True)
     partial.rename(out)
     return out
 
@@ -178,8 +185,9 @@ Made by cellbatch's benchmarks/scale_models.py (which builds llama.cpp's tools i
 
   llama-SIZE/hf/                   Hugging Face folder: config.json (LlamaForCausalLM),
                                    bf16 safetensors shards with their index, tokenizer
-  llama-SIZE/llama-SIZE-KIND.gguf  llama.cpp's convert_hf_to_gguf.py (--outtype bf16) of
-                                   that folder, then llama-quantize KIND
+  llama-SIZE/llama-SIZE-KIND.gguf  llama.cpp's convert_hf_to_gguf.py (--outtype bf16, or
+                                   q8_0 with --via q8_0) of that folder, then
+                                   llama-quantize KIND (--allow-requantize from q8_0)
 
 Shapes (Llama 3 vocabulary, 128,256 rows; head_dim 64 for 1B, 128 for 3B and 8B):
   1b: hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, head tied (Llama 3.2 1B)
@@ -209,7 +217,14 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", type=Path, default=Path("/work/models"))
     parser.add_argument("--peers", type=Path, default=llama_cpp_tools.root())
-    parser.add_argument("--keep-bf16-gguf", action="store_true")
+    parser.add_argument(
+        "--via",
+        choices=("bf16", "q8_0"),
+        default="bf16",
+        help="the intermediate GGUF: bf16 (default), or q8_0 where the disk lacks room for a "
+        "bf16 copy (8B: 16 GB); the kinds are then requantised from Q8_0",
+    )
+    parser.add_argument("--keep-intermediate", action="store_true")
     args = parser.parse_args()
     llama_cpp_tools.ensure(args.peers)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -218,10 +233,10 @@ def main() -> int:
             parser.error(f"unknown size {size!r}; use {', '.join(SHAPES)}")
         started = time.perf_counter()
         for kind in args.kinds.split(","):
-            path = make_gguf(size, kind, args.out, args.peers)
+            path = make_gguf(size, kind, args.out, args.peers, args.via)
             print(f"{path} ({path.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
-        plain = args.out / f"llama-{size}" / f"llama-{size}-bf16.gguf"
-        if plain.is_file() and not args.keep_bf16_gguf:
+        plain = args.out / f"llama-{size}" / f"llama-{size}-{args.via}.gguf"
+        if plain.is_file() and not args.keep_intermediate:
             plain.unlink()
         print(f"llama-{size}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         write_readme(args.out)
