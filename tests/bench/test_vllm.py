@@ -84,7 +84,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, "set by the test")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     FakeLLM.made.clear()
-    parts = {
+    parts: dict[str, dict[str, Any]] = {
         "vllm": {"__version__": "fake", "LLM": FakeLLM, "SamplingParams": SimpleNamespace},
         "vllm.inputs": {"TokensPrompt": dict},
         "vllm.config": {},
