@@ -34,6 +34,20 @@ cellbatch's), so it imports only vLLM and the standard library, never cellbatch.
                  "runs": {NAME: {"seconds": S, "tokens": T}}, "version": V}: one engine
         loaded once (its load timed), a short warm-up, then each run in order, all its
         prompts at once, greedy with no stop token (scale.py's peer).
+    python vllm_driver.py lora < request.json
+        request: {"model": FOLDER, "dtype": DTYPE, "threads": N,
+                  "adapters": {NAME: PEFT_FOLDER}, "max_lora_rank": R,
+                  "runs": [{"name": NAME, "prompts": [[ids], ...],
+                            "adapters": [NAME or null, ...], "max_new_tokens": M,
+                            "stop": [ids], "one_at_a_time": false}]}
+        answer (the ANSWER_MARK line): {"runs": {NAME: {"seconds": S, "tokens": T}},
+                 "version": V}: one engine with `enable_lora` (every adapter resident at
+        once, R rounded up to the nearest rank vLLM accepts), a short warm-up through
+        each adapter, then each run in order, greedy: all its prompts in one `generate`
+        call, prompt i under its adapter (null: the base model), or one call per prompt
+        with "one_at_a_time"; no stop tokens means the model's EOS does not end a prompt.
+        Where vLLM refuses LoRA (at load or on the warm-up), the answer is
+        {"does_not_run": "ERROR: MESSAGE", "version": V} instead (lora.py's `--vllm`).
 
 Owns: driving vLLM the same way for every figure. Never: tokenizes (it is given token
 ids, so every peer reads the same tokens) or samples anything but greedily.
@@ -189,6 +203,73 @@ def scale(request: dict[str, Any]) -> dict[str, Any]:
     return {"load_seconds": loaded, "peak_rss": peak, "runs": timed, "version": vllm.__version__}
 
 
+def lora(request: dict[str, Any]) -> dict[str, Any]:
+    cpu_environment(int(request["threads"]))
+    # The engine in this process, so that a refusal raises here with vLLM's own message.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import typing
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.config.lora import MaxLoRARanks
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    adapters = {
+        name: LoRARequest(name, index + 1, str(folder))
+        for index, (name, folder) in enumerate(request["adapters"].items())
+    }
+    wanted = int(request["max_lora_rank"])
+    ranks = sorted(typing.get_args(MaxLoRARanks))
+    rank = next((r for r in ranks if r >= wanted), wanted)  # past vLLM's largest: its error
+    runs = request["runs"]
+    longest = max(len(p) + int(run["max_new_tokens"]) for run in runs for p in run["prompts"])
+
+    def generate(
+        prompts: list[list[int]], names: list[str | None], new: int, stop: list[int]
+    ) -> int:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=new, stop_token_ids=stop, ignore_eos=not stop
+        )
+        answers = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            params,
+            lora_request=[adapters[name] if name else None for name in names],
+            use_tqdm=False,
+        )
+        return sum(len(answer.outputs[0].token_ids) for answer in answers)
+
+    try:
+        llm = LLM(
+            model=request["model"],
+            dtype=request["dtype"],
+            max_num_seqs=max(len(run["prompts"]) for run in runs),
+            max_model_len=max(longest, 512),
+            seed=0,
+            enable_lora=True,
+            max_loras=max(len(adapters), 1),
+            max_lora_rank=rank,
+        )
+        first = runs[0]["prompts"][0]
+        names: list[str | None] = [None, *adapters]
+        generate([first] * len(names), names, 4, [])
+    except Exception as error:  # vLLM refusing LoRA is an answer, not a crash
+        return {"does_not_run": f"{type(error).__name__}: {error}", "version": vllm.__version__}
+    timed = {}
+    for run in runs:
+        new, stop = int(run["max_new_tokens"]), [int(t) for t in run["stop"]]
+        start = time.perf_counter()
+        if run.get("one_at_a_time"):
+            tokens = sum(
+                generate([prompt], [name], new, stop)
+                for prompt, name in zip(run["prompts"], run["adapters"], strict=True)
+            )
+        else:
+            tokens = generate(run["prompts"], run["adapters"], new, stop)
+        timed[run["name"]] = {"seconds": time.perf_counter() - start, "tokens": tokens}
+    return {"runs": timed, "version": vllm.__version__}
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["dist-info"]:
         dist_info()
@@ -199,6 +280,10 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["scale"]:
         answer = scale(json.load(sys.stdin))
+        print(ANSWER_MARK + json.dumps(answer), flush=True)
+        return 0
+    if argv[:1] == ["lora"]:
+        answer = lora(json.load(sys.stdin))
         print(ANSWER_MARK + json.dumps(answer), flush=True)
         return 0
     if argv[:1] == ["run-batch"] and len(argv) == 7:

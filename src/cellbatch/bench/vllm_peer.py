@@ -2,8 +2,8 @@
 
 Owns: the model as vLLM reads it (the GGUF dequantised once by transformers into a
 Hugging Face folder of safetensors, kept for later runs), the call of `vllm_driver.py`
-under the Python of vLLM's own virtualenv (`make peers`; `call_driver`, which the scale
-and speculation benchmarks use too) and the peer built on it.
+under the Python of vLLM's own virtualenv (`make peers`; `call_driver`, which the scale,
+speculation and LoRA benchmarks use too) and the peer built on it.
 Promises: the peer reads the same prompt tokens, dtype, threads and token budget as the
 others, decodes greedily and stops at the same stop tokens (kept in its output); its
 time is its generation alone, measured in its process after a warm-up.
