@@ -90,6 +90,14 @@ def cpu_environment(threads: int) -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+def greedy(new: int, stop: list[int]) -> Any:
+    """Greedy sampling of `new` tokens that ends at `stop`; with no stop tokens asked for,
+    the model's own EOS must not end a prompt either."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=new, stop_token_ids=stop, ignore_eos=not stop)
+
+
 def serve(folder: str, dtype: str, threads: int, port: int, max_seqs: int) -> None:
     cpu_environment(threads)
     from vllm.entrypoints.cli.main import main as vllm_main
@@ -131,7 +139,7 @@ def run_batch(
 def generate(request: dict[str, Any]) -> dict[str, Any]:
     cpu_environment(int(request["threads"]))
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
@@ -145,16 +153,9 @@ def generate(request: dict[str, Any]) -> dict[str, Any]:
         **({"speculative_config": spec} if (spec := request.get("speculative_config")) else {}),
     )
     stop = [int(t) for t in request["stop"]]
-
-    def greedy(new: int) -> Any:
-        # No stop tokens asked for: the model's own EOS must not end a prompt either.
-        return SamplingParams(
-            temperature=0.0, max_tokens=new, stop_token_ids=stop, ignore_eos=not stop
-        )
-
-    llm.generate(prompts, greedy(int(request.get("warmup_tokens", 4))), use_tqdm=False)
+    llm.generate(prompts, greedy(int(request.get("warmup_tokens", 4)), stop), use_tqdm=False)
     start = time.perf_counter()
-    params = greedy(int(request["max_new_tokens"]))
+    params = greedy(int(request["max_new_tokens"]), stop)
     if request.get("one_at_a_time"):
         answers = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     else:
@@ -172,7 +173,7 @@ def scale(request: dict[str, Any]) -> dict[str, Any]:
     # The engine in this process, so that its peak RSS is this process's own.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
     runs = request["runs"]
@@ -187,7 +188,7 @@ def scale(request: dict[str, Any]) -> dict[str, Any]:
     loaded = time.perf_counter() - began
 
     def generate(prompts: list[list[int]], new: int) -> tuple[float, int]:
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        params = greedy(new, [])
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         start = time.perf_counter()
         answers = llm.generate(inputs, params, use_tqdm=False)
@@ -210,7 +211,7 @@ def lora(request: dict[str, Any]) -> dict[str, Any]:
     import typing
 
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config.lora import MaxLoRARanks
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -228,12 +229,9 @@ def lora(request: dict[str, Any]) -> dict[str, Any]:
     def generate(
         prompts: list[list[int]], names: list[str | None], new: int, stop: list[int]
     ) -> int:
-        params = SamplingParams(
-            temperature=0.0, max_tokens=new, stop_token_ids=stop, ignore_eos=not stop
-        )
         answers = llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            params,
+            greedy(new, stop),
             lora_request=[adapters[name] if name else None for name in names],
             use_tqdm=False,
         )
@@ -274,16 +272,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["dist-info"]:
         dist_info()
         return 0
-    if argv[:1] == ["generate"]:
-        answer = generate(json.load(sys.stdin))
-        print(ANSWER_MARK + json.dumps(answer), flush=True)
-        return 0
-    if argv[:1] == ["scale"]:
-        answer = scale(json.load(sys.stdin))
-        print(ANSWER_MARK + json.dumps(answer), flush=True)
-        return 0
-    if argv[:1] == ["lora"]:
-        answer = lora(json.load(sys.stdin))
+    answered = {"generate": generate, "scale": scale, "lora": lora}  # a JSON request on stdin
+    if argv and argv[0] in answered:
+        answer = answered[argv[0]](json.load(sys.stdin))
         print(ANSWER_MARK + json.dumps(answer), flush=True)
         return 0
     if argv[:1] == ["run-batch"] and len(argv) == 7:
