@@ -23,6 +23,7 @@ from cellbatch.types import FinishReason, GenConfig, SamplingParams
 from tiny_models import (
     KINDS,
     first_divergence,
+    greedy_check,
     greedy_reference,
     make_tiny_checkpoint,
     near_tie,
@@ -405,7 +406,7 @@ def test_default_model_matches_transformers(default_engine: Engine, default_refe
     mismatches = []
     for text, prompt, result in zip(CHAT_PROMPTS, prompts, results, strict=True):
         assert result.ok, result.error
-        expected = greedy_reference(reference, prompt, DEFAULT_NEW_TOKENS, stops)
+        expected = greedy_check(reference, prompt, result.tokens, DEFAULT_NEW_TOKENS, stops)
         if result.tokens != expected.tokens:
             mismatches.append((text, result.tokens, expected))
     report = "; ".join(f"{t!r}: {first_divergence(ours, e)}" for t, ours, e in mismatches)

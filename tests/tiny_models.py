@@ -6,8 +6,10 @@ weights away from 1, so that each part of the computation shows in the logits.
 `reference_model(folder)` loads transformers' model back from that folder (a freshly
 built in-memory model has been seen to differ from the saved one); `greedy_reference`
 runs its greedy `generate` one prompt at a time and keeps the logits, so that a
-mismatch can be told apart from a near-tie (`first_divergence`). `write_gguf` writes a
-transformers model as a GGUF file, with tensors quantised by gguf where asked.
+mismatch can be told apart from a near-tie (`first_divergence`); `greedy_check` finds
+the same tokens, as far as they agree with ours, in one teacher-forced forward pass.
+`write_gguf` writes a transformers model as a GGUF file, with tensors quantised by gguf
+where asked.
 """
 
 from __future__ import annotations
@@ -220,6 +222,35 @@ def greedy_reference(
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return Reference(tokens, torch.cat(out.logits).float())
+
+
+def greedy_check(
+    model,
+    prompt: Sequence[int],
+    ours: Sequence[int],
+    max_new_tokens: int,
+    stop_tokens: Sequence[int] = (),
+) -> Reference:
+    """transformers' greedy continuation of `prompt`, as far as it agrees with `ours`,
+    from one forward pass over prompt + ours (teacher forcing) rather than `generate`'s
+    one pass per token: greedy picks each token as the argmax given the tokens before it,
+    so where ours holds the argmax at every step, transformers' greedy `generate` gives
+    ours. The reference follows ours up to the first step whose argmax differs (taking
+    the argmax there and stopping), stops after a stop token or `max_new_tokens`, and
+    where ours ends early, without a stop token, goes on by one argmax token: compared
+    with ours, as `greedy_reference`'s tokens would be (`first_divergence`, `near_tie`)."""
+    ids = torch.tensor([[*prompt, *ours]])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+    steps = logits[len(prompt) - 1 :]  # steps[i]: the logits that choose new token i
+    stops = set(stop_tokens)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens and len(tokens) < steps.shape[0]:
+        token = int(steps[len(tokens)].argmax())
+        tokens.append(token)
+        if token in stops or len(tokens) > len(ours) or token != ours[len(tokens) - 1]:
+            break
+    return Reference(tokens, steps[: len(tokens)].clone())
 
 
 def divergence_index(ours: Sequence[int], reference: Reference) -> int | None:
