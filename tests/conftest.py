@@ -87,8 +87,8 @@ def tiny_bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def default_reference():  # -> transformers.PreTrainedModel
     """transformers' fp32 model of the embedded default model's GGUF file: the reference
     the default-model tests compare against, loaded once (reading and dequantising the
-    file takes seconds). Tests only read it; one that would change it (PEFT wraps the
-    model it is given) loads its own."""
+    file takes seconds). Tests only read it: PEFT's models of it (lora_adapters.py's
+    make_adapter and peft_model) wrap copies."""
     from cellbatch.model.default import default_model_path
     from tiny_models import reference_model
 
