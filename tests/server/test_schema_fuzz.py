@@ -25,7 +25,11 @@ import pytest
 from served import LiveServer, start_live_server
 from tiny_models import make_tiny_chat_checkpoint
 
-# A short context keeps each generation short: the run sends thousands of requests.
+# One torch thread, as the other live servers of tests/server have (conftest's
+# start_server): on a tiny model a second one only spins, and the run's time is the
+# server's. A short context keeps each generation short: the run sends thousands of
+# requests (4295, nearly all in the coverage phase).
+pytestmark = pytest.mark.usefixtures("one_thread")
 CONTEXT = 64
 EXAMPLES = 10  # per operation in the fuzzing phase (the coverage phase is exhaustive)
 HERE = Path(__file__).parent
