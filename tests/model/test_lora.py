@@ -158,19 +158,23 @@ def test_a_bank_loads_names_once_and_frees_an_adapter_after_its_last_use(tiny, t
 # -- the op ------------------------------------------------------------------------------
 
 
-def lora_inputs(dtype: torch.dtype, seed: int = 5) -> tuple:
-    """lora_add's arguments: 7 rows of 64 into 96 outputs, two groups (rows 1, 4, 6 and
-    rows 0, 5), the first with two modules (columns 0..31 and 64..95), ranks 8 and 4."""
+def lora_inputs(dtype: torch.dtype, seed: int = 5, inputs: int = 64) -> tuple:
+    """lora_add's arguments: 7 rows of `inputs` into 96 outputs, two groups (rows 1, 4, 6
+    and rows 0, 5), the first with two modules (columns 0..31 and 64..95), ranks 8 and 4."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    first = [randn(12, 64), randn(8 * 32 + 4 * 32), torch.tensor([[0, 8, 0, 32], [8, 4, 64, 32]])]
-    second = [randn(3, 64), randn(3 * 96), torch.tensor([[0, 3, 0, 96]])]
+    first = [
+        randn(12, inputs),
+        randn(8 * 32 + 4 * 32),
+        torch.tensor([[0, 8, 0, 32], [8, 4, 64, 32]]),
+    ]
+    second = [randn(3, inputs), randn(3 * 96), torch.tensor([[0, 3, 0, 96]])]
     return (
         randn(7, 96),
-        randn(7, 64),
+        randn(7, inputs),
         torch.tensor([1, 4, 6, 0, 5]),
         torch.tensor([0, 3, 5]),
         [*first, *second],
@@ -193,9 +197,11 @@ def lora_reference(out, x, rows, offsets, weights) -> torch.Tensor:
     return expected
 
 
+# 70 inputs: a tail shorter than a vector after the whole ones.
+@pytest.mark.parametrize("inputs", [64, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_add_adds_each_groups_low_rank_product_to_its_rows(table, dtype) -> None:
-    out, x, rows, offsets, weights = lora_inputs(dtype)
+def test_lora_add_adds_each_groups_low_rank_product_to_its_rows(table, dtype, inputs) -> None:
+    out, x, rows, offsets, weights = lora_inputs(dtype, inputs=inputs)
     before = out.clone()
     table.lora_add(out, x, rows, offsets, weights)
     expected = lora_reference(before, x, rows, offsets, weights)

@@ -33,21 +33,25 @@ using cellbatch::narrow;
 using cellbatch::Vec;
 using cellbatch::widen;
 
+// kLanes values from p widened to float lanes.
+template <typename T>
+inline Vec load_full(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
 // `count` (<= kLanes) values from p widened to float lanes, zeros after them.
 template <typename T>
 inline Vec load_lanes(const T* p, int64_t count) {
-  if constexpr (std::is_same_v<T, float>) {
-    return count == kLanes ? Vec::loadu(p) : Vec::loadu(p, count);
-  } else {
-    if (count == kLanes) {
-      Vec out;
-      at::vec::load_to_float<T>(p, out);
-      return out;
-    }
-    alignas(64) float buffer[kLanes] = {};
-    for (int64_t i = 0; i < count; ++i) buffer[i] = widen(p[i]);
-    return Vec::loadu(buffer);
-  }
+  if (count == kLanes) return load_full(p);
+  alignas(64) float buffer[kLanes] = {};
+  for (int64_t i = 0; i < count; ++i) buffer[i] = widen(p[i]);
+  return Vec::loadu(buffer);
 }
 
 // Vector multiply-adds a parallel region must hold to pay for its start (a few us).
@@ -86,12 +90,28 @@ void add_rows(T* const* targets, const T* const* xs, const at::Tensor& a, const 
     for (int r = 0; r < N; ++r) {
       for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = Vec(0.f);
     }
-    for (int64_t k = 0; k < in; k += kLanes) {
-      const int64_t lanes = std::min(kLanes, in - k);
+    // Whole vectors in a loop of fixed shape (the accumulators stay in registers), then
+    // the inputs' tail, zero-padded: the same lanes' chains as one padded loop.
+    const int64_t whole = in - in % kLanes;
+    for (int64_t k = 0; k < whole; k += kLanes) {
       Vec w[kRanks];
-      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_lanes(weights[q] + k, lanes);
+      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_full(weights[q] + k);
       for (int r = 0; r < N; ++r) {
-        const Vec x = load_lanes(xs[r] + k, lanes);
+        const Vec x = load_full(xs[r] + k);
+        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
+      }
+    }
+    if (whole < in) {
+      alignas(64) T w_tail[kRanks][kLanes] = {};
+      alignas(64) T x_tail[N][kLanes] = {};
+      for (int64_t i = 0; i < in - whole; ++i) {
+        for (int64_t q = 0; q < kRanks; ++q) w_tail[q][i] = weights[q][whole + i];
+        for (int r = 0; r < N; ++r) x_tail[r][i] = xs[r][whole + i];
+      }
+      Vec w[kRanks];
+      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_full(w_tail[q]);
+      for (int r = 0; r < N; ++r) {
+        const Vec x = load_full(x_tail[r]);
         for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
       }
     }
@@ -122,7 +142,7 @@ void add_rows(T* const* targets, const T* const* xs, const at::Tensor& a, const 
         for (int64_t j = 0; j < ranks; ++j) {
           const T* from = block + j * columns + c0;
           Vec w[kVectors];
-          for (int64_t v = 0; v < kVectors; ++v) w[v] = load_lanes(from + v * kLanes, kLanes);
+          for (int64_t v = 0; v < kVectors; ++v) w[v] = load_full(from + v * kLanes);
           for (int r = 0; r < N; ++r) {
             const Vec scale(low[r * stride + rank_start + j]);
             for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = at::vec::fmadd(scale, w[v], sum[r][v]);
