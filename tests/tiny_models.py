@@ -9,11 +9,14 @@ runs its greedy `generate` one prompt at a time and keeps the logits, so that a
 mismatch can be told apart from a near-tie (`first_divergence`); `greedy_check` finds
 the same tokens, as far as they agree with ours, in one teacher-forced forward pass.
 `write_gguf` writes a transformers model as a GGUF file, with tensors quantised by gguf
-where asked.
+where asked. `default_tokenizer()` is transformers' tokenizer of the embedded default
+model, read from its GGUF file once per process (the read takes seconds).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,15 +98,22 @@ def make_tiny_checkpoint(
     return model, folder
 
 
-def make_tiny_chat_checkpoint(folder: Path, context: int = 256) -> Path:
-    """A tiny random Llama carrying the default model's tokenizer and chat template
-    (vocabulary, EOS and all) in `folder`, for tests that need text and chat."""
+@functools.cache
+def default_tokenizer():  # -> transformers.PreTrainedTokenizerBase
+    """transformers' tokenizer of the embedded default model's GGUF file, read once per
+    process. Shared: callers only read it (a caller that adds tokens changes a deepcopy)."""
     import transformers
 
     from cellbatch.model.default import default_model_path
 
     gguf = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def make_tiny_chat_checkpoint(folder: Path, context: int = 256) -> Path:
+    """A tiny random Llama carrying the default model's tokenizer and chat template
+    (vocabulary, EOS and all) in `folder`, for tests that need text and chat."""
+    tokenizer = default_tokenizer()
     make_tiny_checkpoint(
         "llama",
         folder,
@@ -139,12 +149,7 @@ def make_scripted_thinking_checkpoint(folder: Path, script: str, context: int = 
     output projections), so each token's logits depend on that token alone: the
     generation prompt's last token leads to the script's first, each script token to
     the next (the script's tokens must differ from each other)."""
-    import transformers
-
-    from cellbatch.model.default import default_model_path
-
-    gguf = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = copy.deepcopy(default_tokenizer())  # changed below: the shared one is not
     tokenizer.add_tokens(["<think>", "</think>"])
     tokenizer.chat_template = THINKING_TEMPLATE
     prompt = tokenizer.apply_chat_template(

@@ -12,6 +12,7 @@ import torch
 from cellbatch.model import default as default_module
 from cellbatch.model.default import DefaultModelMissingError, default_model_path
 from cellbatch.model.transformer import PackedLinear
+from tiny_models import default_tokenizer
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -52,11 +53,7 @@ def ours():
 
 @pytest.fixture(scope="module")
 def reference(default_reference):
-    import transformers
-
-    path = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return default_reference, tokenizer
+    return default_reference, default_tokenizer()
 
 
 @pytest.mark.slow
