@@ -127,6 +127,21 @@ def test_missing_files_say_what_a_peft_folder_holds(tiny, tmp_path) -> None:
         read_adapter(tmp_path / "empty", config, torch.float32)
 
 
+def test_a_step_of_a_layout_seen_before_is_the_one_built_then(tiny, tmp_path) -> None:
+    hf_model, _, config = tiny
+    bank = AdapterBank(config, torch.float32)
+    bank.load("a", make_adapter(hf_model, tmp_path / "a", ["q_proj"], rank=4))
+    bank.load("b", make_adapter(hf_model, tmp_path / "b", ["down_proj"], rank=2))
+    a, b = bank.acquire("a"), bank.acquire("b")
+    first = bank.step(np.array([b, 0, a, b]))
+    assert first is not None and bank.step(np.array([b, 0, a, b])) is first
+    other = bank.step(np.array([a, 0, a, b]))
+    assert other is not None and other is not first
+    layer = other.layers[0]
+    assert layer is not None
+    assert layer.rows.tolist() == [0, 2, 3] and layer.offsets.tolist() == [0, 2, 3]
+
+
 def test_a_bank_loads_names_once_and_frees_an_adapter_after_its_last_use(tiny, tmp_path) -> None:
     hf_model, _, config = tiny
     folder = make_adapter(hf_model, tmp_path / "a", ["q_proj"], rank=4)
@@ -147,8 +162,9 @@ def test_a_bank_loads_names_once_and_frees_an_adapter_after_its_last_use(tiny, t
         bank.load("c", folder)  # a draining adapter still holds its weights
     bank.release(held, 5, 3)
     assert bank.holding() == 1
-    with pytest.raises(InvalidArgumentError, match="weights are gone"):
-        bank.step(np.array([held]))
+    for layout in ([held], [held, 0]):  # [held, 0]: a layout the bank has built a step for
+        with pytest.raises(InvalidArgumentError, match="weights are gone"):
+            bank.step(np.array(layout))
     again = bank.load("a", folder)
     assert again.name == "a" and bank.acquire("a") != held  # a new id: a new adapter
     assert bank.usage()["a"].generations == 2 and bank.usage()["a"].generated_tokens == 3
@@ -223,6 +239,51 @@ def test_a_rows_low_rank_product_does_not_depend_on_the_other_rows(table) -> Non
     rows = torch.cat([first, torch.tensor([40, 41]), torch.tensor([0, 1])])
     table.lora_add(big_out, big_x, rows, torch.tensor([0, 34, 36, 38]), weights[:3] * 3)
     assert torch.equal(alone[4], big_out[4])
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [[[0, 16, 0, 200], [16, 8, 200, 520]], [[0, 16, 0, 700]], [[0, 8, 0, 96], [8, 8, 96, 32]]],
+)
+def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
+    compiled_ops, segments
+) -> None:
+    """A few rows with a large adapter: the call splits the modules' columns over the
+    threads (each piece computing its module's x · A again); every row keeps the bits of
+    one thread's run and of a run beside 40 other rows."""
+    generator = torch.Generator().manual_seed(11)
+    ranks = sum(s[1] for s in segments)
+    width = max(s[2] + s[3] for s in segments)
+    a = torch.randn(ranks, 600, generator=generator)  # 600: a tail after whole vectors
+    b = torch.randn(sum(s[1] * s[3] for s in segments), generator=generator)
+    weights = [a, b, torch.tensor(segments)]
+    x = torch.randn(43, 600, generator=generator)
+    out = torch.randn(43, width, generator=generator)
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in ([5], [5, 9, 2]):
+                result = out.clone()
+                compiled_ops.lora_add(
+                    result, x, torch.tensor(rows), torch.tensor([0, len(rows)]), weights
+                )
+                results[count, len(rows)] = result
+        torch.set_num_threads(2)
+        crowd = out.clone()
+        crowd_rows = torch.tensor([*range(10, 43), 5, 9, 2, *range(0, 2)])
+        crowd_offsets = torch.tensor([0, len(crowd_rows)])
+        compiled_ops.lora_add(crowd, x, crowd_rows, crowd_offsets, weights)
+    finally:
+        torch.set_num_threads(threads)
+    for (count, size), result in results.items():
+        adapted = [5, 9, 2][:size]
+        assert torch.equal(result[adapted], crowd[adapted]), (count, size)
+        untouched = [r for r in range(43) if r not in adapted]
+        assert torch.equal(result[untouched], out[untouched]), (count, size)
+    expected = lora_reference(out, x, crowd_rows, crowd_offsets, weights)
+    torch.testing.assert_close(crowd.double(), expected, rtol=1e-5, atol=1e-3)
 
 
 def test_lora_add_refuses_what_it_cannot_run(compiled_ops) -> None:

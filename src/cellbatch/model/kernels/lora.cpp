@@ -9,10 +9,11 @@
 // threads: t = x · A sums over the inputs in order, then each output sums over the
 // module's rank in order, in float32 lanes (bf16 and fp16 widened exactly), and is added
 // to out[r] and rounded to out's dtype once. Every group is checked before any row is
-// written; one parallel region covers the call, a row computed whole by one thread, and
+// written; one parallel region covers the call, each output value computed by one
+// thread (a few rows' modules split by columns so that every thread loads weights), and
 // work too small to pay for the region stays on the calling thread. Up to kRowsTogether
-// rows of a group share each weight load. Rows not named in
-// `rows` are not touched, so a row without an adapter costs nothing.
+// rows of a group share each weight load. Rows not named in `rows` are not touched, so a
+// row without an adapter costs nothing.
 // Never: allocates per row or per group, or reads rows of x other than those named.
 
 #include <ATen/Parallel.h>
@@ -23,6 +24,9 @@
 
 #include "common.h"
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -54,38 +58,48 @@ inline Vec load_lanes(const T* p, int64_t count) {
   return Vec::loadu(buffer);
 }
 
-// Vector multiply-adds a parallel region must hold to pay for its start (a few us).
-constexpr int64_t kParallelWork = 1 << 12;
-// Output columns one task of the second product writes: four vectors, whole cache lines.
+// Weight values a call must load to pay for a parallel region's start (a few us): the
+// adapters' weights come from far caches or memory, so the loads set the time.
+constexpr int64_t kParallelValues = 1 << 13;
+// Output columns one pass of the second product writes: four vectors, whole cache lines.
 constexpr int64_t kBlock = 4 * kLanes;
-// Ranks one task of the first product computes together (one row's).
+// Ranks the first product computes together (one row's).
 constexpr int64_t kRanks = 4;
-
-// The grain that keeps `tasks` tasks of `work` vector multiply-adds each on the calling
-// thread unless together they hold kParallelWork.
-inline int64_t grain(int64_t tasks, int64_t work) {
-  return tasks * work < kParallelWork ? tasks + 1 : std::max<int64_t>(1, kParallelWork / work);
-}
-
 // Rows of one group computed together: each weight vector loaded (and widened) once for
 // all of them. Together or alone, a row's chains are the same.
 constexpr int64_t kRowsTogether = 4;
+// Column blocks ahead of the one computed that the second product asks the caches for.
+constexpr int64_t kAhead = 4;
 
-// The low-rank products of N rows of one group added to their out rows: t = x[row] · A^T
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// One module's part of one group's adapter: its ranks of A and its block of B.
+struct Segment {
+  int64_t rank_start, ranks, column, columns;
+  int64_t b_offset;  // where its [ranks, columns] block starts in b
+};
+
+// A piece of work: rows [first, first + rows) of `rows` (one group) times one segment,
+// for the segment's output columns [column_begin, column_end) (relative to the segment).
+struct Task {
+  int64_t group, first, rows, segment, column_begin, column_end;
+  int64_t values;  // weight values it loads
+};
+
+// The low-rank product of N rows of one group for one segment added to their out rows,
+// for the segment's columns [c_begin, c_end): t = x[row] · A^T over the segment's ranks
 // into `low` (kRanks ranks at a time, their chains interleaved: each chain's order is as
 // alone, the interleaving only hides the multiply-adds' latency; a step short of ranks
-// repeats its last one and stores it once), then per module and per block of kBlock
-// output columns t · B_module, the block's vectors' chains interleaved over the module's
-// ranks in order. low holds N rows of `stride` floats.
+// repeats its last one and stores it once), then per block of kBlock output columns
+// t · B, the block's vectors' chains interleaved over the segment's ranks in order.
+// low holds N rows of `seg.ranks` floats.
 template <typename T, int N>
-void add_rows(T* const* targets, const T* const* xs, const at::Tensor& a, const at::Tensor& b,
-              const at::Tensor& segments, float* low, int64_t stride) {
-  const int64_t rank = a.size(0), in = a.size(1);
-  const T* ap = a.data_ptr<T>();
-  const T* bp = b.data_ptr<T>();
-  for (int64_t j0 = 0; j0 < rank; j0 += kRanks) {
+void add_segment(T* const* targets, const T* const* xs, const T* ap, int64_t in, const T* bp,
+                 const Segment& seg, int64_t c_begin, int64_t c_end, float* low) {
+  const int64_t last = seg.rank_start + seg.ranks - 1;
+  for (int64_t j0 = seg.rank_start; j0 <= last; j0 += kRanks) {
     const T* weights[kRanks];
-    for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, rank - 1) * in;
+    for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, last) * in;
     Vec sum[N][kRanks];
     for (int r = 0; r < N; ++r) {
       for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = Vec(0.f);
@@ -95,7 +109,10 @@ void add_rows(T* const* targets, const T* const* xs, const at::Tensor& a, const 
     const int64_t whole = in - in % kLanes;
     for (int64_t k = 0; k < whole; k += kLanes) {
       Vec w[kRanks];
-      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_full(weights[q] + k);
+      for (int64_t q = 0; q < kRanks; ++q) {
+        prefetch(weights[q] + k + kRanks * in);  // the next kRanks ranks
+        w[q] = load_full(weights[q] + k);
+      }
       for (int r = 0; r < N; ++r) {
         const Vec x = load_full(xs[r] + k);
         for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
@@ -116,68 +133,131 @@ void add_rows(T* const* targets, const T* const* xs, const at::Tensor& a, const 
       }
     }
     for (int r = 0; r < N; ++r) {
-      for (int64_t q = 0; q < kRanks && j0 + q < rank; ++q) {
-        low[r * stride + j0 + q] =
+      for (int64_t q = 0; q < kRanks && j0 + q <= last; ++q) {
+        low[r * seg.ranks + j0 - seg.rank_start + q] =
             at::vec::vec_reduce_all<float>([](Vec p, Vec s) { return p + s; }, sum[r][q]);
       }
     }
   }
   constexpr int64_t kVectors = kBlock / kLanes;
-  const int64_t* seg = segments.data_ptr<int64_t>();
-  int64_t b_offset = 0;
+  const int64_t ranks = seg.ranks, columns = seg.columns;
+  const T* block = bp + seg.b_offset;
   alignas(64) float lanes_out[kBlock];
-  for (int64_t s = 0; s < segments.size(0); ++s) {
-    const int64_t rank_start = seg[4 * s], ranks = seg[4 * s + 1];
-    const int64_t column = seg[4 * s + 2], columns = seg[4 * s + 3];
-    const T* block = bp + b_offset;
-    b_offset += ranks * columns;
-    for (int64_t c0 = 0; c0 < columns; c0 += kBlock) {
-      const int64_t lanes = std::min(kBlock, columns - c0);
-      const int64_t vectors = (lanes + kLanes - 1) / kLanes;
-      Vec sum[N][kVectors];
-      for (int r = 0; r < N; ++r) {
-        for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = Vec(0.f);
+  for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock) {
+    const int64_t lanes = std::min(kBlock, c_end - c0);
+    const int64_t vectors = (lanes + kLanes - 1) / kLanes;
+    Vec sum[N][kVectors];
+    for (int r = 0; r < N; ++r) {
+      for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = Vec(0.f);
+    }
+    if (vectors == kVectors) {
+      for (int64_t j = 0; j < ranks; ++j) {
+        const T* from = block + j * columns + c0;
+        prefetch(from + kAhead * kBlock);
+        prefetch(from + kAhead * kBlock + kBlock / 2);
+        Vec w[kVectors];
+        for (int64_t v = 0; v < kVectors; ++v) w[v] = load_full(from + v * kLanes);
+        for (int r = 0; r < N; ++r) {
+          const Vec scale(low[r * ranks + j]);
+          for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = at::vec::fmadd(scale, w[v], sum[r][v]);
+        }
       }
-      if (vectors == kVectors) {
-        for (int64_t j = 0; j < ranks; ++j) {
-          const T* from = block + j * columns + c0;
-          Vec w[kVectors];
-          for (int64_t v = 0; v < kVectors; ++v) w[v] = load_full(from + v * kLanes);
+    } else {
+      for (int64_t j = 0; j < ranks; ++j) {
+        const T* from = block + j * columns + c0;
+        for (int64_t v = 0; v < vectors; ++v) {
+          const Vec w = load_lanes(from + v * kLanes, std::min(kLanes, lanes - v * kLanes));
           for (int r = 0; r < N; ++r) {
-            const Vec scale(low[r * stride + rank_start + j]);
-            for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = at::vec::fmadd(scale, w[v], sum[r][v]);
-          }
-        }
-      } else {
-        for (int64_t j = 0; j < ranks; ++j) {
-          const T* from = block + j * columns + c0;
-          for (int64_t v = 0; v < vectors; ++v) {
-            const Vec w = load_lanes(from + v * kLanes, std::min(kLanes, lanes - v * kLanes));
-            for (int r = 0; r < N; ++r) {
-              sum[r][v] = at::vec::fmadd(Vec(low[r * stride + rank_start + j]), w, sum[r][v]);
-            }
+            sum[r][v] = at::vec::fmadd(Vec(low[r * ranks + j]), w, sum[r][v]);
           }
         }
       }
-      for (int r = 0; r < N; ++r) {
-        for (int64_t v = 0; v < vectors; ++v) sum[r][v].store(lanes_out + v * kLanes);
-        T* target = targets[r] + column + c0;
-        for (int64_t l = 0; l < lanes; ++l) {
-          target[l] = narrow<T>(widen(target[l]) + lanes_out[l]);
-        }
+    }
+    for (int r = 0; r < N; ++r) {
+      for (int64_t v = 0; v < vectors; ++v) sum[r][v].store(lanes_out + v * kLanes);
+      T* target = targets[r] + seg.column + c0;
+      for (int64_t l = 0; l < lanes; ++l) {
+        target[l] = narrow<T>(widen(target[l]) + lanes_out[l]);
       }
     }
   }
 }
 
-// Vector multiply-adds of one row's product with adapter (a, segments).
-inline int64_t row_work(const at::Tensor& a, const at::Tensor& segments) {
-  int64_t work = a.size(0) * ((a.size(1) + kLanes - 1) / kLanes);
-  const int64_t* seg = segments.data_ptr<int64_t>();
-  for (int64_t s = 0; s < segments.size(0); ++s) {
-    work += seg[4 * s + 1] * ((seg[4 * s + 3] + kLanes - 1) / kLanes);
+// The tasks of a call in `bins` runs of consecutive tasks (a run per thread, its tasks in
+// order) of about equal weight values: each task's run, and the most values a run loads.
+// Consecutive tasks share a group's weights, so a weight is loaded by one thread where
+// it can be.
+int64_t assign(const std::vector<Task>& tasks, int64_t bins, std::vector<int64_t>& bin_of) {
+  int64_t total = 0;
+  for (const Task& task : tasks) total += task.values;
+  std::vector<int64_t> load(bins, 0);
+  bin_of.assign(tasks.size(), 0);
+  int64_t before = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const int64_t middle = before + tasks[i].values / 2;
+    const int64_t bin = total == 0 ? 0 : std::min(bins - 1, middle * bins / total);
+    bin_of[i] = bin;
+    load[bin] += tasks[i].values;
+    before += tasks[i].values;
   }
-  return work;
+  return *std::max_element(load.begin(), load.end());
+}
+
+// The segment's task for columns [begin, end), with the values it loads.
+inline Task segment_task(const Task& base, const Segment& seg, int64_t in, int64_t begin,
+                         int64_t end) {
+  Task task = base;
+  task.column_begin = begin;
+  task.column_end = end;
+  task.values = seg.ranks * (in + end - begin);
+  return task;
+}
+
+// The call's tasks, one per (block of rows of one group, segment), in the groups' order.
+// Where the call pays for a parallel region but has fewer blocks than twice the threads,
+// a task's columns are split while that lowers the most one thread loads (each piece
+// loads its segment's A again), so a lone row's adapter loads on every thread.
+std::vector<Task> plan(const std::vector<Task>& blocks,
+                       const std::vector<Segment>& segs,
+                       const std::vector<int64_t>& first_segment, int64_t in,
+                       int64_t threads) {
+  std::vector<Task> tasks;
+  int64_t total = 0;
+  for (const Task& b : blocks) {
+    for (int64_t s = first_segment[b.group]; s < first_segment[b.group + 1]; ++s) {
+      const Segment& seg = segs[s];
+      if (seg.ranks == 0 || seg.columns == 0) continue;
+      Task base = b;
+      base.segment = s;
+      tasks.push_back(segment_task(base, seg, in, 0, seg.columns));
+      total += tasks.back().values;
+    }
+  }
+  if (threads < 2 || total < kParallelValues ||
+      static_cast<int64_t>(blocks.size()) >= 2 * threads) {
+    return tasks;
+  }
+  std::vector<int64_t> bin_of;
+  int64_t most = assign(tasks, threads, bin_of);
+  for (int64_t tries = 0; tries < 2 * threads; ++tries) {
+    // Split the largest piece's columns in two at a block boundary, the pieces side by side.
+    const auto largest = std::max_element(
+        tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.values < y.values; });
+    const Task whole = *largest;
+    const int64_t width = whole.column_end - whole.column_begin;
+    if (width < 2 * kBlock) break;
+    const Segment& seg = segs[whole.segment];
+    const int64_t middle = whole.column_begin + (width / kBlock + 1) / 2 * kBlock;
+    std::vector<Task> split(tasks.begin(), largest);
+    split.push_back(segment_task(whole, seg, in, whole.column_begin, middle));
+    split.push_back(segment_task(whole, seg, in, middle, whole.column_end));
+    split.insert(split.end(), largest + 1, tasks.end());
+    const int64_t next = assign(split, threads, bin_of);
+    if (next >= most) break;
+    tasks = std::move(split);
+    most = next;
+  }
+  return tasks;
 }
 
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
@@ -200,18 +280,22 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "lora_add: row ", row_ids[i],
                 " is outside the ", x.size(0), " rows");
   }
-  std::vector<char> active(groups, false);
-  int64_t max_rank = 0, max_work = 1;
+  const int64_t in = x.size(1);
+  std::vector<Segment> segs;  // every group's, one after the other
+  std::vector<int64_t> first_segment(groups + 1, 0);
+  std::vector<Task> blocks;
+  int64_t max_ranks = 1;
   for (int64_t g = 0; g < groups; ++g) {
+    first_segment[g] = static_cast<int64_t>(segs.size());
     const at::Tensor& a = weights[3 * g];
     const at::Tensor& b = weights[3 * g + 1];
     const at::Tensor& segments = weights[3 * g + 2];
     const int64_t count = bounds[g + 1] - bounds[g];
     TORCH_CHECK(count >= 0, "lora_add: offsets must not decrease");
     if (count == 0 || a.dim() != 2 || a.size(0) == 0) continue;
-    TORCH_CHECK(a.size(1) == x.size(1) && a.is_contiguous() && b.is_contiguous() &&
+    TORCH_CHECK(a.size(1) == in && a.is_contiguous() && b.is_contiguous() &&
                     a.scalar_type() == x.scalar_type() && b.scalar_type() == x.scalar_type(),
-                "lora_add: group ", g, "'s A must be contiguous [R, ", x.size(1),
+                "lora_add: group ", g, "'s A must be contiguous [R, ", in,
                 "] and A, B in x's dtype");
     TORCH_CHECK(segments.scalar_type() == at::kLong && segments.is_contiguous() &&
                     segments.dim() == 2 && segments.size(1) == 4,
@@ -221,6 +305,7 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
     for (int64_t s = 0; s < segments.size(0); ++s) {
       const int64_t rank_start = seg[4 * s], ranks = seg[4 * s + 1];
       const int64_t column = seg[4 * s + 2], columns = seg[4 * s + 3];
+      segs.push_back({rank_start, ranks, column, columns, b_values});
       b_values += ranks * columns;
       TORCH_CHECK(rank_start >= 0 && ranks >= 0 && rank_start + ranks <= a.size(0) &&
                       column >= 0 && columns >= 0 && column + columns <= out.size(1) &&
@@ -228,53 +313,59 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
                   "lora_add: group ", g, "'s segment ", s, " (", rank_start, ", ", ranks, ", ",
                   column, ", ", columns, ") lies outside A's ", a.size(0), " ranks, the ",
                   out.size(1), " outputs or B's ", b.numel(), " values");
+      max_ranks = std::max(max_ranks, ranks);
     }
-    active[g] = true;
-    max_rank = std::max<int64_t>(max_rank, a.size(0));
-    max_work = std::max<int64_t>(max_work, row_work(a, segments));
-  }
-  // Every group checked before any row is written; then one parallel region over blocks of
-  // at most kRowsTogether rows of one group, each row computed whole by one thread.
-  std::vector<int64_t> block_starts;
-  for (int64_t g = 0; g < groups; ++g) {
-    if (!active[g]) continue;
-    for (int64_t p = bounds[g]; p < bounds[g + 1]; p += kRowsTogether) block_starts.push_back(p);
-  }
-  const int64_t blocks = static_cast<int64_t>(block_starts.size());
-  std::vector<int64_t> group_of(blocks), block_rows(blocks);
-  for (int64_t g = 0, i = 0; g < groups; ++g) {
-    if (!active[g]) continue;
-    for (int64_t p = bounds[g]; p < bounds[g + 1]; p += kRowsTogether, ++i) {
-      group_of[i] = g;
-      block_rows[i] = std::min(kRowsTogether, bounds[g + 1] - p);
+    for (int64_t p = bounds[g]; p < bounds[g + 1]; p += kRowsTogether) {
+      blocks.push_back({g, p, std::min(kRowsTogether, bounds[g + 1] - p), -1, 0, 0, 0});
     }
   }
-  std::vector<float> low(rows.size(0) * max_rank);
+  first_segment[groups] = static_cast<int64_t>(segs.size());
+  // Every group checked before any row is written; then the tasks in one parallel region,
+  // each task's rows and columns written by the one thread that runs it.
+  const int64_t threads = at::get_num_threads();
+  const std::vector<Task> tasks = plan(blocks, segs, first_segment, in, threads);
+  int64_t total = 0;
+  for (const Task& task : tasks) total += task.values;
+  const int64_t bins =
+      total < kParallelValues ? 1 : std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()));
+  std::vector<int64_t> bin_of;
+  assign(tasks, bins, bin_of);
+  std::vector<float> low(tasks.size() * kRowsTogether * max_ranks);
   for_each_scalar_type(x, "lora_add", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-    at::parallel_for(0, blocks, grain(blocks, kRowsTogether * max_work),
-                     [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t g = group_of[i], first = block_starts[i];
+    auto run = [&](int64_t bin) {
+      for (size_t i = 0; i < tasks.size(); ++i) {
+        if (bin_of[i] != bin) continue;
+        const Task& task = tasks[i];
         T* targets[kRowsTogether];
         const T* xs[kRowsTogether];
-        for (int64_t r = 0; r < block_rows[i]; ++r) {
-          targets[r] = op + row_ids[first + r] * out_stride;
-          xs[r] = xp + row_ids[first + r] * x_stride;
+        for (int64_t r = 0; r < task.rows; ++r) {
+          targets[r] = op + row_ids[task.first + r] * out_stride;
+          xs[r] = xp + row_ids[task.first + r] * x_stride;
         }
-        const at::Tensor &a = weights[3 * g], &b = weights[3 * g + 1], &seg = weights[3 * g + 2];
-        float* rows_low = low.data() + first * max_rank;
-        switch (block_rows[i]) {
-          case 4: add_rows<T, 4>(targets, xs, a, b, seg, rows_low, max_rank); break;
-          case 3: add_rows<T, 3>(targets, xs, a, b, seg, rows_low, max_rank); break;
-          case 2: add_rows<T, 2>(targets, xs, a, b, seg, rows_low, max_rank); break;
-          default: add_rows<T, 1>(targets, xs, a, b, seg, rows_low, max_rank); break;
+        const T* ap = weights[3 * task.group].data_ptr<T>();
+        const T* bp = weights[3 * task.group + 1].data_ptr<T>();
+        const Segment& seg = segs[task.segment];
+        float* task_low = low.data() + i * kRowsTogether * max_ranks;
+        const int64_t b = task.column_begin, e = task.column_end;
+        switch (task.rows) {
+          case 4: add_segment<T, 4>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
+          case 3: add_segment<T, 3>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
+          case 2: add_segment<T, 2>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
+          default: add_segment<T, 1>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
         }
       }
-    });
+    };
+    if (bins == 1) {
+      run(0);
+    } else {
+      at::parallel_for(0, bins, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bin = begin; bin < end; ++bin) run(bin);
+      });
+    }
   });
 }
 
