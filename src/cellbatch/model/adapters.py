@@ -12,7 +12,8 @@ drops the weights once the last generation that acquired it has released it: a
 running generation always finishes with the weights it started with. At most
 `max_loras` adapters hold weights at a time (those still draining count). Rows of id
 NO_ADAPTER (0) are in no group and cost nothing; a step without adapter rows gets no
-LoraStep at all.
+LoraStep at all. A row layout seen in the last few steps gets the LoraStep built for it
+then (read-only, and dropped with the weights of any adapter in it).
 Never: reads files itself (`cellbatch.model.lora` does), or changes the base model.
 """
 
@@ -34,6 +35,9 @@ from cellbatch.types import (
     InvalidArgumentError,
     OutOfResourcesError,
 )
+
+# Row layouts whose LoraStep AdapterBank keeps (the oldest goes first).
+_LAYOUTS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,10 @@ class AdapterBank:
     _cache: dict[tuple[int, ...], list[list[list[torch.Tensor] | None]]] = field(
         default_factory=dict
     )
+    # The LoraStep of each recent row layout (the bytes of a step's row_adapters): a decode
+    # step usually has the layout of the one before, and building a step's per-layer
+    # lists anew costs as much as the adapters' products on a lone row.
+    _steps: dict[bytes, tuple[frozenset[int], LoraStep]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_max_loras(self.max_loras)
@@ -189,6 +197,10 @@ class AdapterBank:
     def step(self, row_adapters: np.ndarray) -> LoraStep | None:
         """The LoraStep of a forward whose row i carries adapter id row_adapters[i]
         (NO_ADAPTER: none); None when no row has one."""
+        layout = np.ascontiguousarray(row_adapters, dtype=np.int64).tobytes()
+        known = self._steps.get(layout)
+        if known is not None:
+            return known[1]
         with_adapter = np.flatnonzero(row_adapters != NO_ADAPTER)
         if with_adapter.size == 0:
             return None
@@ -206,7 +218,12 @@ class AdapterBank:
             for p, weights in enumerate(per_product):
                 args += weights if weights is not None else self._nothing(p) * groups
             layers.append(LayerLora(args, tuple(per_product)))
-        return LoraStep(tuple(layers))
+        step = LoraStep(tuple(layers))
+        with self._lock:
+            if len(self._steps) >= _LAYOUTS_KEPT:
+                del self._steps[next(iter(self._steps))]
+            self._steps[layout] = (frozenset(int(i) for i in ids), step)
+        return step
 
     def _weights(self, ids: tuple[int, ...]) -> list[list[list[torch.Tensor] | None]]:
         """Per layer, per product: the groups' (a, b, segments) one after the other, or
@@ -271,7 +288,9 @@ class AdapterBank:
     def _drop_if_unused(self, loaded: _Loaded) -> None:
         if loaded.unloading and loaded.uses == 0:
             del self._by_id[loaded.adapter_id]
-            self._cache = {ids: v for ids, v in self._cache.items() if loaded.adapter_id not in ids}
+            gone = loaded.adapter_id
+            self._cache = {ids: v for ids, v in self._cache.items() if gone not in ids}
+            self._steps = {key: v for key, v in self._steps.items() if gone not in v[0]}
 
     def _listing(self) -> str:
         names = list(self._by_name)
