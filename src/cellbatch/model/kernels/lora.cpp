@@ -213,15 +213,22 @@ inline Task segment_task(const Task& base, const Segment& seg, int64_t in, int64
   return task;
 }
 
-// The call's tasks, one per (block of rows of one group, segment), in the groups' order.
-// Where the call pays for a parallel region but has fewer blocks than twice the threads,
-// a task's columns are split while that lowers the most one thread loads (each piece
-// loads its segment's A again), so a lone row's adapter loads on every thread.
-std::vector<Task> plan(const std::vector<Task>& blocks,
-                       const std::vector<Segment>& segs,
-                       const std::vector<int64_t>& first_segment, int64_t in,
-                       int64_t threads) {
+// A call's work: its tasks and the thread (bin) each runs on, `bins` threads in all.
+struct Plan {
   std::vector<Task> tasks;
+  std::vector<int64_t> bin_of;
+  int64_t bins = 1;
+};
+
+// The call's tasks, one per (block of rows of one group, segment), in the groups' order.
+// A call too small to pay for a parallel region runs on one thread. Where it has fewer
+// blocks than twice the threads, a task's columns are split while that lowers the most
+// one thread loads (each piece loads its segment's A again), so a lone row's adapter
+// loads on every thread.
+Plan plan(const std::vector<Task>& blocks, const std::vector<Segment>& segs,
+          const std::vector<int64_t>& first_segment, int64_t in, int64_t threads) {
+  Plan result;
+  std::vector<Task>& tasks = result.tasks;
   int64_t total = 0;
   for (const Task& b : blocks) {
     for (int64_t s = first_segment[b.group]; s < first_segment[b.group + 1]; ++s) {
@@ -233,12 +240,14 @@ std::vector<Task> plan(const std::vector<Task>& blocks,
       total += tasks.back().values;
     }
   }
-  if (threads < 2 || total < kParallelValues ||
-      static_cast<int64_t>(blocks.size()) >= 2 * threads) {
-    return tasks;
+  if (threads < 2 || total < kParallelValues) {
+    result.bin_of.assign(tasks.size(), 0);
+    return result;
   }
-  std::vector<int64_t> bin_of;
-  int64_t most = assign(tasks, threads, bin_of);
+  result.bins = std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()));
+  std::vector<int64_t>& bin_of = result.bin_of;
+  int64_t most = assign(tasks, result.bins, bin_of);
+  if (static_cast<int64_t>(blocks.size()) >= 2 * threads) return result;
   for (int64_t tries = 0; tries < 2 * threads; ++tries) {
     // Split the largest piece's columns in two at a block boundary, the pieces side by side.
     const auto largest = std::max_element(
@@ -252,12 +261,15 @@ std::vector<Task> plan(const std::vector<Task>& blocks,
     split.push_back(segment_task(whole, seg, in, whole.column_begin, middle));
     split.push_back(segment_task(whole, seg, in, middle, whole.column_end));
     split.insert(split.end(), largest + 1, tasks.end());
-    const int64_t next = assign(split, threads, bin_of);
+    std::vector<int64_t> split_bins;
+    const int64_t next = assign(split, threads, split_bins);
     if (next >= most) break;
     tasks = std::move(split);
+    bin_of = std::move(split_bins);
+    result.bins = threads;
     most = next;
   }
-  return tasks;
+  return result;
 }
 
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
@@ -323,13 +335,10 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
   // Every group checked before any row is written; then the tasks in one parallel region,
   // each task's rows and columns written by the one thread that runs it.
   const int64_t threads = at::get_num_threads();
-  const std::vector<Task> tasks = plan(blocks, segs, first_segment, in, threads);
-  int64_t total = 0;
-  for (const Task& task : tasks) total += task.values;
-  const int64_t bins =
-      total < kParallelValues ? 1 : std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()));
-  std::vector<int64_t> bin_of;
-  assign(tasks, bins, bin_of);
+  const Plan work = plan(blocks, segs, first_segment, in, threads);
+  const std::vector<Task>& tasks = work.tasks;
+  const std::vector<int64_t>& bin_of = work.bin_of;
+  const int64_t bins = work.bins;
   std::vector<float> low(tasks.size() * kRowsTogether * max_ranks);
   for_each_scalar_type(x, "lora_add", [&](auto tag) {
     using T = decltype(tag);
