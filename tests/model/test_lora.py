@@ -227,38 +227,41 @@ def test_lora_add_adds_each_groups_low_rank_product_to_its_rows(table, dtype, in
     assert torch.equal(out[[2, 3]], before[[2, 3]])  # rows without an adapter: untouched
 
 
-def test_a_rows_low_rank_product_does_not_depend_on_the_other_rows(table) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_low_rank_product_does_not_depend_on_the_other_rows(table, dtype) -> None:
     """Row 4 of group 0 alone, then beside 40 rows of three groups in another order: the
     same bits (compiled: one chain per row; torch: calls of LORA_ROWS_PER_CALL rows)."""
-    out, x, _, _, weights = lora_inputs(torch.float32)
+    out, x, _, _, weights = lora_inputs(dtype)
     alone = out.clone()
     table.lora_add(alone, x, torch.tensor([4]), torch.tensor([0, 1]), weights[:3])
-    big_x = torch.cat([x, torch.randn(40, 64)])
-    big_out = torch.cat([out, torch.randn(40, 96)])
+    big_x = torch.cat([x, torch.randn(40, 64).to(dtype)])
+    big_out = torch.cat([out, torch.randn(40, 96).to(dtype)])
     first = torch.tensor([*range(7, 27), 4, *range(27, 40)])
     rows = torch.cat([first, torch.tensor([40, 41]), torch.tensor([0, 1])])
     table.lora_add(big_out, big_x, rows, torch.tensor([0, 34, 36, 38]), weights[:3] * 3)
     assert torch.equal(alone[4], big_out[4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "segments",
     [[[0, 16, 0, 200], [16, 8, 200, 520]], [[0, 16, 0, 700]], [[0, 8, 0, 96], [8, 8, 96, 32]]],
 )
 def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
-    compiled_ops, segments
+    compiled_ops, segments, dtype
 ) -> None:
     """A few rows with a large adapter: the call splits the modules' columns over the
     threads (each piece computing its module's x · A again); every row keeps the bits of
-    one thread's run and of a run beside 40 other rows."""
+    one thread's run and of a run beside 40 other rows. The columns end in part blocks."""
     generator = torch.Generator().manual_seed(11)
     ranks = sum(s[1] for s in segments)
     width = max(s[2] + s[3] for s in segments)
-    a = torch.randn(ranks, 600, generator=generator)  # 600: a tail after whole vectors
-    b = torch.randn(sum(s[1] * s[3] for s in segments), generator=generator)
+    # 600 inputs: a tail after whole vectors (and after bf16's 32-value loads)
+    a = torch.randn(ranks, 600, generator=generator).to(dtype)
+    b = torch.randn(sum(s[1] * s[3] for s in segments), generator=generator).to(dtype)
     weights = [a, b, torch.tensor(segments)]
-    x = torch.randn(43, 600, generator=generator)
-    out = torch.randn(43, width, generator=generator)
+    x = torch.randn(43, 600, generator=generator).to(dtype)
+    out = torch.randn(43, width, generator=generator).to(dtype)
     threads = torch.get_num_threads()
     results = {}
     try:
@@ -283,7 +286,9 @@ def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
         untouched = [r for r in range(43) if r not in adapted]
         assert torch.equal(result[untouched], out[untouched]), (count, size)
     expected = lora_reference(out, x, crowd_rows, crowd_offsets, weights)
-    torch.testing.assert_close(crowd.double(), expected, rtol=1e-5, atol=1e-3)
+    # float32: the sums' order; bf16: the one rounding of the result (half an ulp).
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(crowd.double(), expected, rtol=rtol, atol=1e-3)
 
 
 def test_lora_add_refuses_what_it_cannot_run(compiled_ops) -> None:

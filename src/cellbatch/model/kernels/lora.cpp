@@ -1,30 +1,26 @@
 // LoRA adapters' low-rank products added to a product's output: the op `cellbatch::lora_add`.
 //
-// Owns: the arithmetic of out[r] += x[r] · A^T · B for the rows of each group (one adapter
-// each), in the layout of cellbatch/model/lora.py: a [R, K] (PEFT's lora_A of the modules
-// the adapter targets in this product, concatenated along the rank), b each module's
-// [rank, columns] block (its lora_B transposed, scaled) one after the other, segments
-// int64 [S, 4] (rank_start, rank_count, column_start, column_count).
-// Promises: a row's result is one chain whatever the other rows, the groups and the
-// threads: t = x · A sums over the inputs in order, then each output sums over the
-// module's rank in order, in float32 lanes (bf16 and fp16 widened exactly), and is added
-// to out[r] and rounded to out's dtype once. Every group is checked before any row is
-// written; one parallel region covers the call, each output value computed by one
-// thread (a few rows' modules split by columns so that every thread loads weights), and
-// work too small to pay for the region stays on the calling thread. Up to kRowsTogether
-// rows of a group share each weight load. Rows not named in `rows` are not touched, so a
-// row without an adapter costs nothing.
+// Owns: the op: checking its arguments, cutting a call into tasks (a block of up to
+// kRowsTogether rows of one group times one module, or part of a module's columns) and
+// running them on the threads. The layout is cellbatch/model/lora.py's: per group a
+// [R, K] (PEFT's lora_A of the modules the adapter targets in this product, concatenated
+// along the rank), b each module's [rank, columns] block (its lora_B transposed, scaled)
+// one after the other, segments int64 [S, 4] (rank_start, rank_count, column_start,
+// column_count). The arithmetic of a task is lora_rows.h's.
+// Promises: a row's result is the same bits whatever the other rows, the groups and the
+// threads (lora_rows.h's chains). Every group is checked before any row is written; one
+// parallel region covers the call, each output value computed by one thread (a few rows'
+// modules split by columns so that every thread loads weights), and work too small to
+// pay for the region stays on the calling thread. Rows not named in `rows` are not
+// touched, so a row without an adapter costs nothing.
 // Never: allocates per row or per group, or reads rows of x other than those named.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include "common.h"
-
-#include <immintrin.h>
+#include "lora_rows.h"
 
 #include <algorithm>
 #include <vector>
@@ -32,52 +28,11 @@
 namespace {
 
 using cellbatch::for_each_scalar_type;
-using cellbatch::kLanes;
-using cellbatch::narrow;
-using cellbatch::Vec;
-using cellbatch::widen;
-
-// kLanes values from p widened to float lanes.
-template <typename T>
-inline Vec load_full(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(p, out);
-    return out;
-  }
-}
-
-// `count` (<= kLanes) values from p widened to float lanes, zeros after them.
-template <typename T>
-inline Vec load_lanes(const T* p, int64_t count) {
-  if (count == kLanes) return load_full(p);
-  alignas(64) float buffer[kLanes] = {};
-  for (int64_t i = 0; i < count; ++i) buffer[i] = widen(p[i]);
-  return Vec::loadu(buffer);
-}
+using namespace cellbatch::lora_rows;
 
 // Weight values a call must load to pay for a parallel region's start (a few us): the
 // adapters' weights come from far caches or memory, so the loads set the time.
 constexpr int64_t kParallelValues = 1 << 13;
-// Output columns one pass of the second product writes: four vectors, whole cache lines.
-constexpr int64_t kBlock = 4 * kLanes;
-// Ranks the first product computes together (one row's).
-constexpr int64_t kRanks = 4;
-// Rows of one group computed together: each weight vector loaded (and widened) once for
-// all of them. Together or alone, a row's chains are the same.
-constexpr int64_t kRowsTogether = 4;
-// Column blocks ahead of the one computed that the second product asks the caches for.
-constexpr int64_t kAhead = 4;
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-
-// One module's part of one group's adapter: its ranks of A and its block of B.
-struct Segment {
-  int64_t rank_start, ranks, column, columns;
-  int64_t b_offset;  // where its [ranks, columns] block starts in b
-};
 
 // A piece of work: rows [first, first + rows) of `rows` (one group) times one segment,
 // for the segment's output columns [column_begin, column_end) (relative to the segment).
@@ -85,103 +40,6 @@ struct Task {
   int64_t group, first, rows, segment, column_begin, column_end;
   int64_t values;  // weight values it loads
 };
-
-// The low-rank product of N rows of one group for one segment added to their out rows,
-// for the segment's columns [c_begin, c_end): t = x[row] · A^T over the segment's ranks
-// into `low` (kRanks ranks at a time, their chains interleaved: each chain's order is as
-// alone, the interleaving only hides the multiply-adds' latency; a step short of ranks
-// repeats its last one and stores it once), then per block of kBlock output columns
-// t · B, the block's vectors' chains interleaved over the segment's ranks in order.
-// low holds N rows of `seg.ranks` floats.
-template <typename T, int N>
-void add_segment(T* const* targets, const T* const* xs, const T* ap, int64_t in, const T* bp,
-                 const Segment& seg, int64_t c_begin, int64_t c_end, float* low) {
-  const int64_t last = seg.rank_start + seg.ranks - 1;
-  for (int64_t j0 = seg.rank_start; j0 <= last; j0 += kRanks) {
-    const T* weights[kRanks];
-    for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, last) * in;
-    Vec sum[N][kRanks];
-    for (int r = 0; r < N; ++r) {
-      for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = Vec(0.f);
-    }
-    // Whole vectors in a loop of fixed shape (the accumulators stay in registers), then
-    // the inputs' tail, zero-padded: the same lanes' chains as one padded loop.
-    const int64_t whole = in - in % kLanes;
-    for (int64_t k = 0; k < whole; k += kLanes) {
-      Vec w[kRanks];
-      for (int64_t q = 0; q < kRanks; ++q) {
-        prefetch(weights[q] + k + kRanks * in);  // the next kRanks ranks
-        w[q] = load_full(weights[q] + k);
-      }
-      for (int r = 0; r < N; ++r) {
-        const Vec x = load_full(xs[r] + k);
-        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
-      }
-    }
-    if (whole < in) {
-      alignas(64) T w_tail[kRanks][kLanes] = {};
-      alignas(64) T x_tail[N][kLanes] = {};
-      for (int64_t i = 0; i < in - whole; ++i) {
-        for (int64_t q = 0; q < kRanks; ++q) w_tail[q][i] = weights[q][whole + i];
-        for (int r = 0; r < N; ++r) x_tail[r][i] = xs[r][whole + i];
-      }
-      Vec w[kRanks];
-      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_full(w_tail[q]);
-      for (int r = 0; r < N; ++r) {
-        const Vec x = load_full(x_tail[r]);
-        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
-      }
-    }
-    for (int r = 0; r < N; ++r) {
-      for (int64_t q = 0; q < kRanks && j0 + q <= last; ++q) {
-        low[r * seg.ranks + j0 - seg.rank_start + q] =
-            at::vec::vec_reduce_all<float>([](Vec p, Vec s) { return p + s; }, sum[r][q]);
-      }
-    }
-  }
-  constexpr int64_t kVectors = kBlock / kLanes;
-  const int64_t ranks = seg.ranks, columns = seg.columns;
-  const T* block = bp + seg.b_offset;
-  alignas(64) float lanes_out[kBlock];
-  for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock) {
-    const int64_t lanes = std::min(kBlock, c_end - c0);
-    const int64_t vectors = (lanes + kLanes - 1) / kLanes;
-    Vec sum[N][kVectors];
-    for (int r = 0; r < N; ++r) {
-      for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = Vec(0.f);
-    }
-    if (vectors == kVectors) {
-      for (int64_t j = 0; j < ranks; ++j) {
-        const T* from = block + j * columns + c0;
-        prefetch(from + kAhead * kBlock);
-        prefetch(from + kAhead * kBlock + kBlock / 2);
-        Vec w[kVectors];
-        for (int64_t v = 0; v < kVectors; ++v) w[v] = load_full(from + v * kLanes);
-        for (int r = 0; r < N; ++r) {
-          const Vec scale(low[r * ranks + j]);
-          for (int64_t v = 0; v < kVectors; ++v) sum[r][v] = at::vec::fmadd(scale, w[v], sum[r][v]);
-        }
-      }
-    } else {
-      for (int64_t j = 0; j < ranks; ++j) {
-        const T* from = block + j * columns + c0;
-        for (int64_t v = 0; v < vectors; ++v) {
-          const Vec w = load_lanes(from + v * kLanes, std::min(kLanes, lanes - v * kLanes));
-          for (int r = 0; r < N; ++r) {
-            sum[r][v] = at::vec::fmadd(Vec(low[r * ranks + j]), w, sum[r][v]);
-          }
-        }
-      }
-    }
-    for (int r = 0; r < N; ++r) {
-      for (int64_t v = 0; v < vectors; ++v) sum[r][v].store(lanes_out + v * kLanes);
-      T* target = targets[r] + seg.column + c0;
-      for (int64_t l = 0; l < lanes; ++l) {
-        target[l] = narrow<T>(widen(target[l]) + lanes_out[l]);
-      }
-    }
-  }
-}
 
 // The tasks of a call in `bins` runs of consecutive tasks (a run per thread, its tasks in
 // order) of about equal weight values: each task's run, and the most values a run loads.
@@ -360,6 +218,17 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
         const Segment& seg = segs[task.segment];
         float* task_low = low.data() + i * kRowsTogether * max_ranks;
         const int64_t b = task.column_begin, e = task.column_end;
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (std::is_same_v<T, BF16>) {
+          switch (task.rows) {
+            case 4: add_segment_pairs<4>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
+            case 3: add_segment_pairs<3>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
+            case 2: add_segment_pairs<2>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
+            default: add_segment_pairs<1>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
+          }
+          continue;
+        }
+#endif
         switch (task.rows) {
           case 4: add_segment<T, 4>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
           case 3: add_segment<T, 3>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
