@@ -7,7 +7,8 @@ Owns: `_C.so` beside this file (CPU kernels for the ops of `cellbatch.model.ops`
 AVX512-BF16 in `quantized_bf16.cpp`; `quantized_a8.cpp`: int4_matmul_a8 and
 int8_matmul_a8, int4 and int8 weights with activations quantised to int8, by VPDPBUSD on
 CPUs with AVX512-VNNI and by VPMADDUBSW on AVX2 ones in `quantized_a8_avx2.cpp`;
-`decoder_layer.cpp`: decoder_layer, a whole layer over those ops;
+`lora.cpp` with `lora_rows.h`: lora_add, LoRA adapters' products added to a product's
+rows; `decoder_layer.cpp`: decoder_layer, a whole layer over those ops;
 and `aoti_shims.cpp`: their C entry points, which exported programs call directly; the
 callers of registered ops share `op_handles.h`) and
 `_C.json` beside it (the torch CPU capability, torch version and sources it was compiled
