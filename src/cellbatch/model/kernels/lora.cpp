@@ -17,18 +17,22 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include "common.h"
 #include "lora_rows.h"
 
 #include <algorithm>
-#include <vector>
 
 namespace {
 
 using cellbatch::for_each_scalar_type;
 using namespace cellbatch::lora_rows;
+
+// A call's bookkeeping, on the stack for the few rows and modules of a decode step.
+template <typename T>
+using Small = c10::SmallVector<T, 16>;
 
 // Weight values a call must load to pay for a parallel region's start (a few us): the
 // adapters' weights come from far caches or memory, so the loads set the time.
@@ -45,10 +49,10 @@ struct Task {
 // order) of about equal weight values: each task's run, and the most values a run loads.
 // Consecutive tasks share a group's weights, so a weight is loaded by one thread where
 // it can be.
-int64_t assign(const std::vector<Task>& tasks, int64_t bins, std::vector<int64_t>& bin_of) {
+int64_t assign(const Small<Task>& tasks, int64_t bins, Small<int64_t>& bin_of) {
   int64_t total = 0;
   for (const Task& task : tasks) total += task.values;
-  std::vector<int64_t> load(bins, 0);
+  Small<int64_t> load(bins, 0);
   bin_of.assign(tasks.size(), 0);
   int64_t before = 0;
   for (size_t i = 0; i < tasks.size(); ++i) {
@@ -73,8 +77,8 @@ inline Task segment_task(const Task& base, const Segment& seg, int64_t in, int64
 
 // A call's work: its tasks and the thread (bin) each runs on, `bins` threads in all.
 struct Plan {
-  std::vector<Task> tasks;
-  std::vector<int64_t> bin_of;
+  Small<Task> tasks;
+  Small<int64_t> bin_of;
   int64_t bins = 1;
 };
 
@@ -83,10 +87,10 @@ struct Plan {
 // blocks than twice the threads, a task's columns are split while that lowers the most
 // one thread loads (each piece loads its segment's A again), so a lone row's adapter
 // loads on every thread.
-Plan plan(const std::vector<Task>& blocks, const std::vector<Segment>& segs,
-          const std::vector<int64_t>& first_segment, int64_t in, int64_t threads) {
+Plan plan(const Small<Task>& blocks, const Small<Segment>& segs,
+          const Small<int64_t>& first_segment, int64_t in, int64_t threads) {
   Plan result;
-  std::vector<Task>& tasks = result.tasks;
+  Small<Task>& tasks = result.tasks;
   int64_t total = 0;
   for (const Task& b : blocks) {
     for (int64_t s = first_segment[b.group]; s < first_segment[b.group + 1]; ++s) {
@@ -103,7 +107,7 @@ Plan plan(const std::vector<Task>& blocks, const std::vector<Segment>& segs,
     return result;
   }
   result.bins = std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()));
-  std::vector<int64_t>& bin_of = result.bin_of;
+  Small<int64_t>& bin_of = result.bin_of;
   int64_t most = assign(tasks, result.bins, bin_of);
   if (static_cast<int64_t>(blocks.size()) >= 2 * threads) return result;
   for (int64_t tries = 0; tries < 2 * threads; ++tries) {
@@ -115,11 +119,11 @@ Plan plan(const std::vector<Task>& blocks, const std::vector<Segment>& segs,
     if (width < 2 * kBlock) break;
     const Segment& seg = segs[whole.segment];
     const int64_t middle = whole.column_begin + (width / kBlock + 1) / 2 * kBlock;
-    std::vector<Task> split(tasks.begin(), largest);
+    Small<Task> split(tasks.begin(), largest);
     split.push_back(segment_task(whole, seg, in, whole.column_begin, middle));
     split.push_back(segment_task(whole, seg, in, middle, whole.column_end));
     split.insert(split.end(), largest + 1, tasks.end());
-    std::vector<int64_t> split_bins;
+    Small<int64_t> split_bins;
     const int64_t next = assign(split, threads, split_bins);
     if (next >= most) break;
     tasks = std::move(split);
@@ -151,9 +155,9 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
                 " is outside the ", x.size(0), " rows");
   }
   const int64_t in = x.size(1);
-  std::vector<Segment> segs;  // every group's, one after the other
-  std::vector<int64_t> first_segment(groups + 1, 0);
-  std::vector<Task> blocks;
+  Small<Segment> segs;  // every group's, one after the other
+  Small<int64_t> first_segment(groups + 1, 0);
+  Small<Task> blocks;
   int64_t max_ranks = 1;
   for (int64_t g = 0; g < groups; ++g) {
     first_segment[g] = static_cast<int64_t>(segs.size());
@@ -194,10 +198,10 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
   // each task's rows and columns written by the one thread that runs it.
   const int64_t threads = at::get_num_threads();
   const Plan work = plan(blocks, segs, first_segment, in, threads);
-  const std::vector<Task>& tasks = work.tasks;
-  const std::vector<int64_t>& bin_of = work.bin_of;
+  const Small<Task>& tasks = work.tasks;
+  const Small<int64_t>& bin_of = work.bin_of;
   const int64_t bins = work.bins;
-  std::vector<float> low(tasks.size() * kRowsTogether * max_ranks);
+  c10::SmallVector<float, 256> low(tasks.size() * kRowsTogether * max_ranks);
   for_each_scalar_type(x, "lora_add", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.data_ptr<T>();
