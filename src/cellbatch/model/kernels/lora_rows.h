@@ -78,67 +78,8 @@ struct Segment {
   int64_t b_offset;  // where its [ranks, columns] block starts in b
 };
 
-// The low-rank product of N rows of one group for one segment added to their out rows,
-// for the segment's columns [c_begin, c_end): t = x[row] · A^T over the segment's ranks
-// into `low` (kRanks ranks at a time, their chains interleaved: each chain's order is as
-// alone, the interleaving only hides the multiply-adds' latency; a step short of ranks
-// repeats its last one and stores it once), then per block of kBlock output columns
-// t · B, the block's vectors' chains interleaved over the segment's ranks in order.
-// low holds N rows of `seg.ranks` floats.
-template <typename T, int N>
-void add_columns(T* const* targets, const T* bp, const Segment& seg, int64_t c_begin,
-                 int64_t c_end, const float* low);
-
-template <typename T, int N>
-void add_segment(T* const* targets, const T* const* xs, const T* ap, int64_t in, const T* bp,
-                 const Segment& seg, int64_t c_begin, int64_t c_end, float* low) {
-  const int64_t last = seg.rank_start + seg.ranks - 1;
-  for (int64_t j0 = seg.rank_start; j0 <= last; j0 += kRanks) {
-    const T* weights[kRanks];
-    for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, last) * in;
-    Vec sum[N][kRanks];
-    for (int r = 0; r < N; ++r) {
-      for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = Vec(0.f);
-    }
-    // Whole vectors in a loop of fixed shape (the accumulators stay in registers), then
-    // the inputs' tail, zero-padded: the same lanes' chains as one padded loop.
-    const int64_t whole = in - in % kLanes;
-    for (int64_t k = 0; k < whole; k += kLanes) {
-      Vec w[kRanks];
-      for (int64_t q = 0; q < kRanks; ++q) {
-        prefetch(weights[q] + k + kRanks * in);  // the next kRanks ranks
-        w[q] = load_full(weights[q] + k);
-      }
-      for (int r = 0; r < N; ++r) {
-        const Vec x = load_full(xs[r] + k);
-        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
-      }
-    }
-    if (whole < in) {
-      alignas(64) T w_tail[kRanks][kLanes] = {};
-      alignas(64) T x_tail[N][kLanes] = {};
-      for (int64_t i = 0; i < in - whole; ++i) {
-        for (int64_t q = 0; q < kRanks; ++q) w_tail[q][i] = weights[q][whole + i];
-        for (int r = 0; r < N; ++r) x_tail[r][i] = xs[r][whole + i];
-      }
-      Vec w[kRanks];
-      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_full(w_tail[q]);
-      for (int r = 0; r < N; ++r) {
-        const Vec x = load_full(x_tail[r]);
-        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
-      }
-    }
-    for (int r = 0; r < N; ++r) {
-      for (int64_t q = 0; q < kRanks && j0 + q <= last; ++q) {
-        low[r * seg.ranks + j0 - seg.rank_start + q] =
-            at::vec::vec_reduce_all<float>([](Vec p, Vec s) { return p + s; }, sum[r][q]);
-      }
-    }
-  }
-  add_columns<T, N>(targets, bp, seg, c_begin, c_end, low);
-}
-
-// add_segment's second product: columns [c_begin, c_end) of the segment, from `low`.
+// The second product of add_segment (below): t · B for columns [c_begin, c_end) of the
+// segment, t being N rows of `seg.ranks` floats in `low`.
 template <typename T, int N>
 void add_columns(T* const* targets, const T* bp, const Segment& seg, int64_t c_begin,
                  int64_t c_end, const float* low) {
@@ -190,17 +131,77 @@ void add_columns(T* const* targets, const T* bp, const Segment& seg, int64_t c_b
   }
 }
 
+// The low-rank product of N rows of one group for one segment added to their out rows,
+// for the segment's columns [c_begin, c_end): t = x[row] · A^T over the segment's ranks
+// into `low` (kRanks ranks at a time, their chains interleaved: each chain's order is as
+// alone, the interleaving only hides the multiply-adds' latency; a step short of ranks
+// repeats its last one and stores it once), then per block of kBlock output columns
+// t · B, the block's vectors' chains interleaved over the segment's ranks in order.
+// low holds N rows of `seg.ranks` floats.
+template <typename T, int N>
+void add_segment(T* const* targets, const T* const* xs, const T* ap, int64_t in, const T* bp,
+                 const Segment& seg, int64_t c_begin, int64_t c_end, float* low) {
+  const int64_t last = seg.rank_start + seg.ranks - 1;
+  for (int64_t j0 = seg.rank_start; j0 <= last; j0 += kRanks) {
+    const T* weights[kRanks];
+    for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, last) * in;
+    Vec sum[N][kRanks];
+    for (int r = 0; r < N; ++r) {
+      for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = Vec(0.f);
+    }
+    // Whole vectors in a loop of fixed shape (the accumulators stay in registers), then
+    // the inputs' tail, zero-padded: the same lanes' chains as one padded loop.
+    const int64_t whole = in - in % kLanes;
+    for (int64_t k = 0; k < whole; k += kLanes) {
+      Vec w[kRanks];
+      for (int64_t q = 0; q < kRanks; ++q) {
+        prefetch(weights[q] + k + kRanks * in);  // the next kRanks ranks
+        w[q] = load_full(weights[q] + k);
+      }
+      for (int r = 0; r < N; ++r) {
+        const Vec x = load_full(xs[r] + k);
+        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
+      }
+    }
+    if (whole < in) {
+      alignas(64) T w_tail[kRanks][kLanes] = {};
+      alignas(64) T x_tail[N][kLanes] = {};
+      for (int64_t i = 0; i < in - whole; ++i) {
+        for (int64_t q = 0; q < kRanks; ++q) w_tail[q][i] = weights[q][whole + i];
+        for (int r = 0; r < N; ++r) x_tail[r][i] = xs[r][whole + i];
+      }
+      Vec w[kRanks];
+      for (int64_t q = 0; q < kRanks; ++q) w[q] = load_full(w_tail[q]);
+      for (int r = 0; r < N; ++r) {
+        const Vec x = load_full(x_tail[r]);
+        for (int64_t q = 0; q < kRanks; ++q) sum[r][q] = at::vec::fmadd(x, w[q], sum[r][q]);
+      }
+    }
+    for (int r = 0; r < N; ++r) {
+      for (int64_t q = 0; q < kRanks && j0 + q <= last; ++q) {
+        low[r * seg.ranks + j0 - seg.rank_start + q] =
+            at::vec::vec_reduce_all<float>([](Vec p, Vec s) { return p + s; }, sum[r][q]);
+      }
+    }
+  }
+  add_columns<T, N>(targets, bp, seg, c_begin, c_end, low);
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // bf16 rows on AVX512, where widening costs more than the multiply-adds: 32 values a
 // load, split into the even-indexed ones (moved into the high half of their lanes) and
 // the odd-indexed ones (their low neighbour cleared), each exact as float.
 constexpr int64_t kPair = 32;
+static_assert(kBlock == 2 * kPair, "a column block is two 32-value loads");
 using BF16 = c10::BFloat16;
+
+// Each 32-bit lane's high half: where a bf16 value sits as the float it widens to.
+inline __m512i high_halves() { return _mm512_set1_epi32(static_cast<int>(0xffff0000u)); }
 
 inline void widen_pairs(const BF16* p, __m512& even, __m512& odd) {
   const __m512i v = _mm512_loadu_si512(p);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, high_halves()));
 }
 
 // v rounded to bf16 (to the nearest even, as `narrow`), left in the high half of each lane.
@@ -296,8 +297,7 @@ void add_segment_pairs(BF16* const* targets, const BF16* const* xs, const BF16* 
         const __m512i low_half =
             _mm512_srli_epi32(round_high(_mm512_add_ps(even, sum[r][2 * h])), 16);
         const __m512i high_half =
-            _mm512_and_si512(round_high(_mm512_add_ps(odd, sum[r][2 * h + 1])),
-                             _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+            _mm512_and_si512(round_high(_mm512_add_ps(odd, sum[r][2 * h + 1])), high_halves());
         _mm512_storeu_si512(target + h * kPair, _mm512_or_si512(low_half, high_half));
       }
     }
