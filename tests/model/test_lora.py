@@ -245,14 +245,19 @@ def test_a_rows_low_rank_product_does_not_depend_on_the_other_rows(table, dtype)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "segments",
-    [[[0, 16, 0, 200], [16, 8, 200, 520]], [[0, 16, 0, 700]], [[0, 8, 0, 96], [8, 8, 96, 32]]],
+    [
+        [[0, 64, 0, 1200], [64, 32, 1200, 1000]],
+        [[0, 64, 0, 2100]],
+        [[0, 32, 0, 96], [32, 96, 96, 800]],
+    ],
 )
 def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
     compiled_ops, segments, dtype
 ) -> None:
-    """A few rows with a large adapter: the call splits the modules' columns over the
-    threads (each piece computing its module's x · A again); every row keeps the bits of
-    one thread's run and of a run beside 40 other rows. The columns end in part blocks."""
+    """A few rows with an adapter large enough for a parallel region (over kParallelValues
+    weight values): the call splits the modules' columns over the threads (each piece
+    computing its module's x · A again); every row keeps the bits of one thread's run and
+    of a run beside 40 other rows. The columns end in part blocks."""
     generator = torch.Generator().manual_seed(11)
     ranks = sum(s[1] for s in segments)
     width = max(s[2] + s[3] for s in segments)

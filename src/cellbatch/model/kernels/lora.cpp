@@ -34,9 +34,11 @@ using namespace cellbatch::lora_rows;
 template <typename T>
 using Small = c10::SmallVector<T, 16>;
 
-// Weight values a call must load to pay for a parallel region's start (a few us): the
-// adapters' weights come from far caches or memory, so the loads set the time.
-constexpr int64_t kParallelValues = 1 << 13;
+// Weight values a call must load to pay for a parallel region: its start and end (a few
+// us), the A loads a column split repeats on every thread, and the threads' uneven
+// shares. A lone row's call with rank-16 adapters on every module (up to about 68k
+// values) runs faster on the calling thread alone (docs/benchmarks.md#lora-adapters).
+constexpr int64_t kParallelValues = 1 << 17;
 
 // A piece of work: rows [first, first + rows) of `rows` (one group) times one segment,
 // for the segment's output columns [column_begin, column_end) (relative to the segment).
