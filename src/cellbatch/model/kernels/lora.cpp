@@ -87,8 +87,8 @@ struct Plan {
 // The call's tasks, one per (block of rows of one group, segment), in the groups' order.
 // A call too small to pay for a parallel region runs on one thread. Where it has fewer
 // blocks than twice the threads, a task's columns are split while that lowers the most
-// one thread loads (each piece loads its segment's A again), so a lone row's adapter
-// loads on every thread.
+// one thread loads (each piece loads its segment's A again), so a few rows' large
+// adapter loads on every thread.
 Plan plan(const Small<Task>& blocks, const Small<Segment>& segs,
           const Small<int64_t>& first_segment, int64_t in, int64_t threads) {
   Plan result;
