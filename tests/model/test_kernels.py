@@ -242,7 +242,7 @@ def lora_inputs(dtype: torch.dtype) -> tuple:
         torch.randn(4, 64, generator=generator).to(dtype),
         torch.tensor([1, 3]),
         torch.tensor([0, 2]),
-        [a.to(dtype), b.to(dtype), torch.tensor([[0, 4, 0, 16]])],
+        [a.to(dtype), b.to(dtype), torch.tensor([[0, 4, 0, 16]]), torch.empty(0)],
     )
 
 

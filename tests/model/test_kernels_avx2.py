@@ -23,6 +23,10 @@ TESTS = (
     "tests/model/test_quantized_a8.py",
     "tests/model/test_kquants.py",
     "tests/model/test_attention.py",
+    # lora_add's own tests (the file's others load models: no kernel code of their own)
+    "tests/model/test_lora.py::test_lora_add_adds_each_groups_low_rank_product_to_its_rows",
+    "tests/model/test_lora.py::test_a_rows_low_rank_product_does_not_depend_on_the_other_rows",
+    "tests/model/test_lora.py::test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits",
 )
 ONLY = ("-k", "not [torch")  # the cases of the compiled ops (see above)
 PROBE = (

@@ -15,7 +15,7 @@ from cellbatch.model import ops as model_ops
 from cellbatch.model.adapters import AdapterBank
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.loading import load_model
-from cellbatch.model.lora import AdapterError, read_adapter
+from cellbatch.model.lora import AdapterError, ProductLora, int8_pair, read_adapter
 from cellbatch.types import InvalidArgumentError, OutOfResourcesError
 from lora_adapters import make_adapter, peft_model
 from tiny_models import make_tiny_checkpoint
@@ -66,6 +66,39 @@ def test_the_scale_is_alpha_over_rank_or_its_root(tiny, tmp_path, rslora, patter
     qkv = adapter.layers[1]["qkv"]
     assert qkv.segments.tolist() == [[0, 4, config.q_size + config.kv_size, config.kv_size]]
     assert torch.allclose(qkv.b.view(4, -1), (b * scale).t())
+
+
+def test_int8_adapters_hold_a_row_per_rank_within_half_a_step(tiny, tmp_path) -> None:
+    """Beside a quantised base: A's and B's rows per rank in int8, each value within half
+    a step of its float value, the scales folded into one per rank; half the bytes."""
+    hf_model, _, config = tiny
+    folder = make_adapter(hf_model, tmp_path / "all", rank=8, seed=3)
+    exact = read_adapter(folder, config, torch.float32)
+    held = read_adapter(folder, config, torch.bfloat16, int8=True)
+    assert held.int8 and not exact.int8
+    assert held.nbytes < 0.3 * exact.nbytes  # int8 against float32, beside small scales
+    for product in ("qkv", "gate_up", "down"):
+        want, got = exact.layers[0][product], held.layers[0][product]
+        assert got.a.dtype == got.b.dtype == torch.int8 and got.scales.shape == (want.rank,)
+        a_step = want.a.abs().amax(dim=1) / 127
+        assert (
+            (got.a.float() * a_step[:, None] - want.a).abs() <= a_step[:, None] / 2 + 1e-7
+        ).all()
+        start = 0
+        for rank_start, ranks, _, columns in want.segments.tolist():
+            rows = want.b[start : start + ranks * columns].view(ranks, columns)
+            b_step = rows.abs().amax(dim=1)[:, None] / 127
+            quantised = got.b[start : start + ranks * columns].view(ranks, columns).float()
+            assert ((quantised * b_step - rows).abs() <= b_step / 2 + 1e-7).all()
+            scales = a_step[rank_start : rank_start + ranks] * b_step[:, 0]
+            torch.testing.assert_close(got.scales[rank_start : rank_start + ranks], scales)
+            start += ranks * columns
+    zero = int8_pair(
+        ProductLora(
+            torch.zeros(2, 8), torch.zeros(2 * 4), torch.tensor([[0, 2, 0, 4]]), torch.empty(0)
+        )
+    )
+    assert zero.scales.tolist() == [0.0, 0.0] and not zero.a.any()
 
 
 def _rewrite(folder: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
@@ -174,23 +207,27 @@ def test_a_bank_loads_names_once_and_frees_an_adapter_after_its_last_use(tiny, t
 # -- the op ------------------------------------------------------------------------------
 
 
-def lora_inputs(dtype: torch.dtype, seed: int = 5, inputs: int = 64) -> tuple:
+def lora_inputs(dtype: torch.dtype, seed: int = 5, inputs: int = 64, int8: bool = False) -> tuple:
     """lora_add's arguments: 7 rows of `inputs` into 96 outputs, two groups (rows 1, 4, 6
-    and rows 0, 5), the first with two modules (columns 0..31 and 64..95), ranks 8 and 4."""
+    and rows 0, 5), the first with two modules (columns 0..31 and 64..95), ranks 8 and 4;
+    A and B in `dtype`, or int8 with their scales."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(dtype)
+        return torch.randn(*shape, generator=generator)
 
-    first = [
-        randn(12, inputs),
-        randn(8 * 32 + 4 * 32),
-        torch.tensor([[0, 8, 0, 32], [8, 4, 64, 32]]),
-    ]
-    second = [randn(3, inputs), randn(3 * 96), torch.tensor([[0, 3, 0, 96]])]
+    def group(a: torch.Tensor, b: torch.Tensor, segments: list) -> list[torch.Tensor]:
+        pair = ProductLora(a, b, torch.tensor(segments), torch.empty(0))
+        if int8:
+            pair = int8_pair(pair)
+            return [pair.a, pair.b, pair.segments, pair.scales]
+        return [a.to(dtype), b.to(dtype), pair.segments, pair.scales]
+
+    first = group(randn(12, inputs), randn(8 * 32 + 4 * 32), [[0, 8, 0, 32], [8, 4, 64, 32]])
+    second = group(randn(3, inputs), randn(3 * 96), [[0, 3, 0, 96]])
     return (
-        randn(7, 96),
-        randn(7, inputs),
+        randn(7, 96).to(dtype),
+        randn(7, inputs).to(dtype),
         torch.tensor([1, 4, 6, 0, 5]),
         torch.tensor([0, 3, 5]),
         [*first, *second],
@@ -198,26 +235,29 @@ def lora_inputs(dtype: torch.dtype, seed: int = 5, inputs: int = 64) -> tuple:
 
 
 def lora_reference(out, x, rows, offsets, weights) -> torch.Tensor:
-    """x · A · B per row in float64, added to out."""
+    """x · A · B per row in float64 (int8 A and B: times their scales), added to out."""
     expected = out.double().clone()
     bounds = offsets.tolist()
     for group in range(len(bounds) - 1):
-        a, b, segments = weights[3 * group : 3 * group + 3]
+        a, b, segments, scales = weights[4 * group : 4 * group + 4]
         start = 0
         for rank_start, ranks, column, columns in segments.tolist():
             block = b[start : start + ranks * columns].view(ranks, columns).double()
             start += ranks * columns
             for row in rows[bounds[group] : bounds[group + 1]].tolist():
                 low = a.double()[rank_start : rank_start + ranks] @ x[row].double()
+                if scales.numel():
+                    low = low * scales.double()[rank_start : rank_start + ranks]
                 expected[row, column : column + columns] += low @ block
     return expected
 
 
 # 70 inputs: a tail shorter than a vector after the whole ones.
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("inputs", [64, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_add_adds_each_groups_low_rank_product_to_its_rows(table, dtype, inputs) -> None:
-    out, x, rows, offsets, weights = lora_inputs(dtype, inputs=inputs)
+def test_lora_add_adds_each_groups_low_rank_product_to_its_rows(table, dtype, inputs, int8) -> None:
+    out, x, rows, offsets, weights = lora_inputs(dtype, inputs=inputs, int8=int8)
     before = out.clone()
     table.lora_add(out, x, rows, offsets, weights)
     expected = lora_reference(before, x, rows, offsets, weights)
@@ -227,21 +267,23 @@ def test_lora_add_adds_each_groups_low_rank_product_to_its_rows(table, dtype, in
     assert torch.equal(out[[2, 3]], before[[2, 3]])  # rows without an adapter: untouched
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_low_rank_product_does_not_depend_on_the_other_rows(table, dtype) -> None:
+def test_a_rows_low_rank_product_does_not_depend_on_the_other_rows(table, dtype, int8) -> None:
     """Row 4 of group 0 alone, then beside 40 rows of three groups in another order: the
     same bits (compiled: one chain per row; torch: calls of LORA_ROWS_PER_CALL rows)."""
-    out, x, _, _, weights = lora_inputs(dtype)
+    out, x, _, _, weights = lora_inputs(dtype, int8=int8)
     alone = out.clone()
-    table.lora_add(alone, x, torch.tensor([4]), torch.tensor([0, 1]), weights[:3])
+    table.lora_add(alone, x, torch.tensor([4]), torch.tensor([0, 1]), weights[:4])
     big_x = torch.cat([x, torch.randn(40, 64).to(dtype)])
     big_out = torch.cat([out, torch.randn(40, 96).to(dtype)])
     first = torch.tensor([*range(7, 27), 4, *range(27, 40)])
     rows = torch.cat([first, torch.tensor([40, 41]), torch.tensor([0, 1])])
-    table.lora_add(big_out, big_x, rows, torch.tensor([0, 34, 36, 38]), weights[:3] * 3)
+    table.lora_add(big_out, big_x, rows, torch.tensor([0, 34, 36, 38]), weights[:4] * 3)
     assert torch.equal(alone[4], big_out[4])
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "segments",
@@ -252,7 +294,7 @@ def test_a_rows_low_rank_product_does_not_depend_on_the_other_rows(table, dtype)
     ],
 )
 def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
-    compiled_ops, segments, dtype
+    compiled_ops, segments, dtype, int8
 ) -> None:
     """A few rows with an adapter large enough for a parallel region (over kParallelValues
     weight values): the call splits the modules' columns over the threads (each piece
@@ -262,9 +304,14 @@ def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
     ranks = sum(s[1] for s in segments)
     width = max(s[2] + s[3] for s in segments)
     # 600 inputs: a tail after whole vectors (and after bf16's 32-value loads)
-    a = torch.randn(ranks, 600, generator=generator).to(dtype)
-    b = torch.randn(sum(s[1] * s[3] for s in segments), generator=generator).to(dtype)
-    weights = [a, b, torch.tensor(segments)]
+    a = torch.randn(ranks, 600, generator=generator)
+    b = torch.randn(sum(s[1] * s[3] for s in segments), generator=generator)
+    pair = ProductLora(a, b, torch.tensor(segments), torch.empty(0))
+    if int8:
+        pair = int8_pair(pair)
+    else:
+        pair = ProductLora(a.to(dtype), b.to(dtype), pair.segments, pair.scales)
+    weights = [pair.a, pair.b, pair.segments, pair.scales]
     x = torch.randn(43, 600, generator=generator).to(dtype)
     out = torch.randn(43, width, generator=generator).to(dtype)
     threads = torch.get_num_threads()
@@ -298,13 +345,20 @@ def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
 
 def test_lora_add_refuses_what_it_cannot_run(compiled_ops) -> None:
     out, x, rows, offsets, weights = lora_inputs(torch.float32)
-    with pytest.raises(RuntimeError, match="6 weight tensors"):
-        compiled_ops.lora_add(out, x, rows, offsets, weights[:3])
+    with pytest.raises(RuntimeError, match="8 weight tensors"):
+        compiled_ops.lora_add(out, x, rows, offsets, weights[:4])
     with pytest.raises(RuntimeError, match="row 9 is outside"):
         compiled_ops.lora_add(out, x, torch.tensor([1, 4, 9, 0, 5]), offsets, weights)
     bad = [*weights[:2], torch.tensor([[0, 8, 90, 32]]), *weights[3:]]
     with pytest.raises(RuntimeError, match="segment 0"):
         compiled_ops.lora_add(out, x, rows, offsets, bad)
+    quantised = lora_inputs(torch.float32, int8=True)[4]
+    unscaled = [*quantised[:3], torch.empty(0), *quantised[4:]]
+    with pytest.raises(RuntimeError, match="int8 where the group has scales"):
+        compiled_ops.lora_add(out, x, rows, offsets, unscaled)
+    short = [*quantised[:3], quantised[3][:5], *quantised[4:]]
+    with pytest.raises(RuntimeError, match=r"scales must be contiguous float32 \[12\]"):
+        compiled_ops.lora_add(out, x, rows, offsets, short)
 
 
 @pytest.fixture(params=["compiled", "torch"])
@@ -355,7 +409,8 @@ def test_a_layer_run_as_one_op_with_adapters_gives_the_bits_of_its_steps(
     layers run step by step: adapters work inside decoder_layer."""
     hf_model, folder, config = tiny
     _, model = load_model(folder, dtype, "compiled", "int4", activations=activations)
-    bank = AdapterBank(config, model.dtype)
+    bank = AdapterBank.for_model(model, config)
+    assert bank.int8  # int8 adapters inside decoder_layer
     bank.load("qv", make_adapter(hf_model, tmp_path / "qv", ["q_proj", "v_proj"], rank=4))
     bank.load("mlp", make_adapter(hf_model, tmp_path / "mlp", ["down_proj", "up_proj"], seed=2))
     ids = [bank.acquire("qv"), bank.acquire("mlp")]
@@ -374,22 +429,32 @@ def test_a_layer_run_as_one_op_with_adapters_gives_the_bits_of_its_steps(
 def test_an_int4_base_with_an_adapter_stays_within_int4s_agreement(
     tiny, tmp_path, packed_steps, kernels
 ) -> None:
-    """int4 weights with an adapter against float weights with the same adapter: the
-    relative logits error int4 keeps on these tiny random weights without one (the
-    quantised tests' bound), for the adapter's rows and the base's alike."""
+    """int4 weights with an adapter (held in int8 beside them) against float weights with
+    the same adapter (float32): the relative logits error int4 keeps on these tiny random
+    weights without one (the quantised tests' bound), for the adapter's rows and the
+    base's alike; and the int4 model with its adapter in int8 against it in float32: the
+    adapter's int8 rows move the logits far less than int4 does."""
     hf_model, folder, config = tiny
     adapter = make_adapter(hf_model, tmp_path / "all", rank=8, seed=4)
     logits = {}
-    for fmt in ("int4", "none"):
+    for fmt, held in (("int4", "int8"), ("none", "float32"), ("int4", "float32")):
         _, model = load_model(folder, "float32", kernels, fmt, activations="float")
-        bank = AdapterBank(config, torch.float32)
-        bank.load("all", adapter)
+        bank = AdapterBank(config, torch.float32, int8=held == "int8")
+        if held == "int8" or fmt == "none":  # what the bank of this model holds
+            assert AdapterBank.for_model(model, config).int8 == (held == "int8")
+        assert bank.load("all", adapter).weights == held
         steps = packed_steps(model, STEPS, 2, adapters=(bank, [bank.acquire("all"), 0]))
-        logits[fmt] = torch.cat(steps)
+        logits[fmt, held] = torch.cat(steps)
     rows = {
         s: [i for i, (seq, _) in enumerate(r for st in STEPS for r in _rows(st)) if seq == s]
         for s in (0, 1)
     }
     for sequence in (0, 1):
-        got, reference = logits["int4"][rows[sequence]], logits["none"][rows[sequence]]
+        got = logits["int4", "int8"][rows[sequence]]
+        reference = logits["none", "float32"][rows[sequence]]
         assert ((got - reference).norm() / reference.norm()).item() < 0.5
+    adapted = rows[0]
+    got, reference = logits["int4", "int8"][adapted], logits["int4", "float32"][adapted]
+    assert ((got - reference).norm() / reference.norm()).item() < 0.02
+    base = rows[1]
+    assert torch.equal(logits["int4", "int8"][base], logits["int4", "float32"][base])

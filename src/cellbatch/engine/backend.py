@@ -128,7 +128,7 @@ class ModuleBackend(ModelBackend):
 
     def __post_init__(self) -> None:
         if self.bank is None and self.cuda is None:
-            bank = AdapterBank(self.config, self.module.dtype, DEFAULT_MAX_LORAS)
+            bank = AdapterBank.for_model(self.module, self.config, DEFAULT_MAX_LORAS)
             object.__setattr__(self, "bank", bank)  # a frozen dataclass's own default
 
     @property
@@ -214,7 +214,7 @@ class ModuleBackend(ModelBackend):
         )
         if device.type != "cpu":
             return cls(module, config, cuda or CudaOptions())
-        return cls(module, config, bank=AdapterBank(config, module.dtype, max_loras))
+        return cls(module, config, bank=AdapterBank.for_model(module, config, max_loras))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,8 @@ running generation always finishes with the weights it started with. At most
 `max_loras` adapters hold weights at a time (those still draining count). Rows of id
 NO_ADAPTER (0) are in no group and cost nothing; a step without adapter rows gets no
 LoraStep at all. A row layout seen in the last few steps gets the LoraStep built for it
-then (read-only, and dropped with the weights of any adapter in it).
+then (read-only, and dropped with the weights of any adapter in it). Beside a quantised
+base (`for_model`) adapters are held in int8 (`cellbatch.model.lora`).
 Never: reads files itself (`cellbatch.model.lora` does), or changes the base model.
 """
 
@@ -29,6 +30,7 @@ import torch
 
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.lora import PRODUCTS, LoraAdapter, read_adapter
+from cellbatch.model.quantized import DecoderModel, describe
 from cellbatch.types import (
     DEFAULT_MAX_LORAS,
     NO_ADAPTER,
@@ -49,6 +51,7 @@ class AdapterInfo:
     rank: int
     targets: tuple[str, ...]
     nbytes: int
+    weights: str  # how A and B are held: "int8", or the model's dtype ("bfloat16", ...)
 
 
 @dataclass
@@ -72,8 +75,8 @@ class _Loaded:
 @dataclass(frozen=True)
 class LayerLora:
     """One layer's share of a step: `args` is what `decoder_layer` takes as `lora` (the
-    step's rows, its groups' offsets, then per product in PRODUCTS' order 3 tensors per
-    group: a, b, segments); `products[p]` is product p's part of it, or None where no
+    step's rows, its groups' offsets, then per product in PRODUCTS' order 4 tensors per
+    group: a, b, segments, scales); `products[p]` is product p's part of it, or None where no
     group's adapter targets that product."""
 
     args: list[torch.Tensor]
@@ -103,6 +106,7 @@ class AdapterBank:
     config: ModelConfig
     dtype: torch.dtype
     max_loras: int = DEFAULT_MAX_LORAS
+    int8: bool = False  # adapters' A and B held as int8
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(NO_ADAPTER + 1))
     _by_name: dict[str, _Loaded] = field(default_factory=dict)  # listed: loaded, not unloading
@@ -120,6 +124,16 @@ class AdapterBank:
     def __post_init__(self) -> None:
         check_max_loras(self.max_loras)
 
+    @classmethod
+    def for_model(
+        cls, model: DecoderModel, config: ModelConfig, max_loras: int = DEFAULT_MAX_LORAS
+    ) -> AdapterBank:
+        """The bank of a loaded model: adapters in its dtype, or in int8 where its layers'
+        products are quantised (a float base keeps its adapters' arithmetic)."""
+        float_format = str(model.dtype).removeprefix("torch.")
+        quantised = describe(model).formats["projections"] != float_format
+        return cls(config, model.dtype, max_loras, int8=quantised)
+
     # -- any thread ---------------------------------------------------------------
 
     def load(self, name: str, path: str | Path) -> AdapterInfo:
@@ -129,8 +143,9 @@ class AdapterBank:
         check_name(name)
         with self._lock:
             self._check_room(name)
-        weights = read_adapter(path, self.config, self.dtype)  # outside the lock: slow
-        info = AdapterInfo(name, weights.path, weights.rank, weights.targets, weights.nbytes)
+        weights = read_adapter(path, self.config, self.dtype, self.int8)  # unlocked: slow
+        held = "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
+        info = AdapterInfo(name, weights.path, weights.rank, weights.targets, weights.nbytes, held)
         with self._lock:
             self._check_room(name)
             loaded = _Loaded(next(self._ids), info, weights)
@@ -226,8 +241,8 @@ class AdapterBank:
         return step
 
     def _weights(self, ids: tuple[int, ...]) -> list[list[list[torch.Tensor] | None]]:
-        """Per layer, per product: the groups' (a, b, segments) one after the other, or
-        None where none of the adapters `ids` targets the product."""
+        """Per layer, per product: the groups' (a, b, segments, scales) one after the
+        other, or None where none of the adapters `ids` targets the product."""
         cached = self._cache.get(ids)
         if cached is not None:
             return cached
@@ -254,11 +269,7 @@ class AdapterBank:
                         weights += (
                             self._nothing(p)
                             if pair is None
-                            else [
-                                pair.a,
-                                pair.b,
-                                pair.segments,
-                            ]
+                            else [pair.a, pair.b, pair.segments, pair.scales]
                         )
                     per_product.append(weights)
                 built.append(per_product)
@@ -266,9 +277,14 @@ class AdapterBank:
             return built
 
     def _nothing(self, product: int) -> list[torch.Tensor]:
-        """The (a, b, segments) of a group whose adapter does not target `product`."""
+        """The (a, b, segments, scales) of a group whose adapter does not target `product`."""
         empty = torch.empty(0, 0, dtype=self.dtype)
-        return [empty, empty.view(0), torch.empty(0, 4, dtype=torch.int64)]
+        return [
+            empty,
+            empty.view(0),
+            torch.empty(0, 4, dtype=torch.int64),
+            torch.empty(0, dtype=torch.float32),
+        ]
 
     # -- internals (under the lock) -------------------------------------------------
 

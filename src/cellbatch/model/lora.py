@@ -9,6 +9,9 @@ Promises: an adapter either loads whole or not at all: a malformed folder, a con
 code does not run (DoRA, `modules_to_save`, LoRA biases, `fan_in_fan_out`), a module the
 model lacks, a layer past the model's or a tensor of the wrong shape is one
 `AdapterError` naming the file and every mismatch found (expected against got).
+Beside a quantised base (`int8=True`) A and B are held as int8, a row of each per rank
+(half the bytes a token reads; llama.cpp runs q8_0 adapters the same way), otherwise in
+the model's dtype (float32 stays PEFT's arithmetic).
 cellbatch fuses q/k/v into `qkv` and gate/up into `gate_up`: an adapter on q alone adds
 to the first `q_size` columns of qkv's output, on up alone to the second half of
 gate_up's, and so on (`ProductLora.segments`). The scale is folded into B in float32
@@ -20,7 +23,11 @@ Layout (what `lora_add` reads): for a product with K inputs, the modules an adap
 targets in it are concatenated along the rank: `a` [R, K] (R the sum of their ranks;
 module m's lora_A in rows [r0, r0 + r_m)); `b` holds each module's scaled lora_B
 transposed, [r_m, n_m] row-major, one after the other; `segments` int64 [S, 4] gives
-per module (rank_start, rank_count, column_start, column_count) of the product's output.
+per module (rank_start, rank_count, column_start, column_count) of the product's output;
+`scales` is empty, or, where `a` and `b` are int8, float32 [R]: each rank's row of A and
+its row of B (a rank belongs to one module) are quantised symmetrically (the row's
+largest magnitude maps to 127, values round to the nearest, ties to even), and
+scales[r] = A row r's scale times B row r's, so the op adds ((x · A^T) * scales) · B.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ class ProductLora:
     a: torch.Tensor  # [R, K]
     b: torch.Tensor  # flat: per segment [rank_count, column_count], row-major
     segments: torch.Tensor  # int64 [S, 4]: rank_start, rank_count, column_start, column_count
+    scales: torch.Tensor  # float32 [R] where a and b are int8, else empty
 
     @property
     def rank(self) -> int:
@@ -78,7 +86,9 @@ class ProductLora:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, self.b, self.segments))
+        return sum(
+            t.numel() * t.element_size() for t in (self.a, self.b, self.segments, self.scales)
+        )
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,7 @@ class LoraAdapter:
     targets: tuple[str, ...]  # PEFT module names it adapts, in MODULE_PRODUCTS' order
     layers: tuple[Mapping[str, ProductLora], ...]  # one per model layer; product -> pair
     dtype: torch.dtype
+    int8: bool  # A and B held as int8 (see the module)
 
     @property
     def nbytes(self) -> int:
@@ -121,10 +132,12 @@ def _pattern_value(patterns: Mapping[str, Any], module_path: str, default: Any) 
     return default
 
 
-def read_adapter(folder: str | Path, config: ModelConfig, dtype: torch.dtype) -> LoraAdapter:
+def read_adapter(
+    folder: str | Path, config: ModelConfig, dtype: torch.dtype, int8: bool = False
+) -> LoraAdapter:
     """The PEFT LoRA adapter in `folder`, checked against `config` and laid out with
-    weights in `dtype` (the model's compute dtype); AdapterError naming the file and
-    every problem found when it cannot run on this model."""
+    weights in `dtype` (the model's compute dtype), or in int8 with `int8`; AdapterError
+    naming the file and every problem found when it cannot run on this model."""
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise AdapterError(
@@ -143,10 +156,11 @@ def read_adapter(folder: str | Path, config: ModelConfig, dtype: torch.dtype) ->
                 if MODULE_PRODUCTS[module] == product and (layer, module) in pairs
             ]
             if modules:
-                layers[layer][product] = _product_lora(layer, modules, config, settings, dtype)
+                pair = _product_lora(layer, modules, config, settings)
+                layers[layer][product] = int8_pair(pair) if int8 else _as_dtype(pair, dtype)
     targets = tuple(m for m in MODULE_PRODUCTS if any(m == key[1] for key in pairs))
     rank = max(int(a.shape[0]) for a, _ in pairs.values())
-    return LoraAdapter(path, rank, targets, tuple(layers), dtype)
+    return LoraAdapter(path, rank, targets, tuple(layers), dtype, int8)
 
 
 def _read_settings(file: Path) -> _Settings:
@@ -293,9 +307,9 @@ def _product_lora(
     modules: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
     config: ModelConfig,
     settings: _Settings,
-    dtype: torch.dtype,
 ) -> ProductLora:
-    """The pair of one fused product from the modules that land in it (see the layout)."""
+    """The float32 pair of one fused product from the modules that land in it (see the
+    layout)."""
     columns = _column_starts(config)
     a_parts, b_parts, segments = [], [], []
     rank_start = 0
@@ -308,10 +322,37 @@ def _product_lora(
         segments.append((rank_start, rank, columns[module], b.shape[0]))
         rank_start += rank
     return ProductLora(
-        torch.cat(a_parts).to(dtype).contiguous(),
-        torch.cat(b_parts).to(dtype),
+        torch.cat(a_parts).contiguous(),
+        torch.cat(b_parts),
         torch.tensor(segments, dtype=torch.int64),
+        torch.empty(0, dtype=torch.float32),
     )
+
+
+def _as_dtype(pair: ProductLora, dtype: torch.dtype) -> ProductLora:
+    return ProductLora(pair.a.to(dtype), pair.b.to(dtype), pair.segments, pair.scales)
+
+
+def int8_pair(pair: ProductLora) -> ProductLora:
+    """A float32 pair with A and B in int8, a scale per rank (see the layout)."""
+    a, a_scales = _int8_rows(pair.a)
+    b = torch.empty(pair.b.shape, dtype=torch.int8)
+    b_scales = torch.zeros(pair.rank)
+    start = 0
+    for rank_start, ranks, _, columns in pair.segments.tolist():
+        block = slice(start, start + ranks * columns)
+        rows, scales = _int8_rows(pair.b[block].view(ranks, columns))
+        b[block] = rows.flatten()
+        b_scales[rank_start : rank_start + ranks] = scales
+        start += ranks * columns
+    return ProductLora(a, b, pair.segments, (a_scales * b_scales).contiguous())
+
+
+def _int8_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [n, m] as int8 rows and each row's scale (an all-zero row: scale 0)."""
+    scales = values.abs().amax(dim=1) / 127
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(values / divisor[:, None]).to(torch.int8).contiguous(), scales
 
 
 def _column_starts(config: ModelConfig) -> dict[str, int]:

@@ -174,12 +174,13 @@ def lora_add_torch(
     weights: Sequence[torch.Tensor],
 ) -> None:
     """Adds x[r] · A_g^T · B_g to out[r] for each row r of group g: rows[offsets[g] :
-    offsets[g + 1]] take weights[3g : 3g + 3] (a [R, K], b flat, segments [S, 4]: the
-    layout of `cellbatch.model.lora`; R = 0 adds nothing). Computed in float32, every
-    product in calls of LORA_ROWS_PER_CALL rows, and rounded once into out."""
+    offsets[g + 1]] take weights[4g : 4g + 4] (a [R, K], b flat, segments [S, 4], scales
+    [R] or empty: the layout of `cellbatch.model.lora`; R = 0 adds nothing). Computed in
+    float32 (int8 A and B widened, x · A^T times the scales), every product in calls of
+    LORA_ROWS_PER_CALL rows, and rounded once into out."""
     bounds = offsets.tolist()
     for group in range(len(bounds) - 1):
-        a, b, segments = weights[3 * group : 3 * group + 3]
+        a, b, segments, scales = weights[4 * group : 4 * group + 4]
         begin, end = bounds[group], bounds[group + 1]
         if a.shape[0] == 0 or end == begin:
             continue
@@ -189,6 +190,8 @@ def lora_add_torch(
             x.index_select(0, picked).float(),
             LORA_ROWS_PER_CALL,
         )
+        if scales.numel():
+            low = low * scales
         delta = torch.zeros(end - begin, out.shape[1], dtype=torch.float32, device=out.device)
         start = 0
         for rank_start, rank_count, column, columns in segments.tolist():

@@ -6,7 +6,9 @@
 // [R, K] (PEFT's lora_A of the modules the adapter targets in this product, concatenated
 // along the rank), b each module's [rank, columns] block (its lora_B transposed, scaled)
 // one after the other, segments int64 [S, 4] (rank_start, rank_count, column_start,
-// column_count). The arithmetic of a task is lora_rows.h's.
+// column_count), and scales: empty where a and b are in x's dtype, float32 [R] where
+// they are int8 (rank r's A row scale times its B row scale). The arithmetic of a task
+// is lora_rows.h's.
 // Promises: a row's result is the same bits whatever the other rows, the groups and the
 // threads (lora_rows.h's chains). Every group is checked before any row is written; one
 // parallel region covers the call, each output value computed by one thread (a few rows'
@@ -136,6 +138,33 @@ Plan plan(const Small<Task>& blocks, const Small<Segment>& segs,
   return result;
 }
 
+// A task's rows through add_segment<T, W, rows>: the row count as a template argument.
+template <typename T, typename W>
+void add_rows(int64_t rows, T* const* targets, const T* const* xs, const W* ap, int64_t in,
+              const W* bp, const Segment& seg, int64_t begin, int64_t end,
+              const float* scales, float* low) {
+  switch (rows) {
+    case 4: add_segment<T, W, 4>(targets, xs, ap, in, bp, seg, begin, end, scales, low); break;
+    case 3: add_segment<T, W, 3>(targets, xs, ap, in, bp, seg, begin, end, scales, low); break;
+    case 2: add_segment<T, W, 2>(targets, xs, ap, in, bp, seg, begin, end, scales, low); break;
+    default: add_segment<T, W, 1>(targets, xs, ap, in, bp, seg, begin, end, scales, low);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// add_rows for bf16 rows, A and B: add_segment_pairs.
+void add_rows_pairs(int64_t rows, BF16* const* targets, const BF16* const* xs, const BF16* ap,
+                    int64_t in, const BF16* bp, const Segment& seg, int64_t begin, int64_t end,
+                    float* low) {
+  switch (rows) {
+    case 4: add_segment_pairs<4>(targets, xs, ap, in, bp, seg, begin, end, low); break;
+    case 3: add_segment_pairs<3>(targets, xs, ap, in, bp, seg, begin, end, low); break;
+    case 2: add_segment_pairs<2>(targets, xs, ap, in, bp, seg, begin, end, low); break;
+    default: add_segment_pairs<1>(targets, xs, ap, in, bp, seg, begin, end, low);
+  }
+}
+#endif
+
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
               const at::Tensor& offsets, at::TensorList weights) {
   TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
@@ -146,8 +175,8 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
                   offsets.dim() == 1 && offsets.size(0) >= 1,
               "lora_add: rows and offsets must be contiguous int64 vectors");
   const int64_t groups = offsets.size(0) - 1;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 * groups, "lora_add: ", groups,
-              " groups need ", 3 * groups, " weight tensors, got ", weights.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * groups, "lora_add: ", groups,
+              " groups need ", 4 * groups, " weight tensors, got ", weights.size());
   const int64_t* bounds = offsets.data_ptr<int64_t>();
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   TORCH_CHECK(bounds[0] == 0 && bounds[groups] == rows.size(0),
@@ -163,16 +192,22 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
   int64_t max_ranks = 1;
   for (int64_t g = 0; g < groups; ++g) {
     first_segment[g] = static_cast<int64_t>(segs.size());
-    const at::Tensor& a = weights[3 * g];
-    const at::Tensor& b = weights[3 * g + 1];
-    const at::Tensor& segments = weights[3 * g + 2];
+    const at::Tensor& a = weights[4 * g];
+    const at::Tensor& b = weights[4 * g + 1];
+    const at::Tensor& segments = weights[4 * g + 2];
+    const at::Tensor& scales = weights[4 * g + 3];
     const int64_t count = bounds[g + 1] - bounds[g];
     TORCH_CHECK(count >= 0, "lora_add: offsets must not decrease");
     if (count == 0 || a.dim() != 2 || a.size(0) == 0) continue;
+    const bool quantised = scales.numel() > 0;
+    const at::ScalarType held = quantised ? at::kChar : x.scalar_type();
     TORCH_CHECK(a.size(1) == in && a.is_contiguous() && b.is_contiguous() &&
-                    a.scalar_type() == x.scalar_type() && b.scalar_type() == x.scalar_type(),
+                    a.scalar_type() == held && b.scalar_type() == held,
                 "lora_add: group ", g, "'s A must be contiguous [R, ", in,
-                "] and A, B in x's dtype");
+                "] and A, B in x's dtype (int8 where the group has scales)");
+    TORCH_CHECK(!quantised || (scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                               scales.numel() == a.size(0)),
+                "lora_add: group ", g, "'s scales must be contiguous float32 [", a.size(0), "]");
     TORCH_CHECK(segments.scalar_type() == at::kLong && segments.is_contiguous() &&
                     segments.dim() == 2 && segments.size(1) == 4,
                 "lora_add: segments must be contiguous int64 [S, 4]");
@@ -219,28 +254,27 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& rows,
           targets[r] = op + row_ids[task.first + r] * out_stride;
           xs[r] = xp + row_ids[task.first + r] * x_stride;
         }
-        const T* ap = weights[3 * task.group].data_ptr<T>();
-        const T* bp = weights[3 * task.group + 1].data_ptr<T>();
         const Segment& seg = segs[task.segment];
         float* task_low = low.data() + i * kRowsTogether * max_ranks;
         const int64_t b = task.column_begin, e = task.column_end;
+        const at::Tensor& a = weights[4 * task.group];
+        const at::Tensor& bw = weights[4 * task.group + 1];
+        const at::Tensor& scales = weights[4 * task.group + 3];
+        if (scales.numel() > 0) {
+          add_rows<T, int8_t>(task.rows, targets, xs, a.data_ptr<int8_t>(), in,
+                              bw.data_ptr<int8_t>(), seg, b, e, scales.data_ptr<float>(),
+                              task_low);
+          continue;
+        }
 #if defined(CPU_CAPABILITY_AVX512)
         if constexpr (std::is_same_v<T, BF16>) {
-          switch (task.rows) {
-            case 4: add_segment_pairs<4>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-            case 3: add_segment_pairs<3>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-            case 2: add_segment_pairs<2>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-            default: add_segment_pairs<1>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-          }
+          add_rows_pairs(task.rows, targets, xs, a.data_ptr<T>(), in, bw.data_ptr<T>(), seg, b,
+                         e, task_low);
           continue;
         }
 #endif
-        switch (task.rows) {
-          case 4: add_segment<T, 4>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-          case 3: add_segment<T, 3>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-          case 2: add_segment<T, 2>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-          default: add_segment<T, 1>(targets, xs, ap, in, bp, seg, b, e, task_low); break;
-        }
+        add_rows<T, T>(task.rows, targets, xs, a.data_ptr<T>(), in, bw.data_ptr<T>(), seg, b, e,
+                       nullptr, task_low);
       }
     };
     if (bins == 1) {

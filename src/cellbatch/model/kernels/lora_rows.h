@@ -1,13 +1,15 @@
 // The arithmetic of `lora_add` (lora.cpp) for a few rows of one group and one module:
 // out[r] += (x[r] · A^T) · B over a segment's columns, widened to float and rounded once.
 //
-// Owns: the segments' layout (Segment), the per-task kernels add_segment (any dtype, any
-// CPU kind) and add_segment_pairs (bf16 on AVX512), and their blocking constants.
+// Owns: the segments' layout (Segment), the per-task kernels add_segment (any dtype, A and
+// B in it or in int8, any CPU kind) and add_segment_pairs (bf16 on AVX512), and their
+// blocking constants.
 // Promises: a row's outputs are the same bits whichever other rows share its task (up to
 // kRowsTogether) and whichever columns the task covers: t = x · A runs one chain per rank
 // over the inputs (in order; bf16 on AVX512: in the even/odd pairs a 32-value load takes),
-// each output one chain over the ranks in order, in float32 lanes (bf16 and fp16 widened
-// exactly), added to out and rounded to out's dtype once (to the nearest even).
+// each output one chain over the ranks in order, in float32 lanes (bf16, fp16 and int8
+// widened exactly), added to out and rounded to out's dtype once (to the nearest even).
+// With int8 A and B, a rank's t is multiplied by its scale once, after its chain.
 // Never: allocates, or reads values of x, A or B outside the task's rows and segment.
 
 #pragma once
@@ -23,11 +25,23 @@
 
 namespace cellbatch::lora_rows {
 
-// kLanes values from p widened to float lanes.
+// kLanes values from p widened to float lanes (exactly: float, bf16, fp16 or int8).
 template <typename T>
 inline Vec load_full(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(p);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+#else
+    alignas(64) float buffer[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) buffer[i] = static_cast<float>(p[i]);
+    return Vec::loadu(buffer);
+#endif
   } else {
     Vec out;
     at::vec::load_to_float<T>(p, out);
@@ -80,12 +94,12 @@ struct Segment {
 
 // The second product of add_segment (below): t · B for columns [c_begin, c_end) of the
 // segment, t being N rows of `seg.ranks` floats in `low`.
-template <typename T, int N>
-void add_columns(T* const* targets, const T* bp, const Segment& seg, int64_t c_begin,
+template <typename T, typename W, int N>
+void add_columns(T* const* targets, const W* bp, const Segment& seg, int64_t c_begin,
                  int64_t c_end, const float* low) {
   constexpr int64_t kVectors = kBlock / kLanes;
   const int64_t ranks = seg.ranks, columns = seg.columns;
-  const T* block = bp + seg.b_offset;
+  const W* block = bp + seg.b_offset;
   alignas(64) float lanes_out[kBlock];
   for (int64_t c0 = c_begin; c0 < c_end; c0 += kBlock) {
     const int64_t lanes = std::min(kBlock, c_end - c0);
@@ -96,7 +110,7 @@ void add_columns(T* const* targets, const T* bp, const Segment& seg, int64_t c_b
     }
     if (lanes == kBlock) {
       for (int64_t j = 0; j < ranks; ++j) {
-        const T* from = block + j * columns + c0;
+        const W* from = block + j * columns + c0;
         prefetch(from + kAhead * kBlock);
         prefetch(from + kAhead * kBlock + kBlock / 2);
         Vec w[kVectors];
@@ -108,7 +122,7 @@ void add_columns(T* const* targets, const T* bp, const Segment& seg, int64_t c_b
       }
     } else {
       for (int64_t j = 0; j < ranks; ++j) {
-        const T* from = block + j * columns + c0;
+        const W* from = block + j * columns + c0;
         for (int64_t v = 0; v < vectors; ++v) {
           const Vec w = load_lanes(from + v * kLanes, std::min(kLanes, lanes - v * kLanes));
           for (int r = 0; r < N; ++r) {
@@ -133,17 +147,20 @@ void add_columns(T* const* targets, const T* bp, const Segment& seg, int64_t c_b
 
 // The low-rank product of N rows of one group for one segment added to their out rows,
 // for the segment's columns [c_begin, c_end): t = x[row] · A^T over the segment's ranks
+// (with int8 A and B, W = int8_t: each rank's t times rank_scales[rank], A's row scale
+// times B's; other W, the activations' T, ignore rank_scales)
 // into `low` (kRanks ranks at a time, their chains interleaved: each chain's order is as
 // alone, the interleaving only hides the multiply-adds' latency; a step short of ranks
 // repeats its last one and stores it once), then per block of kBlock output columns
 // t · B, the block's vectors' chains interleaved over the segment's ranks in order.
 // low holds N rows of `seg.ranks` floats.
-template <typename T, int N>
-void add_segment(T* const* targets, const T* const* xs, const T* ap, int64_t in, const T* bp,
-                 const Segment& seg, int64_t c_begin, int64_t c_end, float* low) {
+template <typename T, typename W, int N>
+void add_segment(T* const* targets, const T* const* xs, const W* ap, int64_t in, const W* bp,
+                 const Segment& seg, int64_t c_begin, int64_t c_end, const float* rank_scales,
+                 float* low) {
   const int64_t last = seg.rank_start + seg.ranks - 1;
   for (int64_t j0 = seg.rank_start; j0 <= last; j0 += kRanks) {
-    const T* weights[kRanks];
+    const W* weights[kRanks];
     for (int64_t q = 0; q < kRanks; ++q) weights[q] = ap + std::min(j0 + q, last) * in;
     Vec sum[N][kRanks];
     for (int r = 0; r < N; ++r) {
@@ -164,7 +181,7 @@ void add_segment(T* const* targets, const T* const* xs, const T* ap, int64_t in,
       }
     }
     if (whole < in) {
-      alignas(64) T w_tail[kRanks][kLanes] = {};
+      alignas(64) W w_tail[kRanks][kLanes] = {};
       alignas(64) T x_tail[N][kLanes] = {};
       for (int64_t i = 0; i < in - whole; ++i) {
         for (int64_t q = 0; q < kRanks; ++q) w_tail[q][i] = weights[q][whole + i];
@@ -179,12 +196,14 @@ void add_segment(T* const* targets, const T* const* xs, const T* ap, int64_t in,
     }
     for (int r = 0; r < N; ++r) {
       for (int64_t q = 0; q < kRanks && j0 + q <= last; ++q) {
-        low[r * seg.ranks + j0 - seg.rank_start + q] =
+        float value =
             at::vec::vec_reduce_all<float>([](Vec p, Vec s) { return p + s; }, sum[r][q]);
+        if constexpr (std::is_same_v<W, int8_t>) value *= rank_scales[j0 + q];
+        low[r * seg.ranks + j0 - seg.rank_start + q] = value;
       }
     }
   }
-  add_columns<T, N>(targets, bp, seg, c_begin, c_end, low);
+  add_columns<T, W, N>(targets, bp, seg, c_begin, c_end, low);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -302,7 +321,7 @@ void add_segment_pairs(BF16* const* targets, const BF16* const* xs, const BF16* 
       }
     }
   }
-  if (whole_end < c_end) add_columns<BF16, N>(targets, bp, seg, whole_end, c_end, low);
+  if (whole_end < c_end) add_columns<BF16, BF16, N>(targets, bp, seg, whole_end, c_end, low);
 }
 #endif
 
