@@ -43,7 +43,7 @@ constexpr int64_t code_bytes(Kind kind) { return bits(kind) == 4 ? 256 : bits(ki
 constexpr int subs(Kind kind) { return kind == kQ6_K ? 2 : 1; }
 // w = d (q - zero) for Q4_0 and Q5_0.
 constexpr float zero(Kind kind) { return kind == kQ4_0 ? 8.0f : kind == kQ5_0 ? 16.0f : 0.0f; }
-inline int64_t scale_bytes(Kind kind, int64_t in_features) {
+[[gnu::always_inline]] inline int64_t scale_bytes(Kind kind, int64_t in_features) {
   if (kind == kQ6_K) return in_features / kBlockInputs * (32 + 256);
   if (in_blocks(kind)) return in_features / kBlockInputs * (64 + 256);
   return in_features / kGroup * 64;
@@ -56,19 +56,19 @@ struct Panels {
   const uint8_t* codes;
   const uint8_t* scales;
 
-  const uint8_t* group_codes(int64_t p, int64_t g) const {
+  [[gnu::always_inline]] const uint8_t* group_codes(int64_t p, int64_t g) const {
     return codes + (p * groups + g) * code_bytes(kind);
   }
-  const uint8_t* panel_scales(int64_t p) const {
+  [[gnu::always_inline]] const uint8_t* panel_scales(int64_t p) const {
     return scales + p * scale_bytes(kind, groups * kGroup);
   }
   // The bytes of group g's scales: its d (group kinds: and m), or its block's d (and dmin).
-  const uint8_t* halves(int64_t p, int64_t g) const {
+  [[gnu::always_inline]] const uint8_t* halves(int64_t p, int64_t g) const {
     if (!in_blocks(kind)) return panel_scales(p) + g * 64;
     return panel_scales(p) + g / 8 * (kind == kQ6_K ? 288 : 320);
   }
   // Group g's integer scales (and mins): sc[16] (then mn[16]); Q6_K: sub-group `sub`'s sc.
-  const uint8_t* small(int64_t p, int64_t g, int sub) const {
+  [[gnu::always_inline]] const uint8_t* small(int64_t p, int64_t g, int sub) const {
     if (kind == kQ6_K) return halves(p, g) + 32 + ((g % 8) * 2 + sub) * kPanel;
     return halves(p, g) + 64 + (g % 8) * 2 * kPanel;
   }

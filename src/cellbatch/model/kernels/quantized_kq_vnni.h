@@ -54,7 +54,7 @@ struct Halves {
 
 // Sub-group `sub` of group g's 16 scales and offsets (the vector form of Panels::terms:
 // the same products, so the same values).
-inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, Halves& halves,
+[[gnu::always_inline]] inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, Halves& halves,
                   __m512* scale, __m512* offset) {
   const bool blocks = in_blocks(panels.kind);
   if (!blocks || halves.block != g / 8) {
