@@ -49,7 +49,9 @@ constexpr float zero(Kind kind) { return kind == kQ4_0 ? 8.0f : kind == kQ5_0 ? 
   return in_features / kGroup * 64;
 }
 
-// One segment of a weight's rows: `rows` outputs of one kind from output `column`.
+// One segment of a weight's rows: `rows` outputs of one kind from output `column`. Its
+// address helpers run per group in the products' inner loops: always inlined (left to
+// the compiler, some were calls through the PLT).
 struct Panels {
   Kind kind;
   int64_t rows, column, panel_count, groups;
