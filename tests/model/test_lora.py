@@ -207,6 +207,18 @@ def test_a_bank_loads_names_once_and_frees_an_adapter_after_its_last_use(tiny, t
 # -- the op ------------------------------------------------------------------------------
 
 
+def group_weights(
+    a: torch.Tensor, b: torch.Tensor, segments: list, dtype: torch.dtype, int8: bool
+) -> list[torch.Tensor]:
+    """One group's (a, b, segments, scales) for lora_add from float32 A and B: A and B in
+    `dtype`, or int8 with their scales."""
+    pair = ProductLora(a, b, torch.tensor(segments), torch.empty(0))
+    if int8:
+        pair = int8_pair(pair)
+        return [pair.a, pair.b, pair.segments, pair.scales]
+    return [a.to(dtype), b.to(dtype), pair.segments, pair.scales]
+
+
 def lora_inputs(dtype: torch.dtype, seed: int = 5, inputs: int = 64, int8: bool = False) -> tuple:
     """lora_add's arguments: 7 rows of `inputs` into 96 outputs, two groups (rows 1, 4, 6
     and rows 0, 5), the first with two modules (columns 0..31 and 64..95), ranks 8 and 4;
@@ -216,15 +228,10 @@ def lora_inputs(dtype: torch.dtype, seed: int = 5, inputs: int = 64, int8: bool 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator)
 
-    def group(a: torch.Tensor, b: torch.Tensor, segments: list) -> list[torch.Tensor]:
-        pair = ProductLora(a, b, torch.tensor(segments), torch.empty(0))
-        if int8:
-            pair = int8_pair(pair)
-            return [pair.a, pair.b, pair.segments, pair.scales]
-        return [a.to(dtype), b.to(dtype), pair.segments, pair.scales]
-
-    first = group(randn(12, inputs), randn(8 * 32 + 4 * 32), [[0, 8, 0, 32], [8, 4, 64, 32]])
-    second = group(randn(3, inputs), randn(3 * 96), [[0, 3, 0, 96]])
+    first = group_weights(
+        randn(12, inputs), randn(8 * 32 + 4 * 32), [[0, 8, 0, 32], [8, 4, 64, 32]], dtype, int8
+    )
+    second = group_weights(randn(3, inputs), randn(3 * 96), [[0, 3, 0, 96]], dtype, int8)
     return (
         randn(7, 96).to(dtype),
         randn(7, inputs).to(dtype),
@@ -306,12 +313,7 @@ def test_a_lone_rows_product_spread_over_threads_gives_one_threads_bits(
     # 600 inputs: a tail after whole vectors (and after bf16's 32-value loads)
     a = torch.randn(ranks, 600, generator=generator)
     b = torch.randn(sum(s[1] * s[3] for s in segments), generator=generator)
-    pair = ProductLora(a, b, torch.tensor(segments), torch.empty(0))
-    if int8:
-        pair = int8_pair(pair)
-    else:
-        pair = ProductLora(a.to(dtype), b.to(dtype), pair.segments, pair.scales)
-    weights = [pair.a, pair.b, pair.segments, pair.scales]
+    weights = group_weights(a, b, segments, dtype, int8)
     x = torch.randn(43, 600, generator=generator).to(dtype)
     out = torch.randn(43, width, generator=generator).to(dtype)
     threads = torch.get_num_threads()
