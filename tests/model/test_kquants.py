@@ -114,7 +114,7 @@ def test_the_products_are_the_weight_s_with_int8_inputs(compiled_ops, torch_ops,
     out = weight.shape[0]
     dense = weight.dequantize().double()
     x = _inputs(70, 512, dtype)
-    groups = x.double().view(70, -1, 32)
+    groups = x.double().view(70, -1, 256)  # a weight with K-quants: a scale per block
     # The inputs' rounding: half a step (max|x| / 127 / 2) per input, times |w|.
     step = (groups.abs().amax(-1, keepdim=True) / 254).expand_as(groups).reshape(70, 512)
     bound = step @ dense.abs().t() + 1e-5 * (x.double().abs() @ dense.abs().t()) + 1e-6
@@ -186,6 +186,39 @@ def test_the_tile_path_gives_the_vnni_path_s_bits(compiled_ops, monkeypatch, dty
             for n in (1, 4, 15, 17, 129, 150):
                 assert torch.equal(op(x[:n], codes, scales, out), vnni[:n]), (threads, n)
             assert torch.equal(op(x[40:73], codes, scales, out), vnni[40:73]), threads
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_a_block_s_integer_sums_hold_the_largest_codes_and_scales(
+    compiled_ops, monkeypatch, kind
+) -> None:
+    """Every code, scale and min at its largest (q 15 or 31, sc and mn 63, d 1, dmin 1) and
+    every input at +-127 (x +-1): a block's isum = sum(sc dot) and imin = sum(mn qs) reach
+    their largest magnitudes, and every path (VNNI's few rows and buffer, the tiles, the
+    portable loop) gives the weight's product within float rounding: no int32 overflows."""
+    size = {"Q4_K": 144, "Q5_K": 176}[kind]
+    block = np.full(size, 0xFF, dtype=np.uint8)
+    block[0:4] = np.frombuffer(np.array([1.0, 1.0], dtype=np.float16).tobytes(), np.uint8)
+    rows, cols = 48, 512
+    weight = kquants.from_blocks(np.tile(block, (rows, cols // 256)), kind)
+    codes, scales = kquants.pack(weight)
+    dense = weight.dequantize().double()
+    assert dense.abs().max() > 0  # d 63 q - dmin 63: 882 (Q4_K) or 1890 (Q5_K)
+    signs = torch.ones(70, cols)
+    signs[1::2, ::3] = -1.0
+    expected = signs.double() @ dense.t()
+    runs = {"vnni": {"CELLBATCH_AMX": "0"}, "amx": {"CELLBATCH_AMX": "always"}}
+    runs["portable"] = {"CELLBATCH_A8_PORTABLE": "1"}
+    for name, env in runs.items():
+        if name == "amx" and not cpu.cpu_has_amx():
+            continue
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        for n in (1, 3, 70):
+            got = compiled_ops.kquant_matmul_a8(signs[:n], codes, scales, rows).double()
+            assert torch.allclose(got, expected[:n], rtol=1e-5, atol=0), (name, n)
+        for key in env:
+            monkeypatch.delenv(key)
 
 
 def test_a_bad_header_or_shape_is_refused(compiled_ops) -> None:

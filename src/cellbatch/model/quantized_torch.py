@@ -7,9 +7,10 @@ Owns: rebuilding a float weight from the kernels' panel layouts (cellbatch.model
 `pack`) for each call, and `quantize_activations`.
 Promises: int4_matmul and int8_matmul multiply with F.linear over the rebuilt weight, their
 calls padded to FALLBACK_MIN_ROWS rows so that a row's result does not depend on the other
-rows; the `_a8` products quantise each row's inputs per group of 32 exactly as the compiled
-kernel does (the same float32 operations) and sum the groups' exact integer dot products,
-scaled, in float32: the kernel's results to float rounding.
+rows; the `_a8` products quantise each row's inputs per group of 32 (with K-quant weights,
+one scale per block of 256) exactly as the compiled kernel does (the same float32
+operations) and sum the groups' exact integer dot products, scaled, in float32: the
+kernel's results to float rounding.
 Never: runs fast (these are the fallback on devices without the compiled kernels, and the
 reference the kernels are tested against).
 """
@@ -77,14 +78,18 @@ def int4_matmul_torch(
     return _padded_linear(x, _int4_dense(codes, scales, out_features))
 
 
-def quantize_activations(
-    rows: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Quantised = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def quantize_activations(rows: torch.Tensor, span: int = GROUP_SIZE) -> Quantised:
     """rows [M, K] -> (codes [M, K / 32, 32] as float32 integers in [-127, 127], scales d
-    [M, K / 32], sums [M, K / 32]): per group of 32, d = max|x| / 127 and codes =
-    round_half_even(x * (127 / max|x|)), as the compiled `int4_matmul_a8` computes them."""
+    [M, K / 32], sums of x [M, K / 32]): per group of 32, d = amax / 127 and codes =
+    round_half_even(x * (127 / amax)), amax the largest |x| of the group's span of inputs
+    (32: the group; 256 for weights with K-quant blocks), as the compiled `_a8` products
+    compute them."""
+    spans = rows.float().unflatten(-1, (-1, span))  # type: ignore[no-untyped-call]
+    amax = spans.abs().amax(dim=-1).repeat_interleave(span // GROUP_SIZE, dim=-1)
     groups = rows.float().unflatten(-1, (-1, GROUP_SIZE))  # type: ignore[no-untyped-call]
-    amax = groups.abs().amax(dim=-1)
     # A division of two tensors: `127.0 / amax` would be amax.reciprocal() * 127 (rounded
     # twice), not the kernel's one division.
     limit = torch.full_like(amax, 127.0)
@@ -98,12 +103,14 @@ def _a8_product(
     weight_codes: torch.Tensor,
     scale: torch.Tensor,
     offset: torch.Tensor | None,
+    quantised: Quantised | None = None,
 ) -> torch.Tensor:
-    """x [..., K] quantised per group of 32 (`quantize_activations`) times weight codes
-    [N, K / 32, 32]: y = sum over groups of dot * s * d (+ o * sum(x) with an offset), scale
-    and offset [N, K / 32], the dots exact (integers below 2^24 in float32)."""
+    """x [..., K] quantised per group of 32 (`quantize_activations`, or `quantised` as it
+    gave them) times weight codes [N, K / 32, 32]: y = sum over groups of dot * s * d (+ o
+    * sum(x) with an offset), scale and offset [N, K / 32], the dots exact (integers below
+    2^24 in float32)."""
     rows = x.reshape(-1, x.shape[-1])
-    x_codes, x_scales, x_sums = quantize_activations(rows)
+    x_codes, x_scales, x_sums = quantised or quantize_activations(rows)
     dots = torch.einsum("mgk,ngk->mng", x_codes, weight_codes)
     terms = dots * (scale[None] * x_scales[:, None, :])
     if offset is not None:
@@ -144,23 +151,28 @@ def kquant_matmul_a8_torch(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
 ) -> torch.Tensor:
     """The op `kquant_matmul_a8` in torch: x [..., K] times a weight kept in its GGUF kinds
-    (`kquants.pack`), with int8 activations: each segment's groups as `_a8_product` sums
-    them (Q6_K: per sub-group of 16, its codes counted from 32, no offset)."""
+    (`kquants.pack`), with int8 activations, one scale per block of 256 inputs where any
+    segment is a K-quant kind: each segment's groups as `_a8_product` sums them (Q4_K and
+    Q5_K: the offsets times the quantised inputs' sums, as the kernels' integer mins;
+    Q6_K: per sub-group of 16, its codes counted from 32, no offset)."""
     weight = kquants.unpack(codes, scales)
     if weight.shape != (out_features, x.shape[-1]):
         raise ValueError(
             f"a {weight.shape} weight cannot give {out_features} outputs of x {x.shape}"
         )
+    rows = x.reshape(-1, x.shape[-1])
+    blocks = any(kquants.in_blocks(segment.kind) for segment in weight.segments)
+    x_codes, x_scales, x_sums = quantize_activations(rows, 256 if blocks else GROUP_SIZE)
+    quantised_sums = x_scales * x_codes.sum(-1)
     parts = []
     for segment in weight.segments:
         q, s, o = kquants.segment_terms(segment)
         q, s = q[: segment.rows], s[: segment.rows]
         grouped = q.view(segment.rows, -1, GROUP_SIZE)
         if o is not None:
-            parts.append(_a8_product(x, grouped, s, o[: segment.rows]))
+            sums = quantised_sums if kquants.in_blocks(segment.kind) else x_sums
+            parts.append(_a8_product(x, grouped, s, o[: segment.rows], (x_codes, x_scales, sums)))
             continue
-        rows = x.reshape(-1, x.shape[-1])
-        x_codes, x_scales, _ = quantize_activations(rows)
         halves = x_codes.unflatten(-1, (2, 16))  # type: ignore[no-untyped-call]
         dots = torch.einsum("mghk,nghk->mngh", halves, grouped.unflatten(-1, (2, 16)))  # type: ignore[no-untyped-call]
         terms = dots * (s.view(segment.rows, -1, 2)[None] * x_scales[:, None, :, None])

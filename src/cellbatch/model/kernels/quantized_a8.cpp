@@ -3,7 +3,8 @@
 // panels laid out for it, with float32 or bfloat16 activations x [M, K].
 //
 // Owns: the quantisation of each row's inputs and the products over it. Per row and group
-// g of 32 inputs (the weights' groups), as llama.cpp's Q8_1 blocks hold them:
+// g of 32 inputs (the weights' groups), as llama.cpp's Q8_1 blocks hold them (amax over
+// the group's span: the group here, a K-quant block of 256 for kquant_matmul_a8):
 //   amax = max |x|,  d = amax / 127,  xq = round_half_even(x * (127 / amax))  (0 if amax 0)
 //   sx = the group's sum of x (float32, a fixed order)
 // and then, for each output n with the group's scale s (int4: and offset o, w = q s + o):
@@ -79,15 +80,22 @@ constexpr int64_t quantised_slot(int64_t i) {
   return kInt4 ? (i % 2) * 4 + i / 2 : i;
 }
 
-// One group of 32 inputs quantised in portable code: the reference for the vector path,
-// summed in the order _mm512_reduce_add_ps takes ((i, i + 16), then halves: 8, 4, 2, 1).
+// The largest |x| of `count` inputs (any order gives the same maximum).
+template <typename T>
+float amax_portable(const T* x, int64_t count) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(widen(x[i])));
+  return amax;
+}
+
+// One group of 32 inputs quantised in portable code with the largest |x| of its span
+// (`amax`): the reference for the vector path, the sum x summed in the order
+// _mm512_reduce_add_ps takes ((i, i + 16), then halves: 8, 4, 2, 1).
 template <bool kInt4, typename T>
-void quantise_group_portable(const T* x, int8_t* q, float* d, float* sx, int32_t* qsum) {
-  float values[kGroup], amax = 0.0f;
-  for (int64_t i = 0; i < kGroup; ++i) {
-    values[i] = widen(x[i]);
-    amax = std::max(amax, std::fabs(values[i]));
-  }
+void quantise_group_portable(const T* x, float amax, int8_t* q, float* d, float* sx,
+                             int32_t* qsum) {
+  float values[kGroup];
+  for (int64_t i = 0; i < kGroup; ++i) values[i] = widen(x[i]);
   float partial[16];
   for (int64_t i = 0; i < 16; ++i) partial[i] = values[i] + values[i + 16];
   for (int64_t width = 8; width >= 1; width /= 2)
@@ -171,12 +179,20 @@ bool a8_products_available() {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
-// One group of 32 inputs quantised (the vector form of quantise_group_portable).
+// The largest |x| of `count` inputs, a multiple of 32 (amax_portable's value).
+template <typename T>
+float amax_of(const T* x, int64_t count) {
+  __m512 most = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(load16(x + i)));
+  return _mm512_reduce_max_ps(most);
+}
+
+// One group of 32 inputs quantised with its span's largest |x| (the vector form of
+// quantise_group_portable).
 template <bool kInt4, typename T>
-void quantise_group(const T* x, int8_t* q, float* d, float* sx, int32_t* qsum) {
+void quantise_group(const T* x, float amax, int8_t* q, float* d, float* sx, int32_t* qsum) {
   const __m512 low = load16(x), high = load16(x + 16);
   *sx = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
   *d = amax / 127.0f;
   const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   // |x| <= amax, so every product rounds into [-127, 127]: the narrowing never saturates.
@@ -366,21 +382,27 @@ bool portable_asked() {
 }
 
 template <bool kInt4, typename T>
-Quantised quantise(const T* x, int64_t count, int64_t in_features, bool vector) {
-  const int64_t groups = in_features / kGroup;
+Quantised quantise(const T* x, int64_t count, int64_t in_features, int64_t span, bool vector) {
+  const int64_t groups = in_features / kGroup, per_span = span / kGroup;
   Quantised xs{std::vector<int8_t>(count * in_features), std::vector<float>(count * groups),
                std::vector<float>(count * groups), std::vector<int32_t>(count * groups),
                in_features};
-  at::parallel_for(0, count * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      int8_t* q = xs.q.data() + i * kGroup;
+  at::parallel_for(0, count * groups / per_span, std::max<int64_t>(1, 64 / per_span), [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const T* from = x + s * span;
 #ifdef CELLBATCH_A8_PRODUCTS
       if (vector) {
-        quantise_group<kInt4>(x + i * kGroup, q, &xs.d[i], &xs.sx[i], &xs.qsum[i]);
+        const float amax = amax_of(from, span);
+        for (int64_t i = s * per_span; i < (s + 1) * per_span; ++i)
+          quantise_group<kInt4>(x + i * kGroup, amax, xs.q.data() + i * kGroup, &xs.d[i],
+                                &xs.sx[i], &xs.qsum[i]);
         continue;
       }
 #endif
-      quantise_group_portable<kInt4>(x + i * kGroup, q, &xs.d[i], &xs.sx[i], &xs.qsum[i]);
+      const float amax = amax_portable(from, span);
+      for (int64_t i = s * per_span; i < (s + 1) * per_span; ++i)
+        quantise_group_portable<kInt4>(x + i * kGroup, amax, xs.q.data() + i * kGroup, &xs.d[i],
+                                       &xs.sx[i], &xs.qsum[i]);
     }
   });
   return xs;
@@ -412,7 +434,7 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
-    const Quantised xs = quantise<kInt4>(rows.data_ptr<T>(), count, in_features, vector);
+    const Quantised xs = quantise<kInt4>(rows.data_ptr<T>(), count, in_features, kGroup, vector);
     T* y = out.data_ptr<T>();
     const Code* c = codes.data_ptr<Code>();
     const S* s = scales.data_ptr<S>();
@@ -472,11 +494,15 @@ Path products_path() {
   return avx2_products_available() ? Path::kAvx2 : Path::kPortable;
 }
 
-Quantised quantise_rows(const at::Tensor& rows, Path path) {
+Quantised quantise_rows(const at::Tensor& rows, Path path, int64_t span) {
   const int64_t count = rows.size(0), in_features = rows.size(1);
+  TORCH_CHECK(span % kGroup == 0 && span > 0 && in_features % span == 0,
+              "quantise_rows: a span of ", span, " inputs does not divide K = ", in_features,
+              " into whole groups of 32");
   if (rows.scalar_type() == at::kBFloat16)
-    return quantise<false>(rows.data_ptr<c10::BFloat16>(), count, in_features, path == Path::kVnni);
-  return quantise<false>(rows.data_ptr<float>(), count, in_features, path == Path::kVnni);
+    return quantise<false>(rows.data_ptr<c10::BFloat16>(), count, in_features, span,
+                           path == Path::kVnni);
+  return quantise<false>(rows.data_ptr<float>(), count, in_features, span, path == Path::kVnni);
 }
 
 }  // namespace a8

@@ -65,10 +65,12 @@ struct Int8Layout {
 enum class Path { kVnni, kAvx2, kPortable };
 Path products_path();
 
-// rows [M, K] (contiguous float32 or bf16, K a multiple of 32) quantised per group of 32
-// as the int8 weights' products take them (the inputs in their own order), by the vector
-// code where `path` is kVnni, else the portable loop: the same values either way.
-Quantised quantise_rows(const at::Tensor& rows, Path path);
+// rows [M, K] (contiguous float32 or bf16, K a multiple of `span`) quantised per group of
+// 32 as the int8 weights' products take them (the inputs in their own order), each group's
+// scale d from the largest |x| of its span of inputs (32: its own; kquant's 256: its
+// block's, so that a block's dot products add up in int32 before one float step), by the
+// vector code where `path` is kVnni, else the portable loop: the same values either way.
+Quantised quantise_rows(const at::Tensor& rows, Path path, int64_t span);
 
 // True when this library holds the AVX2 products and this CPU runs them (AVX2, FMA, F16C,
 // detected when first asked) with torch at the AVX2 width or wider.

@@ -109,7 +109,7 @@ bool amx_products_available() {
 
 namespace {
 
-// The tile configuration (palette 1): 16 rows of inputs, three panels' codes and dots.
+// A tile configuration (palette 1): a8::TileShape's tiles 0-6.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -117,20 +117,24 @@ struct alignas(64) TileConfig {
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
 
-  TileConfig() {
-    rows[0] = kTileRows, bytes_per_row[0] = kGroup;  // the rows' inputs of a group
-    for (int t = 1; t <= kBlock; ++t) rows[t] = 8, bytes_per_row[t] = 64;  // codes
+  explicit TileConfig(TileShape shape) {
+    const bool blocks = shape == TileShape::kBlocks;
+    rows[0] = kTileRows, bytes_per_row[0] = blocks ? 64 : kGroup;  // the rows' inputs
+    for (int t = 1; t <= kBlock; ++t) rows[t] = blocks ? 16 : 8, bytes_per_row[t] = 64;  // codes
     for (int t = 1 + kBlock; t <= 2 * kBlock; ++t) rows[t] = kTileRows, bytes_per_row[t] = 64;
   }
 };
 
-// One object that holds the configuration in memory: built on the stack beside the load,
-// its rows and widths were stores the compiler dropped (it sees LDTILECFG read no further).
-const TileConfig kTileConfig;
+// Objects that hold the configurations in memory: built on the stack beside the load,
+// their rows and widths were stores the compiler dropped (it sees LDTILECFG read no further).
+const TileConfig kGroupTiles(TileShape::kGroups);
+const TileConfig kBlockTiles(TileShape::kBlocks);
 
 }  // namespace
 
-void load_tile_config() { _tile_loadconfig(&kTileConfig); }
+void load_tile_config(TileShape shape) {
+  _tile_loadconfig(shape == TileShape::kBlocks ? &kBlockTiles : &kGroupTiles);
+}
 
 void release_tiles() { _tile_release(); }
 
@@ -308,7 +312,9 @@ void int8_products_amx(const Quantised& xs, const int8_t* codes, const S* scales
 #else  // not x86-64 Linux with GCC or Clang: no tiles
 
 bool amx_products_available() { return false; }
-void load_tile_config() { TORCH_CHECK(false, "load_tile_config: no AMX path in this build"); }
+void load_tile_config(TileShape) {
+  TORCH_CHECK(false, "load_tile_config: no AMX path in this build");
+}
 void release_tiles() {}
 
 template <typename S, typename T>

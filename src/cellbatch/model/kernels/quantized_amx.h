@@ -22,11 +22,15 @@ bool amx_products_available();
 bool amx_takes(int64_t rows);
 int64_t amx_min_rows();
 
-// The tile products' configuration (palette 1) loaded on this thread: tile 0, 16 rows of
-// 32 input bytes; tiles 1-3, 8 rows of 64 code bytes (four inputs of 16 outputs to a 32-bit
-// lane); tiles 4-6, 16 x 16 int32 dot products. Then the tiles released. Only after
+// The tile products' configurations (palette 1). kGroups: tile 0, 16 rows of 32 input
+// bytes; tiles 1-3, 8 rows of 64 code bytes (four inputs of 16 outputs to a 32-bit lane);
+// tiles 4-6, 16 x 16 int32 dot products. kBlocks (quantized_kq_amx.cpp's K-quant blocks):
+// tiles 0-6 all 16 rows of 64 bytes (64 inputs of 16 rows; 64 inputs of 16 outputs; dots).
+enum class TileShape { kGroups, kBlocks };
+
+// The configuration of `shape` loaded on this thread; then the tiles released. Only after
 // amx_products_available().
-void load_tile_config();
+void load_tile_config(TileShape shape);
 void release_tiles();
 
 // A thread's tiles over one call: configured at its first tile product, released when the
@@ -40,14 +44,16 @@ class Tiles {
   ~Tiles() {
     if (configured_) release_tiles();
   }
-  void configure() {
-    if (configured_) return;
-    load_tile_config();
+  void configure(TileShape shape = TileShape::kGroups) {
+    if (configured_ && shape == shape_) return;
+    load_tile_config(shape);
     configured_ = true;
+    shape_ = shape;
   }
 
  private:
   bool configured_ = false;
+  TileShape shape_ = TileShape::kGroups;
 };
 
 // y [count, out_features] (T: float or c10::BFloat16) from the quantised rows and int4

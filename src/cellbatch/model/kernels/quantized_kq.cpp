@@ -1,14 +1,19 @@
 // `cellbatch::kquant_matmul_a8`: x [M, K] (float32 or bf16) times a weight kept in its GGUF
 // block kinds (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; layout: quantized_kq.h), the
 // inputs quantised to int8 per group of 32 as the int8 weights' `_a8` products quantise
-// them (quantized_a8.cpp: d, sx and the codes xq of each group).
+// them (quantized_a8.cpp: d, sx, the codes xq and their sum qs of each group), with one
+// scale d per block of 256 inputs where any segment is a K-quant kind, as llama.cpp's
+// Q8_K inputs have it, so that a block's integer sums need one float step.
 //
 // Owns: the products' arithmetic on AVX512-VNNI CPUs and in portable code, and the op (the
 // header's checks, one product per segment into its columns; AVX2 CPUs run
 // quantized_kq_avx2.cpp). Per row, output n with codes q and group g's terms
 // (quantized_kq.h, `Panels::terms`):
-//   4/5-bit kinds, w = s q + o per group of 32:
+//   Q4_0 .. Q5_1, w = s q + o per group of 32:
 //     t = fma(float(dot), s * d, t); t = fma(o, sx, t),   dot = sum(q xq) over the group
+//   Q4_K, Q5_K, w = D sc q - M mn (sc, mn per group; D, M per block of 256), per block:
+//     t = fma(float(isum), D * d, t); t = fma(float(imin), (-M) * d, t),
+//     isum = sum(sc dot), imin = sum(mn qs) over its 8 groups (|isum| < 2^26)
 //   Q6_K, w = s (q - 32) per sub-group h of 16:
 //     t = fma(float(dot_h - 32 qs_h), s_h * d, t),        dot_h = sum(q xq), qs_h = sum(xq)
 // over the groups in input order (sub-groups in order), the dots exact in int32 (and the
@@ -47,7 +52,12 @@
 namespace cellbatch::kq {
 namespace {
 
-constexpr int64_t kAmxMinRows = 32;  // rows from which `auto` takes the tiles
+// Rows from which `auto` takes the tiles: the group kinds' from 32, Q4_K and Q5_K's (whose
+// tiles leave one float step per block) from 5; Q6_K's never (two tile products per group
+// and a float step per 16 inputs: VNNI is faster). benchmarks/quantized.py --products
+// --shapes 1b measures them.
+constexpr int64_t kAmxMinRows = 32;
+constexpr int64_t kBlockAmxMinRows = 5;
 
 // The portable loop over rows [0, count) and panels [p0, p1) of one segment.
 template <typename T>
@@ -55,17 +65,34 @@ void product_portable(const Inputs& in, const Panels& panels, int64_t p0, int64_
                       int64_t out_features, T* y) {
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups, in_features = xs.in_features, count = in.count();
+  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
+  auto dot_of = [&](int64_t m, int64_t p, int c, int64_t g, int from, int to) {
+    int32_t dot = 0;
+    for (int k = from; k < to; ++k)
+      dot += panels.code(p, g, c, k) * xs.q[m * in_features + g * kGroup + k];
+    return dot;
+  };
   for (int64_t m = 0; m < count; ++m)
     for (int64_t p = p0; p < p1; ++p)
       for (int c = 0; c < kPanel && p * kPanel + c < panels.rows; ++c) {
         float total = 0.0f;
-        for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t g0 = 0; blocks && g0 < groups; g0 += 8) {
+          int32_t isum = 0, imin = 0;
+          for (int64_t g = g0; g < g0 + 8; ++g) {
+            isum += panels.scale_code(p, g, c) * dot_of(m, p, c, g, 0, kGroup);
+            imin += panels.min_code(p, g, c) * xs.qsum[m * groups + g];
+          }
+          float d, negative_dmin;
+          panels.block_halves(p, g0, c, &d, &negative_dmin);
+          const float dx = xs.d[m * groups + g0];
+          total = std::fma(static_cast<float>(isum), d * dx, total);
+          total = std::fma(static_cast<float>(imin), negative_dmin * dx, total);
+        }
+        for (int64_t g = 0; !blocks && g < groups; ++g) {
           const float d = xs.d[m * groups + g];
           for (int sub = 0; sub < subs(panels.kind); ++sub) {
             const int width = static_cast<int>(kGroup / subs(panels.kind));
-            int32_t dot = 0;
-            for (int k = sub * width; k < (sub + 1) * width; ++k)
-              dot += panels.code(p, g, c, k) * xs.q[m * in_features + g * kGroup + k];
+            const int32_t dot = dot_of(m, p, c, g, sub * width, (sub + 1) * width);
             float scale, offset;
             panels.terms(p, g, sub, c, &scale, &offset);
             if (panels.kind == kQ6_K) {
@@ -100,19 +127,23 @@ constexpr int64_t kBlockWidth = kBlock * kPanel;
 // A chunk of a block's operands and terms, for the rows to run over.
 struct alignas(64) Buffer {
   __m512i operands[kChunkGroups][8][kBlock];
-  __m512 scales[kChunkGroups][2][kBlock];
+  __m512 scales[kChunkGroups][2][kBlock];  // group kinds, Q6_K
   __m512 offsets[kChunkGroups][2][kBlock];
+  __m512 sc[kChunkGroups][kBlock];  // Q4_K, Q5_K
+  __m512i min_pairs[kBlock][4];
+  __m512 d[kBlock], negative_dmin[kBlock];
 };
 
 // Operands and terms straight from the panels (the few-row path), asking for the codes
-// kAhead groups on.
+// kAhead groups on. The sources' reads are always inlined: left to the compiler, some were
+// calls in every group's steps.
 template <int kBits>
 struct Direct {
   const Panels& panels;
   int64_t p0;
   mutable Halves halves[kBlock];
   template <int kS>
-  __m512i get(int p, int64_t g) const {
+  [[gnu::always_inline]] __m512i get(int p, int64_t g) const {
     const uint8_t* at = panels.group_codes(p0 + p, g);
     if constexpr (kS == 0) {
       const char* ahead = reinterpret_cast<const char*>(panels.group_codes(p0 + p, g + kAhead));
@@ -121,8 +152,17 @@ struct Direct {
     }
     return operand<kBits, kS>(at);
   }
-  void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
+  [[gnu::always_inline]] void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
     terms(panels, p0 + p, g, sub, halves[p], scale, offset);
+  }
+  [[gnu::always_inline]] __m512 scales_of(int p, int64_t g) const {
+    __m512i sc, mn;
+    block_codes(panels, p0 + p, g, &sc, &mn);
+    return small_to_float(sc);
+  }
+  [[gnu::always_inline]] void block_of(int p, int64_t g0, __m512* d, __m512* negative_dmin, __m512i (&pairs)[4]) const {
+    block_halves(panels, p0 + p, g0, d, negative_dmin);
+    block_min_pairs(panels, p0 + p, g0, pairs);
   }
 };
 
@@ -131,16 +171,22 @@ struct Buffered {
   const Buffer& buffer;
   int64_t g0;
   template <int kS>
-  __m512i get(int p, int64_t g) const {
+  [[gnu::always_inline]] __m512i get(int p, int64_t g) const {
     return _mm512_load_si512(&buffer.operands[g - g0][kS][p]);
   }
-  void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
+  [[gnu::always_inline]] void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
     *scale = buffer.scales[g - g0][sub][p];
     *offset = buffer.offsets[g - g0][sub][p];
   }
+  [[gnu::always_inline]] __m512 scales_of(int p, int64_t g) const { return buffer.sc[g - g0][p]; }
+  [[gnu::always_inline]] void block_of(int p, int64_t, __m512* d, __m512* negative_dmin, __m512i (&pairs)[4]) const {
+    *d = buffer.d[p];  // the buffer holds one block
+    *negative_dmin = buffer.negative_dmin[p];
+    for (int i = 0; i < 4; ++i) pairs[i] = buffer.min_pairs[p][i];
+  }
 };
 
-template <int kBits>
+template <int kBits, Chain kChain>
 void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, Buffer* buffer) {
   for (int p = 0; p < count; ++p) {
     Halves halves;
@@ -155,9 +201,19 @@ void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, B
       ops[5][p] = operand<kBits, 5>(at);
       ops[6][p] = operand<kBits, 6>(at);
       ops[7][p] = operand<kBits, 7>(at);
+      if constexpr (kChain == Chain::kBlock) {
+        __m512i sc, mn;
+        block_codes(panels, p0 + p, g, &sc, &mn);
+        buffer->sc[g - g0][p] = small_to_float(sc);
+        continue;
+      }
       for (int sub = 0; sub < subs(panels.kind); ++sub)
         terms(panels, p0 + p, g, sub, halves, &buffer->scales[g - g0][sub][p],
               &buffer->offsets[g - g0][sub][p]);
+    }
+    if constexpr (kChain == Chain::kBlock) {
+      block_halves(panels, p0 + p, g0, &buffer->d[p], &buffer->negative_dmin[p]);
+      block_min_pairs(panels, p0 + p, g0, buffer->min_pairs[p]);
     }
   }
 }
@@ -214,11 +270,75 @@ inline void fold(const Source& source, const Inputs& in, int64_t m, int64_t g, i
   }
 }
 
-// R rows from m over P panels, groups [g0, g1): sums[r][16 P] continue from group g0.
+// The Q4_K/Q5_K chain of R rows from m over P panels, whole blocks of groups [g0, g1):
+// sums[r][16 P] continue from group g0. isum = sum(sc dot) is summed in float32 over runs
+// of groups whose sum stays an integer below 2^24 (4 groups of 4-bit codes: 4 x 63 x 32 x
+// 15 x 127; 2 of 5-bit), so exactly, then in int32: a conversion and an FMA per group and
+// panel, where VPMULLD would take two uops of port 0, the port the VPDPBUSDs wait on.
 template <int R, int P, int kBits, typename Source>
+inline void blocks_of_rows(const Source& source, const Inputs& in, int64_t m, int64_t g0,
+                           int64_t g1, float* sums) {
+  constexpr int64_t kRun = kBits == 4 ? 4 : 2;
+  const a8::Quantised& xs = in.xs;
+  const int64_t groups = xs.in_features / kGroup;
+  for (int64_t b = g0; b < g1; b += 8) {
+    __m512i isum[R][P];  // in memory: the registers hold the dots and the runs' sums
+    for (int64_t run = b; run < b + 8; run += kRun) {
+      __m512 exact[R][P];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) exact[r][p] = _mm512_setzero_ps();
+      for (int64_t g = run; g < run + kRun; ++g) {
+        __m512i dot[R][P];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+          for (int p = 0; p < P; ++p) dot[r][p] = _mm512_setzero_si512();
+        steps4<R, P, 0>(source, xs, m, g, dot);
+        steps4<R, P, 4>(source, xs, m, g, dot);
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) {
+          const __m512 sc = source.scales_of(p, g);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r)
+            exact[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), sc, exact[r][p]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) {
+          const __m512i whole = _mm512_cvtps_epi32(exact[r][p]);
+          isum[r][p] = run == b ? whole : _mm512_add_epi32(isum[r][p], whole);
+        }
+    }
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p) {
+      __m512 d, negative_dmin;
+      __m512i pairs[4];
+      source.block_of(p, b, &d, &negative_dmin, pairs);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        float* at = sums + r * kBlockWidth + p * kPanel;
+        const __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
+        const int64_t i = (m + r) * groups + b;
+        _mm512_storeu_ps(at, fold_block(xs.qsum.data() + i, xs.d[i], isum[r][p], pairs, d,
+                                        negative_dmin, t));
+      }
+    }
+  }
+}
+
+// R rows from m over P panels, groups [g0, g1): sums[r][16 P] continue from group g0.
+template <int R, int P, int kBits, Chain kChain, typename Source>
 void rows_over_groups(const Source& source, const Inputs& in, int64_t m, int64_t g0, int64_t g1,
                       float* sums) {
-  constexpr bool kSix = kBits == 6;
+  constexpr bool kSix = kChain == Chain::kSix;
+  if constexpr (kChain == Chain::kBlock) {
+    blocks_of_rows<R, P, kBits>(source, in, m, g0, g1, sums);
+    return;
+  }
   __m512 total[R][P];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -249,35 +369,37 @@ void rows_over_groups(const Source& source, const Inputs& in, int64_t m, int64_t
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
-template <int P, int kBits>
+template <int P, int kBits, Chain kChain>
 void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int64_t p0,
            Buffer* buffer, float* sums) {
   const int64_t groups = panels.groups;
   if (count <= kFusedRows) {
     with_count<kFusedRows>(count, [&](auto rows) {
-      rows_over_groups<decltype(rows)::value, P, kBits>(Direct<kBits>{panels, p0, {}}, in, m, 0,
-                                                        groups, sums);
+      rows_over_groups<decltype(rows)::value, P, kBits, kChain>(Direct<kBits>{panels, p0, {}}, in,
+                                                                m, 0, groups, sums);
     });
     return;
   }
+  // kChunkGroups groups are one K-quant block: a chunk's Q4_K/Q5_K chain is whole blocks.
+  static_assert(kChunkGroups * kGroup == kBlockInputs);
   for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
     const int64_t g1 = std::min(groups, g0 + kChunkGroups);
-    fill<kBits>(panels, p0, P, g0, g1, buffer);
+    fill<kBits, kChain>(panels, p0, P, g0, g1, buffer);
     const Buffered source{*buffer, g0};
     for (int64_t r = 0; r < count; r += kRows)
       with_count<kRows>(std::min(kRows, count - r), [&](auto rows) {
-        rows_over_groups<decltype(rows)::value, P, kBits>(source, in, m + r, g0, g1,
-                                                          sums + r * kBlockWidth);
+        rows_over_groups<decltype(rows)::value, P, kBits, kChain>(source, in, m + r, g0, g1,
+                                                                  sums + r * kBlockWidth);
       });
   }
 }
 
-template <int kBits, typename T>
+template <int kBits, Chain kChain, typename T>
 void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
   for_each_block<Buffer, kBlock, kRowChunk, kFusedRows>(
       in.count(), panels.panel_count,
       [&](auto width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
-        block<decltype(width)::value, kBits>(panels, in, m0, n, p0, buffer, sums);
+        block<decltype(width)::value, kBits, kChain>(panels, in, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
         store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
@@ -288,10 +410,15 @@ void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, 
 
 template <typename T>
 void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
   switch (bits(panels.kind)) {
-    case 4: return product_vnni<4>(in, panels, out_features, y);
-    case 5: return product_vnni<5>(in, panels, out_features, y);
-    default: return product_vnni<6>(in, panels, out_features, y);
+    case 4:
+      return blocks ? product_vnni<4, Chain::kBlock>(in, panels, out_features, y)
+                    : product_vnni<4, Chain::kGroup>(in, panels, out_features, y);
+    case 5:
+      return blocks ? product_vnni<5, Chain::kBlock>(in, panels, out_features, y)
+                    : product_vnni<5, Chain::kGroup>(in, panels, out_features, y);
+    default: return product_vnni<6, Chain::kSix>(in, panels, out_features, y);
   }
 }
 
@@ -359,7 +486,9 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
   shape.push_back(out_features);
   if (count == 0) return out.view(shape);
   const a8::Path path = a8::products_path();
-  const a8::Quantised xs = a8::quantise_rows(rows, path);
+  const bool blocks = std::any_of(parts.begin(), parts.end(),
+                                  [](const Panels& p) { return in_blocks(p.kind); });
+  const a8::Quantised xs = a8::quantise_rows(rows, path, blocks ? kBlockInputs : kGroup);
   Inputs in{xs, {}};
   if (std::any_of(parts.begin(), parts.end(), [](const Panels& p) { return p.kind == kQ6_K; })) {
     in.qs16.resize(count * in_features / 16);
@@ -371,12 +500,15 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
   }
   const bool vnni = path == a8::Path::kVnni && vnni_available();
   const bool amx = a8::amx_takes(count) && vnni;  // a bad CELLBATCH_AMX fails everywhere
-  // Under `auto` the tiles take 4- and 5-bit segments from kAmxMinRows rows (below, and for
-  // Q6_K's two tile products per group, the VNNI path is faster: benchmarks/quantized.py
-  // --products --shapes 1b); CELLBATCH_AMX=always (amx_takes of one row) takes every one.
+  // CELLBATCH_AMX=always (amx_takes of one row) gives the tiles every segment.
   const bool always = amx && a8::amx_takes(1);
   auto tiles = [&](const Panels& panels) {
-    return amx && (always || (bits(panels.kind) != 6 && count >= kAmxMinRows));
+    if (!amx || always) return amx;
+    switch (chain_of(panels.kind)) {
+      case Chain::kGroup: return count >= kAmxMinRows;
+      case Chain::kBlock: return count >= kBlockAmxMinRows;
+      default: return false;
+    }
   };
   auto run = [&](auto tag) {
     using T = decltype(tag);

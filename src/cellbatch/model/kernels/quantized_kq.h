@@ -39,6 +39,13 @@ constexpr int bits(Kind kind) {
 }
 constexpr bool in_blocks(Kind kind) { return kind >= kQ4_K; }
 constexpr int64_t code_bytes(Kind kind) { return bits(kind) == 4 ? 256 : bits(kind) == 5 ? 320 : 384; }
+// How a kind's dot products become outputs (quantized_kq.cpp's chains): per group of 32
+// (Q4_0 .. Q5_1), per block of 256 with integer scales and mins (Q4_K, Q5_K), or per
+// sub-group of 16 (Q6_K).
+enum class Chain { kGroup, kBlock, kSix };
+constexpr Chain chain_of(Kind kind) {
+  return kind == kQ6_K ? Chain::kSix : kind >= kQ4_K ? Chain::kBlock : Chain::kGroup;
+}
 // Sub-groups of a group of 32 inputs, each with its own scale: Q6_K's 16-input ones.
 constexpr int subs(Kind kind) { return kind == kQ6_K ? 2 : 1; }
 // w = d (q - zero) for Q4_0 and Q5_0.
@@ -86,22 +93,29 @@ struct Panels {
     return q;
   }
 
-  // Output c's scale and offset for sub-group `sub` of group g (Q6_K: no offset; its codes
-  // count from 32, which the products take off with the inputs' sums).
+  // Output c's scale and offset for sub-group `sub` of group g: the group kinds' d and
+  // m - zero d; Q6_K's d sc (no offset: its codes count from 32, which the products take
+  // off with the inputs' sums).
   void terms(int64_t p, int64_t g, int sub, int c, float* scale, float* offset) const {
     const uint8_t* h = halves(p, g);
     const float d = static_cast<float>(half_at(h, c));
     if (kind == kQ6_K) {
       *scale = d * static_cast<float>(static_cast<int8_t>(small(p, g, sub)[c]));
       *offset = 0.0f;
-    } else if (in_blocks(kind)) {
-      const uint8_t* sm = small(p, g, 0);
-      *scale = d * static_cast<float>(sm[c]);
-      *offset = -(static_cast<float>(half_at(h + 32, c)) * static_cast<float>(sm[kPanel + c]));
     } else {
       *scale = d;
       *offset = static_cast<float>(half_at(h + 32, c)) - zero(kind) * d;
     }
+  }
+
+  // Q4_K and Q5_K: output c's integer scale and min of group g (w = d sc q - dmin mn).
+  int scale_code(int64_t p, int64_t g, int c) const { return small(p, g, 0)[c]; }
+  int min_code(int64_t p, int64_t g, int c) const { return small(p, g, 0)[kPanel + c]; }
+  // ... and of g's block, d and -dmin.
+  void block_halves(int64_t p, int64_t g, int c, float* d, float* negative_dmin) const {
+    const uint8_t* h = halves(p, g);
+    *d = static_cast<float>(half_at(h, c));
+    *negative_dmin = -static_cast<float>(half_at(h + 32, c));
   }
 
   static c10::Half half_at(const uint8_t* at, int c) {

@@ -1,20 +1,30 @@
 // The kept GGUF block kinds' products (`kquant_matmul_a8`) on CPUs with AMX: quantized_kq.cpp
 // calls them for the calls a8::amx_takes gives the tiles (from a few rows up).
 //
-// Owns: the tile arithmetic of those products. A tile product (TDPBSUD: the signed int8
-// inputs by the unsigned codes) of 16 rows' 32 quantised inputs of a group (tile A, the
-// rows' own bytes, K apart) and one panel's operands of that group (tile B, 8 x 64 bytes:
-// row s is the VNNI path's operand s, inputs 4s .. 4s + 3 of the 16 outputs) into a zeroed
-// tile C gives each row's exact int32 dot product per output over the group, the value
-// VPDPBUSD sums in the VNNI path. Q6_K's sub-groups of 16 inputs take one product each,
-// tile B holding that sub-group's four operand rows and zero in the other four, so the
-// two sums never mix. Tile C goes to an L1 buffer, and the float chain over groups and
-// sub-groups (quantized_kq.cpp's comment) runs there, 4 rows at a time:
-//   4/5-bit kinds: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
-//   Q6_K:          t = fma(float(dot_h - 32 qs_h), s_h * d, t)
+// Owns: the tile arithmetic of those products, two ways.
+// Group kinds and Q6_K: a tile product (TDPBSUD: the signed int8 inputs by the unsigned
+// codes) of 16 rows' 32 quantised inputs of a group (tile A, the rows' own bytes, K apart)
+// and one panel's operands of that group (tile B, 8 x 64 bytes: row s is the VNNI path's
+// operand s, inputs 4s .. 4s + 3 of the 16 outputs) into a zeroed tile C gives each row's
+// exact int32 dot product per output over the group, the value VPDPBUSD sums in the VNNI
+// path. Q6_K's sub-groups of 16 inputs take one product each, tile B holding that
+// sub-group's four operand rows and zero in the other four, so the two sums never mix.
+// Tile C goes to an L1 buffer, and the float chain over groups and sub-groups
+// (quantized_kq.cpp's comment) runs there, 4 rows at a time:
+//   4/5-bit group kinds: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
+//   Q6_K:                t = fma(float(dot_h - 32 qs_h), s_h * d, t)
 // A block of three panels' operands and terms is made once per 4 groups for every row of
 // the call. Tiles: 0 the rows' inputs, 1-3 the block's operands, 4-6 its dot products
-// (a8::load_tile_config's configuration).
+// (a8::TileShape::kGroups).
+// Q4_K and Q5_K: a block of 256 inputs needs isum = sum(sc dot) and imin = sum(mn qs), both
+// integers, so the tiles make them whole and only the block's float step is left. Each
+// group's codes times its scale sc = 2^k hi + lo (k = 4 for 4-bit codes, 3 for 5-bit) make
+// two planes, q lo and q hi, every byte at most 225, and its min mn a third, mn in every
+// byte of the group's inputs; a panel's three planes of a block (four tiles each of 64
+// inputs, 16 rows of 64 bytes) are made once for every row of the call. Three tile
+// products per 64 inputs accumulate over the block: isum = C_lo + 2^k C_hi, imin = C_mn,
+// exactly, and then per row t = fma(float(isum), D d, t); t = fma(float(imin), -M d, t).
+// Tiles: 0 the rows' inputs, 1-3 the planes, 4-6 the sums (a8::TileShape::kBlocks).
 // Promises: the VNNI path's chain over the same exact values, so y's bits do not depend on
 // which path a call takes, on the other rows or on the thread count. Each thread configures
 // its tiles when it starts a call and releases them when it ends it (a8::Tiles).
@@ -41,7 +51,7 @@ namespace cellbatch::kq {
 #ifdef CELLBATCH_KQ_AMX
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")
 
 namespace {
 
@@ -166,7 +176,7 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
            Buffer* buffer, float* sums) {
   constexpr bool kSix = kBits == 6;
   const int64_t in_features = in.xs.in_features, groups = panels.groups;
-  buffer->tiles.configure();
+  buffer->tiles.configure(a8::TileShape::kGroups);
   for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
     const int64_t chunk = std::min(kChunkGroups, groups - g0);
     fill<P, kBits>(panels, p0, g0, chunk, buffer);
@@ -201,15 +211,139 @@ void product_amx(const Inputs& in, const Panels& panels, int64_t out_features, T
       });
 }
 
+// ---- Q4_K and Q5_K: the blocks' integer sums by tiles ----
+
+constexpr int64_t kPlaneBytes = kTileRows * 64;  // a tile: 64 inputs of 16 outputs
+constexpr int64_t kChunksPerBlock = kBlockInputs / 64;
+
+// What a thread holds for a call: one panel's planes of one block (per 64 inputs: lo, hi,
+// mins) and its d and -dmin; a row tile's three sums; a last row tile of fewer than 16
+// rows, copied out.
+struct alignas(64) BlockBuffer {
+  int8_t planes[kChunksPerBlock][3][kPlaneBytes];
+  __m512 d, negative_dmin;
+  int32_t sums[3][kTileRows * kPanel];
+  int8_t tail[kTileRows][kBlockInputs] = {};
+  a8::Tiles tiles;
+};
+
+// Operand kS of group `half`'s codes `at` times the scale words into the planes' rows.
+template <int kBits, int kS>
+inline void put_planes(const uint8_t* at, __m512i low, __m512i high, __m512i mins, int8_t* lo,
+                       int8_t* hi, int8_t* mn) {
+  const __m512i q = operand<kBits, kS>(at);
+  // Each 16-bit word holds two codes (at most 31) and the scale part (at most 15 for 4-bit
+  // codes, 7 for 5-bit) in its low byte: each byte's product stays below 256, no carry.
+  _mm512_store_si512(lo + 64 * kS, _mm512_mullo_epi16(q, low));
+  _mm512_store_si512(hi + 64 * kS, _mm512_mullo_epi16(q, high));
+  _mm512_store_si512(mn + 64 * kS, mins);
+}
+
+template <int kBits>
+void make_planes(const Panels& panels, int64_t p, int64_t b, BlockBuffer* buffer) {
+  constexpr int kShift = kBits == 4 ? 4 : 3;
+  for (int64_t half = 0; half < 8; ++half) {
+    const int64_t g = 8 * b + half;
+    __m512i sc, mn;
+    block_codes(panels, p, g, &sc, &mn);
+    const __m512i words = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+    const __m512i low = _mm512_and_si512(words, _mm512_set1_epi16((1 << kShift) - 1));
+    const __m512i high = _mm512_srli_epi16(words, kShift);
+    const __m512i mins = _mm512_mullo_epi32(mn, _mm512_set1_epi32(0x01010101));
+    const int64_t row = (half % 2) * 8 * 64;  // a group is half of a 64-input tile
+    int8_t* lo = buffer->planes[half / 2][0] + row;
+    int8_t* hi = buffer->planes[half / 2][1] + row;
+    int8_t* mn_rows = buffer->planes[half / 2][2] + row;
+    const uint8_t* at = panels.group_codes(p, g);
+    put_planes<kBits, 0>(at, low, high, mins, lo, hi, mn_rows);
+    put_planes<kBits, 1>(at, low, high, mins, lo, hi, mn_rows);
+    put_planes<kBits, 2>(at, low, high, mins, lo, hi, mn_rows);
+    put_planes<kBits, 3>(at, low, high, mins, lo, hi, mn_rows);
+    put_planes<kBits, 4>(at, low, high, mins, lo, hi, mn_rows);
+    put_planes<kBits, 5>(at, low, high, mins, lo, hi, mn_rows);
+    put_planes<kBits, 6>(at, low, high, mins, lo, hi, mn_rows);
+    put_planes<kBits, 7>(at, low, high, mins, lo, hi, mn_rows);
+  }
+  block_halves(panels, p, 8 * b, &buffer->d, &buffer->negative_dmin);
+}
+
+// One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
+template <int P, int kBits>
+void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int64_t p0,
+                  BlockBuffer* buffer, float* sums) {
+  constexpr int kShift = kBits == 4 ? 4 : 3;
+  const a8::Quantised& xs = in.xs;
+  const int64_t in_features = xs.in_features, groups = panels.groups;
+  buffer->tiles.configure(a8::TileShape::kBlocks);
+  for (int p = 0; p < P; ++p)
+    for (int64_t b = 0; b < groups / 8; ++b) {
+      make_planes<kBits>(panels, p0 + p, b, buffer);
+      for (int64_t row0 = 0; row0 < count; row0 += kTileRows) {
+        const int64_t rows = std::min(kTileRows, count - row0);
+        const int8_t* inputs = xs.q.data() + (m + row0) * in_features + b * kBlockInputs;
+        int64_t stride = in_features;
+        if (rows < kTileRows) {  // the last tile, part-filled
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(buffer->tail[r], inputs + r * in_features, kBlockInputs);
+          inputs = buffer->tail[0], stride = kBlockInputs;
+        }
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        for (int64_t c = 0; c < kChunksPerBlock; ++c) {
+          _tile_loadd(0, inputs + 64 * c, stride);
+          _tile_loadd(1, buffer->planes[c][0], 64);
+          _tile_loadd(2, buffer->planes[c][1], 64);
+          _tile_loadd(3, buffer->planes[c][2], 64);
+          _tile_dpbsud(4, 0, 1);
+          _tile_dpbsud(5, 0, 2);
+          _tile_dpbsud(6, 0, 3);
+        }
+        _tile_stored(4, buffer->sums[0], 64);
+        _tile_stored(5, buffer->sums[1], 64);
+        _tile_stored(6, buffer->sums[2], 64);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512i lo = _mm512_load_si512(buffer->sums[0] + r * kPanel);
+          const __m512i hi = _mm512_load_si512(buffer->sums[1] + r * kPanel);
+          const __m512i isum = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, kShift));
+          const __m512i imin = _mm512_load_si512(buffer->sums[2] + r * kPanel);
+          const __m512 dx = _mm512_set1_ps(xs.d[(m + row0 + r) * groups + 8 * b]);
+          float* at = sums + (row0 + r) * kBlockWidth + p * kPanel;
+          __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
+          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(buffer->d, dx), t);
+          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(buffer->negative_dmin, dx), t);
+          _mm512_storeu_ps(at, t);
+        }
+      }
+    }
+}
+
+template <int kBits, typename T>
+void product_amx_blocks(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  for_each_block<BlockBuffer, kBlock, kRowChunk, 0>(
+      in.count(), panels.panel_count,
+      [&](auto width, int64_t m0, int64_t n, int64_t p0, BlockBuffer* buffer, float* sums) {
+        blocks_block<decltype(width)::value, kBits>(panels, in, m0, n, p0, buffer, sums);
+      },
+      [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
+        store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
+      });
+}
+
 }  // namespace
 
 #pragma GCC pop_options
 
 template <typename T>
 void products_amx(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
   switch (bits(panels.kind)) {
-    case 4: return product_amx<4>(in, panels, out_features, y);
-    case 5: return product_amx<5>(in, panels, out_features, y);
+    case 4:
+      return blocks ? product_amx_blocks<4>(in, panels, out_features, y)
+                    : product_amx<4>(in, panels, out_features, y);
+    case 5:
+      return blocks ? product_amx_blocks<5>(in, panels, out_features, y)
+                    : product_amx<5>(in, panels, out_features, y);
     default: return product_amx<6>(in, panels, out_features, y);
   }
 }

@@ -64,7 +64,8 @@ inline __m256 halves8(const uint8_t* at) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
 }
 
-// Half j of sub-group `sub` of group g's scales and offsets (Panels::terms, 8 lanes).
+// Half j of sub-group `sub` of group g's scales and offsets (Panels::terms, 8 lanes), for
+// the group kinds and Q6_K.
 inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, int j, __m256* scale,
                   __m256* offset) {
   const uint8_t* h = panels.halves(p, g);
@@ -76,17 +77,13 @@ inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, int j, __
     return;
   }
   const __m256 second = halves8(h + 32 + 16 * j);
-  if (in_blocks(panels.kind)) {
-    const uint8_t* sm = panels.small(p, g, 0);
-    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 * j));
-    const __m128i mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + kPanel + 8 * j));
-    *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
-    const __m256 minimum = _mm256_mul_ps(second, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
-    *offset = _mm256_sub_ps(_mm256_setzero_ps(), minimum);
-  } else {
-    *scale = d;
-    *offset = _mm256_sub_ps(second, _mm256_mul_ps(_mm256_set1_ps(zero(panels.kind)), d));
-  }
+  *scale = d;
+  *offset = _mm256_sub_ps(second, _mm256_mul_ps(_mm256_set1_ps(zero(panels.kind)), d));
+}
+
+// Half j of a Q4_K/Q5_K group's integer scales or mins (`at`: its 16 bytes).
+inline __m256i codes8(const uint8_t* at, int j) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8 * j)));
 }
 
 template <int R, int kBits, int kS>
@@ -135,13 +132,61 @@ inline void fold(const Panels& panels, const Inputs& in, int64_t p, int64_t m, i
   }
 }
 
-template <int R, int kBits, typename T>
+// The Q4_K/Q5_K chain (quantized_kq.cpp) of R rows from m over panel p.
+template <int R, int kBits>
+inline void blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
+                              __m256 (&total)[R][2]) {
+  const a8::Quantised& xs = in.xs;
+  const int64_t groups = panels.groups;
+  for (int64_t b = 0; b < groups; b += 8) {
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    for (int64_t g = b; g < b + 8; ++g) {
+      const uint8_t* at = panels.group_codes(p, g);
+      __m256i dot[R][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      steps4<R, kBits, 0>(at, xs, m, g, dot);
+      steps4<R, kBits, 4>(at, xs, m, g, dot);
+      for (int j = 0; j < 2; ++j) {
+        const __m256i sc = codes8(panels.small(p, g, 0), j);
+        for (int r = 0; r < R; ++r)
+          isum[r][j] = _mm256_add_epi32(isum[r][j], _mm256_mullo_epi32(dot[r][j], sc));
+      }
+    }
+    const uint8_t* h = panels.halves(p, b);
+    for (int j = 0; j < 2; ++j) {
+      const __m256 d = halves8(h + 16 * j);
+      const __m256 negative_dmin = _mm256_sub_ps(_mm256_setzero_ps(), halves8(h + 32 + 16 * j));
+      __m256i pairs[4];  // groups 2i and 2i + 1's mins as int16 pairs, for VPMADDWD
+      for (int i = 0; i < 4; ++i) {
+        const __m256i low = codes8(panels.small(p, b + 2 * i, 0) + kPanel, j);
+        const __m256i high = codes8(panels.small(p, b + 2 * i + 1, 0) + kPanel, j);
+        pairs[i] = _mm256_or_si256(low, _mm256_slli_epi32(high, 16));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t* qs = xs.qsum.data() + (m + r) * groups + b;
+        __m256i imin = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+          const int32_t both = (qs[2 * i] & 0xFFFF) | (qs[2 * i + 1] << 16);
+          imin = _mm256_add_epi32(imin, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(both)));
+        }
+        const __m256 dx = _mm256_set1_ps(xs.d[(m + r) * groups + b]);
+        total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][j]), _mm256_mul_ps(d, dx), total[r][j]);
+        total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(negative_dmin, dx),
+                                      total[r][j]);
+      }
+    }
+  }
+}
+
+template <int R, int kBits, Chain kChain, typename T>
 void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
                      int64_t out_features, T* y) {
-  constexpr bool kSix = kBits == 6;
+  constexpr bool kSix = kChain == Chain::kSix;
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < panels.groups; ++g) {
+  if constexpr (kChain == Chain::kBlock) blocks_over_panel<R, kBits>(panels, in, m, p, total);
+  for (int64_t g = 0; kChain != Chain::kBlock && g < panels.groups; ++g) {
     const uint8_t* at = panels.group_codes(p, g);
     __m256i dot[R][2];
     auto clear = [&] {
@@ -166,14 +211,14 @@ void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t 
   }
 }
 
-template <int kBits, typename T>
+template <int kBits, Chain kChain, typename T>
 void products(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
   const int64_t count = in.count();
   at::parallel_for(0, panels.panel_count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t m = 0; m < count; m += kRows)
         with_count<kRows>(std::min<int64_t>(kRows, count - m), [&](auto rows) {
-          rows_over_panel<decltype(rows)::value, kBits>(panels, in, m, p, out_features, y);
+          rows_over_panel<decltype(rows)::value, kBits, kChain>(panels, in, m, p, out_features, y);
         });
   });
 }
@@ -182,10 +227,15 @@ void products(const Inputs& in, const Panels& panels, int64_t out_features, T* y
 
 template <typename T>
 void products_avx2(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
   switch (bits(panels.kind)) {
-    case 4: return products<4>(in, panels, out_features, y);
-    case 5: return products<5>(in, panels, out_features, y);
-    default: return products<6>(in, panels, out_features, y);
+    case 4:
+      return blocks ? products<4, Chain::kBlock>(in, panels, out_features, y)
+                    : products<4, Chain::kGroup>(in, panels, out_features, y);
+    case 5:
+      return blocks ? products<5, Chain::kBlock>(in, panels, out_features, y)
+                    : products<5, Chain::kGroup>(in, panels, out_features, y);
+    default: return products<6, Chain::kSix>(in, panels, out_features, y);
   }
 }
 

@@ -4,8 +4,9 @@
 // columns.
 //
 // Promises: operand<kBits, s>(codes) is the 64 bytes of inputs 4s .. 4s + 3 of the group's
-// 16 outputs (one 32-bit lane each, the codes unsigned), and terms() the products
-// Panels::terms makes, so that every path folds the same values.
+// 16 outputs (one 32-bit lane each, the codes unsigned); terms(), block_codes() and
+// block_halves() the values Panels gives, and fold_block() the Q4_K/Q5_K chain's float
+// step, so that every path folds the same values the same way.
 // Never: runs before the caller asked the CPU for AVX512 (these are compiled for it).
 
 #pragma once
@@ -22,7 +23,7 @@
 namespace cellbatch::kq {
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
 // Operand s of a group (inputs 4s .. 4s + 3 of its 16 outputs) from its codes `at`.
 template <int kBits, int kS>
@@ -45,44 +46,88 @@ inline __m512i operand(const uint8_t* at) {
   return q;
 }
 
-// A panel's float16 terms as floats: group kinds' d and m (each group), K-quants' d and
-// -dmin (Q6_K: d) of the block of 256 they are from, kept while the groups run through it.
+// A panel's float16 terms as floats: group kinds' d and m (each group), Q6_K's d of the
+// block of 256 it is from, kept while the groups run through it.
 struct Halves {
   __m512 d, second;
   int64_t block = -1;
 };
 
-// Sub-group `sub` of group g's 16 scales and offsets (the vector form of Panels::terms:
-// the same products, so the same values). Always inlined: the compiler left it a call
-// through the PLT in every group's fold, a fifth of a 1B model's decode.
+// Sub-group `sub` of group g's 16 scales and offsets, for the group kinds and Q6_K (the
+// vector form of Panels::terms: the same products, so the same values). Always inlined:
+// the compiler left it a call through the PLT in every group's fold, a fifth of a 1B
+// model's decode.
 [[gnu::always_inline]] inline void terms(const Panels& panels, int64_t p, int64_t g, int sub,
                                          Halves& halves, __m512* scale, __m512* offset) {
-  const bool blocks = in_blocks(panels.kind);
-  if (!blocks || halves.block != g / 8) {
+  const bool six = panels.kind == kQ6_K;
+  if (!six || halves.block != g / 8) {
     const uint8_t* h = panels.halves(p, g);
     halves.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-    if (panels.kind != kQ6_K) {
-      const __m512 second =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
-      // K-quants: -dmin, so that o = (-dmin) mn, which is -(dmin mn) exactly.
-      halves.second = blocks ? _mm512_sub_ps(_mm512_setzero_ps(), second) : second;
-    }
-    halves.block = blocks ? g / 8 : -1;
+    if (!six)
+      halves.second = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+    halves.block = six ? g / 8 : -1;
   }
   const __m512 d = halves.d;
-  if (panels.kind == kQ6_K) {
+  if (six) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
     *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-  } else if (blocks) {
-    const uint8_t* sm = panels.small(p, g, 0);
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
-    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanel));
-    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-    *offset = _mm512_mul_ps(halves.second, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
   } else {
     *scale = d;
     *offset = _mm512_sub_ps(halves.second, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
   }
+}
+
+// Q4_K and Q5_K: group g's 16 integer scales and mins as int32 lanes (Panels::scale_code,
+// min_code) ...
+[[gnu::always_inline]] inline void block_codes(const Panels& panels, int64_t p, int64_t g,
+                                               __m512i* sc, __m512i* mn) {
+  const uint8_t* sm = panels.small(p, g, 0);
+  *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
+  *mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanel)));
+}
+// v's lanes as floats, each |v| < 2^22: 1.5 2^23 + v is exact in float32, so one integer
+// add and one float subtraction give them, on either vector port (VCVTDQ2PS takes port 0,
+// beside the VPDPBUSDs).
+[[gnu::always_inline]] inline __m512 small_to_float(__m512i v) {
+  const __m512 biased = _mm512_castsi512_ps(_mm512_add_epi32(v, _mm512_set1_epi32(0x4B400000)));
+  return _mm512_sub_ps(biased, _mm512_set1_ps(12582912.0f));
+}
+// ... and the d and -dmin of g's block (Panels::block_halves).
+[[gnu::always_inline]] inline void block_halves(const Panels& panels, int64_t p, int64_t g,
+                                                __m512* d, __m512* negative_dmin) {
+  const uint8_t* h = panels.halves(p, g);
+  *d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+  *negative_dmin = _mm512_sub_ps(_mm512_setzero_ps(), dmin);
+}
+
+// ... and the mins of the block from group g0 as int16 pairs: pairs[i] holds groups
+// 2i and 2i + 1's in each output's 32-bit lane, for VPDPWSSD.
+[[gnu::always_inline]] inline void block_min_pairs(const Panels& panels, int64_t p, int64_t g0,
+                                                   __m512i (&pairs)[4]) {
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* first = panels.small(p, g0 + 2 * i, 0) + kPanel;
+    const uint8_t* second = panels.small(p, g0 + 2 * i + 1, 0) + kPanel;
+    const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first)));
+    const __m512i high = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(second)));
+    pairs[i] = _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+  }
+}
+
+// The Q4_K/Q5_K chain's float step of one block for a row (its inputs' sums `qs` of the
+// block's 8 groups, |qs| <= 32 x 127, and its scale dx) and 16 outputs: imin from the mins'
+// pairs, then the two fmas onto t.
+[[gnu::always_inline]] inline __m512 fold_block(const int32_t* qs, float dx, __m512i isum,
+                                                const __m512i (&pairs)[4], __m512 d,
+                                                __m512 negative_dmin, __m512 t) {
+  __m512i imin = _mm512_setzero_si512();
+  for (int i = 0; i < 4; ++i) {
+    const int32_t both = (qs[2 * i] & 0xFFFF) | (qs[2 * i + 1] << 16);
+    imin = _mm512_dpwssd_epi32(imin, pairs[i], _mm512_set1_epi32(both));
+  }
+  const __m512 row = _mm512_set1_ps(dx);
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, row), t);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(negative_dmin, row), t);
 }
 
 // The sums [n][16 kBlock] of rows m0 .. m0 + n - 1 and panels p0 .. (a block) into the
