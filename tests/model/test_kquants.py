@@ -188,22 +188,35 @@ def test_the_tile_path_gives_the_vnni_path_s_bits(compiled_ops, monkeypatch, dty
             assert torch.equal(op(x[40:73], codes, scales, out), vnni[40:73]), threads
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def _largest_block(kind: str) -> np.ndarray:
+    """One GGUF block of `kind` whose every weight is at its largest magnitude: Q4_K/Q5_K
+    q 15 or 31, sc and mn 63, d and dmin 1; Q6_K q 0 (q - 32 = -32), sc -128, d 1."""
+    one = np.frombuffer(np.array([1.0, 1.0], dtype=np.float16).tobytes(), np.uint8)
+    if kind == "Q6_K":  # ql[128], qh[64], scales[16], d
+        block = np.zeros(210, dtype=np.uint8)
+        block[192:208] = 0x80
+        block[208:210] = one[:2]
+        return block
+    block = np.full({"Q4_K": 144, "Q5_K": 176}[kind], 0xFF, dtype=np.uint8)
+    block[0:4] = one  # d, dmin
+    return block
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_a_block_s_integer_sums_hold_the_largest_codes_and_scales(
     compiled_ops, monkeypatch, kind
 ) -> None:
-    """Every code, scale and min at its largest (q 15 or 31, sc and mn 63, d 1, dmin 1) and
-    every input at +-127 (x +-1): a block's isum = sum(sc dot) and imin = sum(mn qs) reach
-    their largest magnitudes, and every path (VNNI's few rows and buffer, the tiles, the
-    portable loop) gives the weight's product within float rounding: no int32 overflows."""
-    size = {"Q4_K": 144, "Q5_K": 176}[kind]
-    block = np.full(size, 0xFF, dtype=np.uint8)
-    block[0:4] = np.frombuffer(np.array([1.0, 1.0], dtype=np.float16).tobytes(), np.uint8)
+    """Every weight at its largest magnitude and every input at +-127 (x +-1): a block's
+    integer sums (isum; Q4_K/Q5_K's imin) reach their largest magnitudes, and every path
+    (VNNI's few rows and buffer, the tiles, the portable loop) gives the weight's product
+    within float rounding: no int32 overflows."""
+    block = _largest_block(kind)
     rows, cols = 48, 512
     weight = kquants.from_blocks(np.tile(block, (rows, cols // 256)), kind)
     codes, scales = kquants.pack(weight)
     dense = weight.dequantize().double()
-    assert dense.abs().max() > 0  # d 63 q - dmin 63: 882 (Q4_K) or 1890 (Q5_K)
+    # d sc q - dmin mn: 882 (Q4_K) or 1890 (Q5_K); d sc (q - 32): 4096 (Q6_K)
+    assert dense.abs().max() == {"Q4_K": 882, "Q5_K": 1890, "Q6_K": 4096}[kind]
     signs = torch.ones(70, cols)
     signs[1::2, ::3] = -1.0
     expected = signs.double() @ dense.t()

@@ -550,7 +550,7 @@ def describe_kept(model: DecoderModel) -> str:
     """What runs a model's GGUF blocks kept as they are (`kquants.KQuantLinear`: a
     `bytes_by_kind` per kind), per kind ("" when none): "Q4_K in 56 products (457.9 MiB),
     Q6_K in 17 products (317.1 MiB) kept as they are: kquant_matmul_a8, int8 inputs
-    (VPDPBUSD, AVX512-VNNI; AMX tiles for Q4_K, Q5_K from 5 rows)"."""
+    (VPDPBUSD, AVX512-VNNI; AMX tiles for Q4_K, Q5_K from 5 rows, Q6_K from 8)"."""
     counts: dict[str, int] = {}
     sizes: dict[str, int] = {}
     compiled = False
@@ -570,5 +570,6 @@ def describe_kept(model: DecoderModel) -> str:
     ]
     how = int8_products_path() if compiled else "torch implementation"
     if compiled and how.endswith("AVX512-VNNI") and cpu_has_amx() and amx_switch() != "0":
-        how += "; AMX tiles for Q4_K, Q5_K from 5 rows"  # kernels/quantized_kq.cpp chooses
+        # as kernels/quantized_kq.cpp chooses
+        how += "; AMX tiles for Q4_K, Q5_K from 5 rows, Q6_K from 8"
     return f"{', '.join(parts)} kept as they are: kquant_matmul_a8, int8 inputs ({how})"

@@ -7,18 +7,17 @@
 //
 // Owns: the products' arithmetic on AVX512-VNNI CPUs and in portable code, and the op (the
 // header's checks, one product per segment into its columns; AVX2 CPUs run
-// quantized_kq_avx2.cpp). Per row, output n with codes q and group g's terms
-// (quantized_kq.h, `Panels::terms`):
-//   Q4_0 .. Q5_1, w = s q + o per group of 32:
+// quantized_kq_avx2.cpp). Per row (inputs xq, scale d), output n with codes q:
+//   Q4_0 .. Q5_1, w = s q + o per group of 32 (`Panels::terms`), over the groups in order:
 //     t = fma(float(dot), s * d, t); t = fma(o, sx, t),   dot = sum(q xq) over the group
 //   Q4_K, Q5_K, w = D sc q - M mn (sc, mn per group; D, M per block of 256), per block:
 //     t = fma(float(isum), D * d, t); t = fma(float(imin), (-M) * d, t),
 //     isum = sum(sc dot), imin = sum(mn qs) over its 8 groups (|isum| < 2^26)
-//   Q6_K, w = s (q - 32) per sub-group h of 16:
-//     t = fma(float(dot_h - 32 qs_h), s_h * d, t),        dot_h = sum(q xq), qs_h = sum(xq)
-// over the groups in input order (sub-groups in order), the dots exact in int32 (and the
-// Q6_K term exact in float32: |dot_h - 32 qs_h| <= 16 x 32 x 127). VPDPBUSD takes the
-// codes as they are (unsigned) and four inputs per lane: operand s of a group is inputs
+//   Q6_K, w = D sc (q - 32) (sc per sub-group h of 16, D per block), per block:
+//     t = fma(float(isum), D * d, t),  isum = sum(sc_h (dot_h - 32 qs_h)) over its 16
+//     sub-groups (|dot_h - 32 qs_h| <= 16 x 32 x 127, |isum| < 2^28)
+// over the blocks in input order, every sum exact in int32 (qs: the sum of xq). VPDPBUSD
+// takes the codes as they are (unsigned) and four inputs per lane: operand s of a group is inputs
 // 4s .. 4s + 3 of the 16 outputs, one mask or shift of the nibbles and, for 5- and 6-bit
 // kinds, one shift and mask of the high bits. Calls of up to 3 rows make the operands in
 // registers; larger ones make a chunk of 256 inputs' operands and terms of three panels
@@ -52,12 +51,12 @@
 namespace cellbatch::kq {
 namespace {
 
-// Rows from which `auto` takes the tiles: the group kinds' from 32, Q4_K and Q5_K's (whose
-// tiles leave one float step per block) from 5; Q6_K's never (two tile products per group
-// and a float step per 16 inputs: VNNI is faster). benchmarks/quantized.py --products
-// --shapes 1b measures them.
+// Rows from which `auto` takes the tiles: the group kinds' from 32; the K-quants' (whose
+// tiles leave one float step per block) Q4_K and Q5_K's from 5, Q6_K's from 8 (its planes
+// take longer to make). benchmarks/quantized.py --products --shapes 1b measures them.
 constexpr int64_t kAmxMinRows = 32;
 constexpr int64_t kBlockAmxMinRows = 5;
+constexpr int64_t kSixAmxMinRows = 8;
 
 // The portable loop over rows [0, count) and panels [p0, p1) of one segment.
 template <typename T>
@@ -65,7 +64,7 @@ void product_portable(const Inputs& in, const Panels& panels, int64_t p0, int64_
                       int64_t out_features, T* y) {
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups, in_features = xs.in_features, count = in.count();
-  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
+  const Chain chain = chain_of(panels.kind);
   auto dot_of = [&](int64_t m, int64_t p, int c, int64_t g, int from, int to) {
     int32_t dot = 0;
     for (int k = from; k < to; ++k)
@@ -76,7 +75,7 @@ void product_portable(const Inputs& in, const Panels& panels, int64_t p0, int64_
     for (int64_t p = p0; p < p1; ++p)
       for (int c = 0; c < kPanel && p * kPanel + c < panels.rows; ++c) {
         float total = 0.0f;
-        for (int64_t g0 = 0; blocks && g0 < groups; g0 += 8) {
+        for (int64_t g0 = 0; chain == Chain::kBlock && g0 < groups; g0 += 8) {
           int32_t isum = 0, imin = 0;
           for (int64_t g = g0; g < g0 + 8; ++g) {
             isum += panels.scale_code(p, g, c) * dot_of(m, p, c, g, 0, kGroup);
@@ -88,21 +87,23 @@ void product_portable(const Inputs& in, const Panels& panels, int64_t p0, int64_
           total = std::fma(static_cast<float>(isum), d * dx, total);
           total = std::fma(static_cast<float>(imin), negative_dmin * dx, total);
         }
-        for (int64_t g = 0; !blocks && g < groups; ++g) {
-          const float d = xs.d[m * groups + g];
-          for (int sub = 0; sub < subs(panels.kind); ++sub) {
-            const int width = static_cast<int>(kGroup / subs(panels.kind));
-            const int32_t dot = dot_of(m, p, c, g, sub * width, (sub + 1) * width);
-            float scale, offset;
-            panels.terms(p, g, sub, c, &scale, &offset);
-            if (panels.kind == kQ6_K) {
-              const int32_t exact = dot - 32 * in.qs16[m * (in_features / 16) + 2 * g + sub];
-              total = std::fma(static_cast<float>(exact), scale * d, total);
-            } else {
-              total = std::fma(static_cast<float>(dot), scale * d, total);
-              total = std::fma(offset, xs.sx[m * groups + g], total);
+        for (int64_t g0 = 0; chain == Chain::kSix && g0 < groups; g0 += 8) {
+          int32_t isum = 0;
+          for (int64_t g = g0; g < g0 + 8; ++g)
+            for (int sub = 0; sub < 2; ++sub) {
+              const int32_t qs = in.qs16[m * (in_features / 16) + 2 * g + sub];
+              const int32_t exact = dot_of(m, p, c, g, 16 * sub, 16 * sub + 16) - 32 * qs;
+              isum += panels.sub_scale(p, g, sub, c) * exact;
             }
-          }
+          const float dx = xs.d[m * groups + g0];
+          total = std::fma(static_cast<float>(isum), panels.block_d(p, g0, c) * dx, total);
+        }
+        for (int64_t g = 0; chain == Chain::kGroup && g < groups; ++g) {
+          float scale, offset;
+          panels.terms(p, g, c, &scale, &offset);
+          total = std::fma(static_cast<float>(dot_of(m, p, c, g, 0, kGroup)),
+                           scale * xs.d[m * groups + g], total);
+          total = std::fma(offset, xs.sx[m * groups + g], total);
         }
         y[m * out_features + panels.column + p * kPanel + c] = static_cast<T>(total);
       }
@@ -124,15 +125,15 @@ constexpr int64_t kRowChunk = 64;  // rows per pass over a block
 constexpr int64_t kAhead = 8;      // few-row path: codes asked for this many groups ahead
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
-// A chunk of a block's operands and terms, for the rows to run over.
+// A chunk of a block's operands and terms, for the rows to run over: one K-quant block.
 struct alignas(64) Buffer {
   __m512i operands[kChunkGroups][8][kBlock];
-  __m512 scales[kChunkGroups][2][kBlock];  // group kinds, Q6_K
-  __m512 offsets[kChunkGroups][2][kBlock];
-  __m512 sc[kChunkGroups][kBlock];  // Q4_K, Q5_K
-  __m512i min_pairs[kBlock][4];
-  __m512 d[kBlock], negative_dmin[kBlock];
+  __m512 scales[kChunkGroups][2][kBlock];  // the group kinds' [g][0]; Q4_K's sc; Q6_K's [g][sub]
+  __m512 offsets[kChunkGroups][kBlock];    // the group kinds'
+  __m512i min_pairs[kBlock][4];            // Q4_K, Q5_K
+  __m512 d[kBlock], negative_dmin[kBlock];  // the K-quants' block
 };
+static_assert(kChunkGroups * kGroup == kBlockInputs);
 
 // Operands and terms straight from the panels (the few-row path), asking for the codes
 // kAhead groups on. The sources' reads are always inlined: left to the compiler, some were
@@ -141,7 +142,6 @@ template <int kBits>
 struct Direct {
   const Panels& panels;
   int64_t p0;
-  mutable Halves halves[kBlock];
   template <int kS>
   [[gnu::always_inline]] __m512i get(int p, int64_t g) const {
     const uint8_t* at = panels.group_codes(p0 + p, g);
@@ -152,18 +152,21 @@ struct Direct {
     }
     return operand<kBits, kS>(at);
   }
-  [[gnu::always_inline]] void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
-    terms(panels, p0 + p, g, sub, halves[p], scale, offset);
+  [[gnu::always_inline]] void terms_of(int p, int64_t g, __m512* scale, __m512* offset) const {
+    terms(panels, p0 + p, g, scale, offset);
   }
-  [[gnu::always_inline]] __m512 scales_of(int p, int64_t g) const {
+  [[gnu::always_inline]] __m512 scales_of(int p, int64_t g, int sub) const {
+    if constexpr (kBits == 6) return sub_scales(panels, p0 + p, g, sub);
     __m512i sc, mn;
     block_codes(panels, p0 + p, g, &sc, &mn);
     return small_to_float(sc);
   }
-  [[gnu::always_inline]] void block_of(int p, int64_t g0, __m512* d, __m512* negative_dmin, __m512i (&pairs)[4]) const {
+  [[gnu::always_inline]] void block_of(int p, int64_t g0, __m512* d, __m512* negative_dmin,
+                                       __m512i (&pairs)[4]) const {
     block_halves(panels, p0 + p, g0, d, negative_dmin);
     block_min_pairs(panels, p0 + p, g0, pairs);
   }
+  [[gnu::always_inline]] __m512 d_of(int p, int64_t g0) const { return block_d(panels, p0 + p, g0); }
 };
 
 // Operands and terms from a filled Buffer (groups from g0).
@@ -174,22 +177,26 @@ struct Buffered {
   [[gnu::always_inline]] __m512i get(int p, int64_t g) const {
     return _mm512_load_si512(&buffer.operands[g - g0][kS][p]);
   }
-  [[gnu::always_inline]] void terms_of(int p, int64_t g, int sub, __m512* scale, __m512* offset) const {
-    *scale = buffer.scales[g - g0][sub][p];
-    *offset = buffer.offsets[g - g0][sub][p];
+  [[gnu::always_inline]] void terms_of(int p, int64_t g, __m512* scale, __m512* offset) const {
+    *scale = buffer.scales[g - g0][0][p];
+    *offset = buffer.offsets[g - g0][p];
   }
-  [[gnu::always_inline]] __m512 scales_of(int p, int64_t g) const { return buffer.sc[g - g0][p]; }
-  [[gnu::always_inline]] void block_of(int p, int64_t, __m512* d, __m512* negative_dmin, __m512i (&pairs)[4]) const {
-    *d = buffer.d[p];  // the buffer holds one block
+  [[gnu::always_inline]] __m512 scales_of(int p, int64_t g, int sub) const {
+    return buffer.scales[g - g0][sub][p];
+  }
+  [[gnu::always_inline]] void block_of(int p, int64_t, __m512* d, __m512* negative_dmin,
+                                       __m512i (&pairs)[4]) const {
+    *d = buffer.d[p];
     *negative_dmin = buffer.negative_dmin[p];
     for (int i = 0; i < 4; ++i) pairs[i] = buffer.min_pairs[p][i];
   }
+  [[gnu::always_inline]] __m512 d_of(int p, int64_t) const { return buffer.d[p]; }
 };
 
 template <int kBits, Chain kChain>
 void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, Buffer* buffer) {
+  const Direct<kBits> direct{panels, p0};
   for (int p = 0; p < count; ++p) {
-    Halves halves;
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* at = panels.group_codes(p0 + p, g);
       auto& ops = buffer->operands[g - g0];
@@ -201,20 +208,16 @@ void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, B
       ops[5][p] = operand<kBits, 5>(at);
       ops[6][p] = operand<kBits, 6>(at);
       ops[7][p] = operand<kBits, 7>(at);
-      if constexpr (kChain == Chain::kBlock) {
-        __m512i sc, mn;
-        block_codes(panels, p0 + p, g, &sc, &mn);
-        buffer->sc[g - g0][p] = small_to_float(sc);
-        continue;
+      if constexpr (kChain == Chain::kGroup) {
+        direct.terms_of(p, g, &buffer->scales[g - g0][0][p], &buffer->offsets[g - g0][p]);
+      } else {
+        for (int sub = 0; sub < subs(panels.kind); ++sub)
+          buffer->scales[g - g0][sub][p] = direct.scales_of(p, g, sub);
       }
-      for (int sub = 0; sub < subs(panels.kind); ++sub)
-        terms(panels, p0 + p, g, sub, halves, &buffer->scales[g - g0][sub][p],
-              &buffer->offsets[g - g0][sub][p]);
     }
-    if constexpr (kChain == Chain::kBlock) {
-      block_halves(panels, p0 + p, g0, &buffer->d[p], &buffer->negative_dmin[p]);
-      block_min_pairs(panels, p0 + p, g0, buffer->min_pairs[p]);
-    }
+    if constexpr (kChain == Chain::kBlock)
+      direct.block_of(p, g0, &buffer->d[p], &buffer->negative_dmin[p], buffer->min_pairs[p]);
+    if constexpr (kChain == Chain::kSix) buffer->d[p] = direct.d_of(p, g0);
   }
 }
 
@@ -235,6 +238,14 @@ inline void step(const Source& source, const a8::Quantised& xs, int64_t m, int64
   }
 }
 
+template <int R, int P>
+inline void clear(__m512i (&dot)[R][P]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int p = 0; p < P; ++p) dot[r][p] = _mm512_setzero_si512();
+}
+
 template <int R, int P, int kFirst, typename Source>
 inline void steps4(const Source& source, const a8::Quantised& xs, int64_t m, int64_t g,
                    __m512i (&dot)[R][P]) {
@@ -244,66 +255,83 @@ inline void steps4(const Source& source, const a8::Quantised& xs, int64_t m, int
   step<R, P, kFirst + 3>(source, xs, m, g, dot);
 }
 
-// The sub-group's dots folded into the totals (the chain of the file's comment).
-template <int R, int P, bool kSix, typename Source>
-inline void fold(const Source& source, const Inputs& in, int64_t m, int64_t g, int sub,
-                 __m512i (&dot)[R][P], __m512 (&total)[R][P]) {
-  const a8::Quantised& xs = in.xs;
+// The group kinds' chain of R rows from m over P panels, groups [g0, g1): sums[r][16 P]
+// continue from group g0.
+template <int R, int P, typename Source>
+inline void groups_of_rows(const Source& source, const a8::Quantised& xs, int64_t m, int64_t g0,
+                           int64_t g1, float* sums) {
   const int64_t groups = xs.in_features / kGroup;
+  __m512 total[R][P];
+  load_totals<R, P, kBlockWidth>(total, sums, g0 != 0);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512i dot[R][P];
+    clear(dot);
+    steps4<R, P, 0>(source, xs, m, g, dot);
+    steps4<R, P, 4>(source, xs, m, g, dot);
 #pragma GCC unroll 3
-  for (int p = 0; p < P; ++p) {
-    __m512 scale, offset;
-    source.terms_of(p, g, sub, &scale, &offset);
+    for (int p = 0; p < P; ++p) {
+      __m512 scale, offset;
+      source.terms_of(p, g, &scale, &offset);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (m + r) * groups + g;
-      const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xs.d[i]));
-      if constexpr (kSix) {
-        const int32_t sum = in.qs16[(m + r) * groups * 2 + 2 * g + sub];
-        const __m512i exact = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(32 * sum));
-        total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), row_scale, total[r][p]);
-      } else {
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * groups + g;
+        const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xs.d[i]));
         total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), row_scale, total[r][p]);
         total[r][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs.sx[i]), total[r][p]);
       }
     }
   }
+  store_totals<R, P, kBlockWidth>(total, sums);
 }
 
-// The Q4_K/Q5_K chain of R rows from m over P panels, whole blocks of groups [g0, g1):
-// sums[r][16 P] continue from group g0. isum = sum(sc dot) is summed in float32 over runs
-// of groups whose sum stays an integer below 2^24 (4 groups of 4-bit codes: 4 x 63 x 32 x
-// 15 x 127; 2 of 5-bit), so exactly, then in int32: a conversion and an FMA per group and
-// panel, where VPMULLD would take two uops of port 0, the port the VPDPBUSDs wait on.
+// The K-quants' chains of R rows from m over P panels, whole blocks of groups [g0, g1):
+// sums[r][16 P] continue from group g0. isum is summed in float32 over runs whose sum
+// stays an integer below 2^24, so exactly, then in int32: a conversion and an FMA per
+// group (Q6_K: sub-group) and panel, where VPMULLD would take two uops of port 0, the port
+// the VPDPBUSDs wait on. Runs: Q4_K 4 groups (4 x 63 x 32 x 15 x 127 < 2^24), Q5_K 2,
+// Q6_K one group's 2 sub-groups (2 x 128 x 16 x 32 x 127).
 template <int R, int P, int kBits, typename Source>
 inline void blocks_of_rows(const Source& source, const Inputs& in, int64_t m, int64_t g0,
                            int64_t g1, float* sums) {
-  constexpr int64_t kRun = kBits == 4 ? 4 : 2;
+  constexpr bool kSix = kBits == 6;
+  constexpr int64_t kRun = kBits == 4 ? 4 : kBits == 5 ? 2 : 1;
   const a8::Quantised& xs = in.xs;
   const int64_t groups = xs.in_features / kGroup;
   for (int64_t b = g0; b < g1; b += 8) {
-    __m512i isum[R][P];  // in memory: the registers hold the dots and the runs' sums
+    __m512i isum[R][P];
     for (int64_t run = b; run < b + 8; run += kRun) {
       __m512 exact[R][P];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
         for (int p = 0; p < P; ++p) exact[r][p] = _mm512_setzero_ps();
-      for (int64_t g = run; g < run + kRun; ++g) {
-        __m512i dot[R][P];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-          for (int p = 0; p < P; ++p) dot[r][p] = _mm512_setzero_si512();
-        steps4<R, P, 0>(source, xs, m, g, dot);
-        steps4<R, P, 4>(source, xs, m, g, dot);
+      // The dots of inputs [16 half, 16 half + 16) of group g (Q6_K's sub-group `half`),
+      // minus Q6_K's 32 qs, times their scale, onto exact.
+      auto add = [&](int64_t g, int half, const __m512i (&dot)[R][P]) {
 #pragma GCC unroll 3
         for (int p = 0; p < P; ++p) {
-          const __m512 sc = source.scales_of(p, g);
+          const __m512 sc = source.scales_of(p, g, half);
 #pragma GCC unroll 4
-          for (int r = 0; r < R; ++r)
-            exact[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), sc, exact[r][p]);
+          for (int r = 0; r < R; ++r) {
+            __m512i value = dot[r][p];
+            if constexpr (kSix) {
+              const int32_t qs = in.qs16[((m + r) * groups + g) * 2 + half];
+              value = _mm512_sub_epi32(value, _mm512_set1_epi32(32 * qs));
+            }
+            exact[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(value), sc, exact[r][p]);
+          }
         }
+      };
+      for (int64_t g = run; g < run + kRun; ++g) {
+        __m512i dot[R][P];
+        clear(dot);
+        steps4<R, P, 0>(source, xs, m, g, dot);
+        if constexpr (kSix) {  // the first 16 inputs are a sub-group of their own
+          add(g, 0, dot);
+          clear(dot);
+        }
+        steps4<R, P, 4>(source, xs, m, g, dot);
+        add(g, kSix ? 1 : 0, dot);
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
@@ -317,14 +345,20 @@ inline void blocks_of_rows(const Source& source, const Inputs& in, int64_t m, in
     for (int p = 0; p < P; ++p) {
       __m512 d, negative_dmin;
       __m512i pairs[4];
-      source.block_of(p, b, &d, &negative_dmin, pairs);
+      if constexpr (kSix) d = source.d_of(p, b);
+      else source.block_of(p, b, &d, &negative_dmin, pairs);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         float* at = sums + r * kBlockWidth + p * kPanel;
-        const __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
+        __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
         const int64_t i = (m + r) * groups + b;
-        _mm512_storeu_ps(at, fold_block(xs.qsum.data() + i, xs.d[i], isum[r][p], pairs, d,
-                                        negative_dmin, t));
+        if constexpr (kSix) {
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs.d[i]));
+          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][p]), scale, t);
+        } else {
+          t = fold_block(xs.qsum.data() + i, xs.d[i], isum[r][p], pairs, d, negative_dmin, t);
+        }
+        _mm512_storeu_ps(at, t);
       }
     }
   }
@@ -334,38 +368,10 @@ inline void blocks_of_rows(const Source& source, const Inputs& in, int64_t m, in
 template <int R, int P, int kBits, Chain kChain, typename Source>
 void rows_over_groups(const Source& source, const Inputs& in, int64_t m, int64_t g0, int64_t g1,
                       float* sums) {
-  constexpr bool kSix = kChain == Chain::kSix;
-  if constexpr (kChain == Chain::kBlock) {
+  if constexpr (kChain == Chain::kGroup)
+    groups_of_rows<R, P>(source, in.xs, m, g0, g1, sums);
+  else
     blocks_of_rows<R, P, kBits>(source, in, m, g0, g1, sums);
-    return;
-  }
-  __m512 total[R][P];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p)
-      total[r][p] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * kBlockWidth + p * kPanel);
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512i dot[R][P];
-    auto clear = [&] {
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-        for (int p = 0; p < P; ++p) dot[r][p] = _mm512_setzero_si512();
-    };
-    clear();
-    steps4<R, P, 0>(source, in.xs, m, g, dot);
-    if constexpr (kSix) {  // the first 16 inputs are a sub-group of their own
-      fold<R, P, true>(source, in, m, g, 0, dot, total);
-      clear();
-    }
-    steps4<R, P, 4>(source, in.xs, m, g, dot);
-    fold<R, P, kSix>(source, in, m, g, kSix ? 1 : 0, dot, total);
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kBlockWidth + p * kPanel, total[r][p]);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
@@ -375,13 +381,11 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
   const int64_t groups = panels.groups;
   if (count <= kFusedRows) {
     with_count<kFusedRows>(count, [&](auto rows) {
-      rows_over_groups<decltype(rows)::value, P, kBits, kChain>(Direct<kBits>{panels, p0, {}}, in,
-                                                                m, 0, groups, sums);
+      rows_over_groups<decltype(rows)::value, P, kBits, kChain>(Direct<kBits>{panels, p0}, in, m,
+                                                                0, groups, sums);
     });
     return;
   }
-  // kChunkGroups groups are one K-quant block: a chunk's Q4_K/Q5_K chain is whole blocks.
-  static_assert(kChunkGroups * kGroup == kBlockInputs);
   for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
     const int64_t g1 = std::min(groups, g0 + kChunkGroups);
     fill<kBits, kChain>(panels, p0, P, g0, g1, buffer);
@@ -507,7 +511,7 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
     switch (chain_of(panels.kind)) {
       case Chain::kGroup: return count >= kAmxMinRows;
       case Chain::kBlock: return count >= kBlockAmxMinRows;
-      default: return false;
+      default: return count >= kSixAmxMinRows;
     }
   };
   auto run = [&](auto tag) {

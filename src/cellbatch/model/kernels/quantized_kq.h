@@ -40,8 +40,8 @@ constexpr int bits(Kind kind) {
 constexpr bool in_blocks(Kind kind) { return kind >= kQ4_K; }
 constexpr int64_t code_bytes(Kind kind) { return bits(kind) == 4 ? 256 : bits(kind) == 5 ? 320 : 384; }
 // How a kind's dot products become outputs (quantized_kq.cpp's chains): per group of 32
-// (Q4_0 .. Q5_1), per block of 256 with integer scales and mins (Q4_K, Q5_K), or per
-// sub-group of 16 (Q6_K).
+// (Q4_0 .. Q5_1), or per block of 256 with integer scales and mins (Q4_K, Q5_K) or integer
+// scales per sub-group of 16 and codes counted from 32 (Q6_K).
 enum class Chain { kGroup, kBlock, kSix };
 constexpr Chain chain_of(Kind kind) {
   return kind == kQ6_K ? Chain::kSix : kind >= kQ4_K ? Chain::kBlock : Chain::kGroup;
@@ -93,19 +93,20 @@ struct Panels {
     return q;
   }
 
-  // Output c's scale and offset for sub-group `sub` of group g: the group kinds' d and
-  // m - zero d; Q6_K's d sc (no offset: its codes count from 32, which the products take
-  // off with the inputs' sums).
-  void terms(int64_t p, int64_t g, int sub, int c, float* scale, float* offset) const {
+  // Output c's scale and offset of group g for the group kinds: d and m - zero d.
+  void terms(int64_t p, int64_t g, int c, float* scale, float* offset) const {
     const uint8_t* h = halves(p, g);
     const float d = static_cast<float>(half_at(h, c));
-    if (kind == kQ6_K) {
-      *scale = d * static_cast<float>(static_cast<int8_t>(small(p, g, sub)[c]));
-      *offset = 0.0f;
-    } else {
-      *scale = d;
-      *offset = static_cast<float>(half_at(h + 32, c)) - zero(kind) * d;
-    }
+    *scale = d;
+    *offset = static_cast<float>(half_at(h + 32, c)) - zero(kind) * d;
+  }
+
+  // Q6_K: output c's integer scale of sub-group `sub` of group g, and its block's d.
+  int sub_scale(int64_t p, int64_t g, int sub, int c) const {
+    return static_cast<int8_t>(small(p, g, sub)[c]);
+  }
+  float block_d(int64_t p, int64_t g, int c) const {
+    return static_cast<float>(half_at(halves(p, g), c));
   }
 
   // Q4_K and Q5_K: output c's integer scale and min of group g (w = d sc q - dmin mn).

@@ -2,29 +2,27 @@
 // calls them for the calls a8::amx_takes gives the tiles (from a few rows up).
 //
 // Owns: the tile arithmetic of those products, two ways.
-// Group kinds and Q6_K: a tile product (TDPBSUD: the signed int8 inputs by the unsigned
-// codes) of 16 rows' 32 quantised inputs of a group (tile A, the rows' own bytes, K apart)
-// and one panel's operands of that group (tile B, 8 x 64 bytes: row s is the VNNI path's
-// operand s, inputs 4s .. 4s + 3 of the 16 outputs) into a zeroed tile C gives each row's
-// exact int32 dot product per output over the group, the value VPDPBUSD sums in the VNNI
-// path. Q6_K's sub-groups of 16 inputs take one product each, tile B holding that
-// sub-group's four operand rows and zero in the other four, so the two sums never mix.
-// Tile C goes to an L1 buffer, and the float chain over groups and sub-groups
-// (quantized_kq.cpp's comment) runs there, 4 rows at a time:
-//   4/5-bit group kinds: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
-//   Q6_K:                t = fma(float(dot_h - 32 qs_h), s_h * d, t)
+// Group kinds (Q4_0 .. Q5_1): a tile product (TDPBSUD: the signed int8 inputs by the
+// unsigned codes) of 16 rows' 32 quantised inputs of a group (tile A, the rows' own bytes,
+// K apart) and one panel's operands of that group (tile B, 8 x 64 bytes: row s is the VNNI
+// path's operand s, inputs 4s .. 4s + 3 of the 16 outputs) into a zeroed tile C gives each
+// row's exact int32 dot product per output over the group, the value VPDPBUSD sums in the
+// VNNI path. Tile C goes to an L1 buffer, and the float chain over groups (quantized_kq.cpp's
+// comment) runs there, 4 rows at a time: t = fma(float(dot), s * d, t); t = fma(o, sx, t).
 // A block of three panels' operands and terms is made once per 4 groups for every row of
 // the call. Tiles: 0 the rows' inputs, 1-3 the block's operands, 4-6 its dot products
 // (a8::TileShape::kGroups).
-// Q4_K and Q5_K: a block of 256 inputs needs isum = sum(sc dot) and imin = sum(mn qs), both
-// integers, so the tiles make them whole and only the block's float step is left. Each
-// group's codes times its scale sc = 2^k hi + lo (k = 4 for 4-bit codes, 3 for 5-bit) make
-// two planes, q lo and q hi, every byte at most 225, and its min mn a third, mn in every
-// byte of the group's inputs; a panel's three planes of a block (four tiles each of 64
-// inputs, 16 rows of 64 bytes) are made once for every row of the call. Three tile
-// products per 64 inputs accumulate over the block: isum = C_lo + 2^k C_hi, imin = C_mn,
-// exactly, and then per row t = fma(float(isum), D d, t); t = fma(float(imin), -M d, t).
-// Tiles: 0 the rows' inputs, 1-3 the planes, 4-6 the sums (a8::TileShape::kBlocks).
+// K-quants: a block of 256 inputs needs only integers before its float step (isum, and
+// Q4_K/Q5_K's imin), so the tiles make them whole from planes of weights that fit a byte,
+// made once per panel and block for every row of the call (four tiles each of 64 inputs,
+// 16 rows of 64 bytes), accumulated over the block by the tile products:
+//   Q4_K, Q5_K: each group's codes times its scale sc = 2^k hi + lo (k = 4 for 4-bit codes,
+//     3 for 5-bit) make two planes, q lo and q hi (every byte at most 225), and its min mn
+//     a third (mn in every byte of the group's inputs): isum = C_lo + 2^k C_hi, imin = C_mn.
+//   Q6_K: w = sc (q - 32) (|w| <= 4096) is split as 64 hi + lo, lo in [0, 64) (TDPBSUD)
+//     and hi in [-64, 64] (TDPBSSD): isum = C_lo + 64 C_hi.
+// Then per row the block's float step of quantized_kq.cpp's chain. Tiles: 0 the rows'
+// inputs, 1-3 the planes, 4-6 the sums (a8::TileShape::kBlocks).
 // Promises: the VNNI path's chain over the same exact values, so y's bits do not depend on
 // which path a call takes, on the other rows or on the thread count. Each thread configures
 // its tiles when it starts a call and releases them when it ends it (a8::Tiles).
@@ -64,79 +62,59 @@ constexpr int64_t kTileBytes = 8 * 64;
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
 // What a thread holds for a call: its tiles; for the chunk of groups at hand, the block's
-// operand tiles and terms per group and sub-group (Q6_K: 2; else 1); a row tile's dot
-// products; and a last row tile of fewer than 16 rows, copied out.
+// operand tiles and terms per group; a row tile's dot products; and a last row tile of
+// fewer than 16 rows, copied out.
 struct alignas(64) Buffer {
-  int8_t operands[kChunkGroups][2][kBlock][kTileBytes];
-  int32_t dots[kChunkGroups][2][kBlock][kTileRows * kPanel];
-  __m512 scales[kChunkGroups][2][kBlock];
-  __m512 offsets[kChunkGroups][2][kBlock];
+  int8_t operands[kChunkGroups][kBlock][kTileBytes];
+  int32_t dots[kChunkGroups][kBlock][kTileRows * kPanel];
+  __m512 scales[kChunkGroups][kBlock];
+  __m512 offsets[kChunkGroups][kBlock];
   int8_t tail[kTileRows][kChunkGroups * kGroup] = {};
   a8::Tiles tiles;
 };
 
-template <int kBits, int kS>
-inline void put(const uint8_t* at, int8_t* tile) {
-  _mm512_store_si512(tile + 64 * kS, operand<kBits, kS>(at));
-}
-
 // Groups [g0, g0 + chunk) of P panels from p0: their operand tiles and terms.
 template <int P, int kBits>
 void fill(const Panels& panels, int64_t p0, int64_t g0, int64_t chunk, Buffer* buffer) {
-  for (int p = 0; p < P; ++p) {
-    Halves halves;
+  for (int p = 0; p < P; ++p)
     for (int64_t i = 0; i < chunk; ++i) {
       const int64_t g = g0 + i;
       const uint8_t* at = panels.group_codes(p0 + p, g);
-      int8_t* first = buffer->operands[i][0][p];
-      put<kBits, 0>(at, first), put<kBits, 1>(at, first);
-      put<kBits, 2>(at, first), put<kBits, 3>(at, first);
-      int8_t* second = first;
-      if constexpr (kBits == 6) {  // sub-group 1's rows in their own tile, zero beside
-        second = buffer->operands[i][1][p];
-        const __m512i zero = _mm512_setzero_si512();
-        for (int s = 0; s < 4; ++s) {
-          _mm512_store_si512(first + 64 * (4 + s), zero);
-          _mm512_store_si512(second + 64 * s, zero);
-        }
-      }
-      put<kBits, 4>(at, second), put<kBits, 5>(at, second);
-      put<kBits, 6>(at, second), put<kBits, 7>(at, second);
-      for (int sub = 0; sub < subs(panels.kind); ++sub)
-        terms(panels, p0 + p, g, sub, halves, &buffer->scales[i][sub][p],
-              &buffer->offsets[i][sub][p]);
+      __m512i* tile = reinterpret_cast<__m512i*>(buffer->operands[i][p]);
+      tile[0] = operand<kBits, 0>(at), tile[1] = operand<kBits, 1>(at);
+      tile[2] = operand<kBits, 2>(at), tile[3] = operand<kBits, 3>(at);
+      tile[4] = operand<kBits, 4>(at), tile[5] = operand<kBits, 5>(at);
+      tile[6] = operand<kBits, 6>(at), tile[7] = operand<kBits, 7>(at);
+      terms(panels, p0 + p, g, &buffer->scales[i][p], &buffer->offsets[i][p]);
     }
-  }
 }
 
 // Tile products of one row tile (inputs of the chunk's first group at `inputs`, rows
-// `stride` bytes apart) for the chunk's groups, sub-groups and P panels.
-template <int P, int kSubs>
+// `stride` bytes apart) for the chunk's groups and P panels.
+template <int P>
 void tile_dots(Buffer* buffer, const int8_t* inputs, int64_t stride, int64_t chunk) {
   // Tile numbers are immediates: one statement per panel. The panels' products are issued
   // together, and only then stored, so that a store does not wait on the product before it.
   for (int64_t i = 0; i < chunk; ++i) {
     _tile_loadd(0, inputs + i * kGroup, stride);
-    for (int sub = 0; sub < kSubs; ++sub) {
-      _tile_zero(4);
-      if constexpr (P > 1) _tile_zero(5);
-      if constexpr (P > 2) _tile_zero(6);
-      _tile_loadd(1, buffer->operands[i][sub][0], 64);
-      if constexpr (P > 1) _tile_loadd(2, buffer->operands[i][sub][1], 64);
-      if constexpr (P > 2) _tile_loadd(3, buffer->operands[i][sub][2], 64);
-      _tile_dpbsud(4, 0, 1);
-      if constexpr (P > 1) _tile_dpbsud(5, 0, 2);
-      if constexpr (P > 2) _tile_dpbsud(6, 0, 3);
-      _tile_stored(4, buffer->dots[i][sub][0], 64);
-      if constexpr (P > 1) _tile_stored(5, buffer->dots[i][sub][1], 64);
-      if constexpr (P > 2) _tile_stored(6, buffer->dots[i][sub][2], 64);
-    }
+    _tile_zero(4);
+    if constexpr (P > 1) _tile_zero(5);
+    if constexpr (P > 2) _tile_zero(6);
+    _tile_loadd(1, buffer->operands[i][0], 64);
+    if constexpr (P > 1) _tile_loadd(2, buffer->operands[i][1], 64);
+    if constexpr (P > 2) _tile_loadd(3, buffer->operands[i][2], 64);
+    _tile_dpbsud(4, 0, 1);
+    if constexpr (P > 1) _tile_dpbsud(5, 0, 2);
+    if constexpr (P > 2) _tile_dpbsud(6, 0, 3);
+    _tile_stored(4, buffer->dots[i][0], 64);
+    if constexpr (P > 1) _tile_stored(5, buffer->dots[i][1], 64);
+    if constexpr (P > 2) _tile_stored(6, buffer->dots[i][2], 64);
   }
 }
 
 // The chain of R rows (row `first` of a row tile, row m of the call) over the chunk's
 // `chunk` groups from g0, P panels; sums[r][16 kBlock] continue from group g0.
-template <int R, int P, bool kSix>
+template <int R, int P>
 void chain(const Inputs& in, int64_t m, int64_t first, int64_t g0, int64_t chunk,
            const Buffer* buffer, float* sums) {
   const a8::Quantised& xs = in.xs;
@@ -145,25 +123,17 @@ void chain(const Inputs& in, int64_t m, int64_t first, int64_t g0, int64_t chunk
   load_totals<R, P, kBlockWidth>(total, sums, g0 != 0);
   for (int64_t i = 0; i < chunk; ++i) {
     const int64_t g = g0 + i;
-    for (int sub = 0; sub < (kSix ? 2 : 1); ++sub) {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (m + r) * groups + g;
-        const __m512 row_d = _mm512_set1_ps(xs.d[at]);
-        const __m512 row_sx = _mm512_set1_ps(kSix ? 0.0f : xs.sx[at]);
-        const __m512i sum32 = _mm512_set1_epi32(kSix ? 32 * in.qs16[2 * at + sub] : 0);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m + r) * groups + g;
+      const __m512 row_d = _mm512_set1_ps(xs.d[at]);
+      const __m512 row_sx = _mm512_set1_ps(xs.sx[at]);
 #pragma GCC unroll 3
-        for (int p = 0; p < P; ++p) {
-          const __m512 row_scale = _mm512_mul_ps(buffer->scales[i][sub][p], row_d);
-          const __m512i dot = _mm512_load_si512(buffer->dots[i][sub][p] + (first + r) * kPanel);
-          if constexpr (kSix) {
-            const __m512i exact = _mm512_sub_epi32(dot, sum32);
-            total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), row_scale, total[r][p]);
-          } else {
-            total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, total[r][p]);
-            total[r][p] = _mm512_fmadd_ps(buffer->offsets[i][sub][p], row_sx, total[r][p]);
-          }
-        }
+      for (int p = 0; p < P; ++p) {
+        const __m512 row_scale = _mm512_mul_ps(buffer->scales[i][p], row_d);
+        const __m512i dot = _mm512_load_si512(buffer->dots[i][p] + (first + r) * kPanel);
+        total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, total[r][p]);
+        total[r][p] = _mm512_fmadd_ps(buffer->offsets[i][p], row_sx, total[r][p]);
       }
     }
   }
@@ -174,7 +144,6 @@ void chain(const Inputs& in, int64_t m, int64_t first, int64_t g0, int64_t chunk
 template <int P, int kBits>
 void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int64_t p0,
            Buffer* buffer, float* sums) {
-  constexpr bool kSix = kBits == 6;
   const int64_t in_features = in.xs.in_features, groups = panels.groups;
   buffer->tiles.configure(a8::TileShape::kGroups);
   for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
@@ -189,11 +158,11 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
           std::memcpy(buffer->tail[r], inputs + r * in_features, chunk * kGroup);
         inputs = buffer->tail[0], stride = kChunkGroups * kGroup;
       }
-      tile_dots<P, kSix ? 2 : 1>(buffer, inputs, stride, chunk);
+      tile_dots<P>(buffer, inputs, stride, chunk);
       for (int64_t r = 0; r < rows; r += kRunRows)
         with_count<kRunRows>(std::min(kRunRows, rows - r), [&](auto run) {
-          chain<decltype(run)::value, P, kSix>(in, m + row0 + r, r, g0, chunk, buffer,
-                                               sums + (row0 + r) * kBlockWidth);
+          chain<decltype(run)::value, P>(in, m + row0 + r, r, g0, chunk, buffer,
+                                         sums + (row0 + r) * kBlockWidth);
         });
     }
   }
@@ -211,14 +180,14 @@ void product_amx(const Inputs& in, const Panels& panels, int64_t out_features, T
       });
 }
 
-// ---- Q4_K and Q5_K: the blocks' integer sums by tiles ----
+// ---- K-quants: the blocks' integer sums by tiles ----
 
 constexpr int64_t kPlaneBytes = kTileRows * 64;  // a tile: 64 inputs of 16 outputs
 constexpr int64_t kChunksPerBlock = kBlockInputs / 64;
 
-// What a thread holds for a call: one panel's planes of one block (per 64 inputs: lo, hi,
-// mins) and its d and -dmin; a row tile's three sums; a last row tile of fewer than 16
-// rows, copied out.
+// What a thread holds for a call: one panel's planes of one block (per 64 inputs: up to
+// three) and its d and -dmin; a row tile's sums; a last row tile of fewer than 16 rows,
+// copied out.
 struct alignas(64) BlockBuffer {
   int8_t planes[kChunksPerBlock][3][kPlaneBytes];
   __m512 d, negative_dmin;
@@ -227,7 +196,7 @@ struct alignas(64) BlockBuffer {
   a8::Tiles tiles;
 };
 
-// Operand kS of group `half`'s codes `at` times the scale words into the planes' rows.
+// Operand kS of a Q4_K/Q5_K group's codes `at` times the scale words into the planes' rows.
 template <int kBits, int kS>
 inline void put_planes(const uint8_t* at, __m512i low, __m512i high, __m512i mins, int8_t* lo,
                        int8_t* hi, int8_t* mn) {
@@ -239,39 +208,97 @@ inline void put_planes(const uint8_t* at, __m512i low, __m512i high, __m512i min
   _mm512_store_si512(mn + 64 * kS, mins);
 }
 
+// Operand kS of a Q6_K group's codes `at` and its sub-group's scale words (sc, sign
+// extended, in both 16-bit halves of each output's lane) into the planes' rows.
+template <int kS>
+inline void put_six_planes(const uint8_t* at, __m512i scale, int8_t* lo, int8_t* hi) {
+  const __m512i q = operand<6, kS>(at);
+  const __m512i byte = _mm512_set1_epi16(0x00FF), thirty_two = _mm512_set1_epi16(32);
+  // The even and odd bytes' w = sc (q - 32) as int16 words, then split by 64.
+  const __m512i even = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(q, byte), thirty_two), scale);
+  const __m512i odd = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(q, 8), thirty_two), scale);
+  const __m512i six_bits = _mm512_set1_epi16(63);
+  const __m512i low = _mm512_or_si512(_mm512_and_si512(even, six_bits),
+                                      _mm512_slli_epi16(_mm512_and_si512(odd, six_bits), 8));
+  const __m512i high = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(even, 6), byte),
+                                       _mm512_slli_epi16(_mm512_srai_epi16(odd, 6), 8));
+  _mm512_store_si512(lo + 64 * kS, low);
+  _mm512_store_si512(hi + 64 * kS, high);
+}
+
 template <int kBits>
 void make_planes(const Panels& panels, int64_t p, int64_t b, BlockBuffer* buffer) {
   constexpr int kShift = kBits == 4 ? 4 : 3;
   for (int64_t half = 0; half < 8; ++half) {
     const int64_t g = 8 * b + half;
-    __m512i sc, mn;
-    block_codes(panels, p, g, &sc, &mn);
-    const __m512i words = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
-    const __m512i low = _mm512_and_si512(words, _mm512_set1_epi16((1 << kShift) - 1));
-    const __m512i high = _mm512_srli_epi16(words, kShift);
-    const __m512i mins = _mm512_mullo_epi32(mn, _mm512_set1_epi32(0x01010101));
     const int64_t row = (half % 2) * 8 * 64;  // a group is half of a 64-input tile
     int8_t* lo = buffer->planes[half / 2][0] + row;
     int8_t* hi = buffer->planes[half / 2][1] + row;
-    int8_t* mn_rows = buffer->planes[half / 2][2] + row;
     const uint8_t* at = panels.group_codes(p, g);
-    put_planes<kBits, 0>(at, low, high, mins, lo, hi, mn_rows);
-    put_planes<kBits, 1>(at, low, high, mins, lo, hi, mn_rows);
-    put_planes<kBits, 2>(at, low, high, mins, lo, hi, mn_rows);
-    put_planes<kBits, 3>(at, low, high, mins, lo, hi, mn_rows);
-    put_planes<kBits, 4>(at, low, high, mins, lo, hi, mn_rows);
-    put_planes<kBits, 5>(at, low, high, mins, lo, hi, mn_rows);
-    put_planes<kBits, 6>(at, low, high, mins, lo, hi, mn_rows);
-    put_planes<kBits, 7>(at, low, high, mins, lo, hi, mn_rows);
+    if constexpr (kBits == 6) {
+      __m512i words[2];
+      for (int sub = 0; sub < 2; ++sub) {
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
+        const __m512i lanes = _mm512_cvtepi8_epi32(sc);
+        words[sub] = _mm512_or_si512(_mm512_and_si512(lanes, _mm512_set1_epi32(0xFFFF)),
+                                     _mm512_slli_epi32(lanes, 16));
+      }
+      put_six_planes<0>(at, words[0], lo, hi), put_six_planes<1>(at, words[0], lo, hi);
+      put_six_planes<2>(at, words[0], lo, hi), put_six_planes<3>(at, words[0], lo, hi);
+      put_six_planes<4>(at, words[1], lo, hi), put_six_planes<5>(at, words[1], lo, hi);
+      put_six_planes<6>(at, words[1], lo, hi), put_six_planes<7>(at, words[1], lo, hi);
+    } else {
+      __m512i sc, mn;
+      block_codes(panels, p, g, &sc, &mn);
+      const __m512i words = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+      const __m512i low = _mm512_and_si512(words, _mm512_set1_epi16((1 << kShift) - 1));
+      const __m512i high = _mm512_srli_epi16(words, kShift);
+      const __m512i mins = _mm512_mullo_epi32(mn, _mm512_set1_epi32(0x01010101));
+      int8_t* mn_rows = buffer->planes[half / 2][2] + row;
+      put_planes<kBits, 0>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 1>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 2>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 3>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 4>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 5>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 6>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 7>(at, low, high, mins, lo, hi, mn_rows);
+    }
   }
-  block_halves(panels, p, 8 * b, &buffer->d, &buffer->negative_dmin);
+  if constexpr (kBits == 6) buffer->d = block_d(panels, p, 8 * b);
+  else block_halves(panels, p, 8 * b, &buffer->d, &buffer->negative_dmin);
+}
+
+// The tile products of a row tile (its inputs of the block at `inputs`, rows `stride`
+// bytes apart) over the block's planes, into buffer->sums.
+template <int kBits>
+void block_sums(const int8_t* inputs, int64_t stride, BlockBuffer* buffer) {
+  _tile_zero(4);
+  _tile_zero(5);
+  if constexpr (kBits != 6) _tile_zero(6);
+  for (int64_t c = 0; c < kChunksPerBlock; ++c) {
+    _tile_loadd(0, inputs + 64 * c, stride);
+    _tile_loadd(1, buffer->planes[c][0], 64);
+    _tile_loadd(2, buffer->planes[c][1], 64);
+    if constexpr (kBits != 6) _tile_loadd(3, buffer->planes[c][2], 64);
+    _tile_dpbsud(4, 0, 1);
+    if constexpr (kBits == 6) {
+      _tile_dpbssd(5, 0, 2);
+    } else {
+      _tile_dpbsud(5, 0, 2);
+      _tile_dpbsud(6, 0, 3);
+    }
+  }
+  _tile_stored(4, buffer->sums[0], 64);
+  _tile_stored(5, buffer->sums[1], 64);
+  if constexpr (kBits != 6) _tile_stored(6, buffer->sums[2], 64);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
 template <int P, int kBits>
 void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int64_t p0,
                   BlockBuffer* buffer, float* sums) {
-  constexpr int kShift = kBits == 4 ? 4 : 3;
+  constexpr int kShift = kBits == 4 ? 4 : kBits == 5 ? 3 : 6;
   const a8::Quantised& xs = in.xs;
   const int64_t in_features = xs.in_features, groups = panels.groups;
   buffer->tiles.configure(a8::TileShape::kBlocks);
@@ -287,31 +314,19 @@ void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t cou
             std::memcpy(buffer->tail[r], inputs + r * in_features, kBlockInputs);
           inputs = buffer->tail[0], stride = kBlockInputs;
         }
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        for (int64_t c = 0; c < kChunksPerBlock; ++c) {
-          _tile_loadd(0, inputs + 64 * c, stride);
-          _tile_loadd(1, buffer->planes[c][0], 64);
-          _tile_loadd(2, buffer->planes[c][1], 64);
-          _tile_loadd(3, buffer->planes[c][2], 64);
-          _tile_dpbsud(4, 0, 1);
-          _tile_dpbsud(5, 0, 2);
-          _tile_dpbsud(6, 0, 3);
-        }
-        _tile_stored(4, buffer->sums[0], 64);
-        _tile_stored(5, buffer->sums[1], 64);
-        _tile_stored(6, buffer->sums[2], 64);
+        block_sums<kBits>(inputs, stride, buffer);
         for (int64_t r = 0; r < rows; ++r) {
           const __m512i lo = _mm512_load_si512(buffer->sums[0] + r * kPanel);
           const __m512i hi = _mm512_load_si512(buffer->sums[1] + r * kPanel);
           const __m512i isum = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, kShift));
-          const __m512i imin = _mm512_load_si512(buffer->sums[2] + r * kPanel);
           const __m512 dx = _mm512_set1_ps(xs.d[(m + row0 + r) * groups + 8 * b]);
           float* at = sums + (row0 + r) * kBlockWidth + p * kPanel;
           __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
           t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(buffer->d, dx), t);
-          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(buffer->negative_dmin, dx), t);
+          if constexpr (kBits != 6) {
+            const __m512i imin = _mm512_load_si512(buffer->sums[2] + r * kPanel);
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(buffer->negative_dmin, dx), t);
+          }
           _mm512_storeu_ps(at, t);
         }
       }
@@ -344,7 +359,7 @@ void products_amx(const Inputs& in, const Panels& panels, int64_t out_features, 
     case 5:
       return blocks ? product_amx_blocks<5>(in, panels, out_features, y)
                     : product_amx<5>(in, panels, out_features, y);
-    default: return product_amx<6>(in, panels, out_features, y);
+    default: return product_amx_blocks<6>(in, panels, out_features, y);
   }
 }
 

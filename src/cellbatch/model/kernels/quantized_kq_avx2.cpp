@@ -64,21 +64,13 @@ inline __m256 halves8(const uint8_t* at) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
 }
 
-// Half j of sub-group `sub` of group g's scales and offsets (Panels::terms, 8 lanes), for
-// the group kinds and Q6_K.
-inline void terms(const Panels& panels, int64_t p, int64_t g, int sub, int j, __m256* scale,
+// Half j of group g's scales and offsets for the group kinds (Panels::terms, 8 lanes).
+inline void terms(const Panels& panels, int64_t p, int64_t g, int j, __m256* scale,
                   __m256* offset) {
   const uint8_t* h = panels.halves(p, g);
   const __m256 d = halves8(h + 16 * j);
-  if (panels.kind == kQ6_K) {
-    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(panels.small(p, g, sub) + 8 * j));
-    *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-    *offset = _mm256_setzero_ps();
-    return;
-  }
-  const __m256 second = halves8(h + 32 + 16 * j);
   *scale = d;
-  *offset = _mm256_sub_ps(second, _mm256_mul_ps(_mm256_set1_ps(zero(panels.kind)), d));
+  *offset = _mm256_sub_ps(halves8(h + 32 + 16 * j), _mm256_mul_ps(_mm256_set1_ps(zero(panels.kind)), d));
 }
 
 // Half j of a Q4_K/Q5_K group's integer scales or mins (`at`: its 16 bytes).
@@ -109,24 +101,58 @@ inline void steps4(const uint8_t* at, const a8::Quantised& xs, int64_t m, int64_
   step<R, kBits, kFirst + 3>(at, xs, m, g, dot);
 }
 
-template <int R, bool kSix>
-inline void fold(const Panels& panels, const Inputs& in, int64_t p, int64_t m, int64_t g, int sub,
+// The group kinds' fold of group g's dots into the totals.
+template <int R>
+inline void fold(const Panels& panels, const Inputs& in, int64_t p, int64_t m, int64_t g,
                  __m256i (&dot)[R][2], __m256 (&total)[R][2]) {
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups;
   for (int j = 0; j < 2; ++j) {
     __m256 scale, offset;
-    terms(panels, p, g, sub, j, &scale, &offset);
+    terms(panels, p, g, j, &scale, &offset);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m + r) * groups + g;
       const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(xs.d[i]));
-      if constexpr (kSix) {
-        const int32_t sum = in.qs16[(m + r) * groups * 2 + 2 * g + sub];
-        const __m256i exact = _mm256_sub_epi32(dot[r][j], _mm256_set1_epi32(32 * sum));
-        total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), row_scale, total[r][j]);
-      } else {
-        total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][j]), row_scale, total[r][j]);
-        total[r][j] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs.sx[i]), total[r][j]);
+      total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][j]), row_scale, total[r][j]);
+      total[r][j] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs.sx[i]), total[r][j]);
+    }
+  }
+}
+
+// The Q6_K chain (quantized_kq.cpp) of R rows from m over panel p.
+template <int R>
+inline void six_blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
+                                  __m256 (&total)[R][2]) {
+  const a8::Quantised& xs = in.xs;
+  const int64_t groups = panels.groups;
+  for (int64_t b = 0; b < groups; b += 8) {
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    for (int64_t g = b; g < b + 8; ++g) {
+      const uint8_t* at = panels.group_codes(p, g);
+      for (int sub = 0; sub < 2; ++sub) {
+        __m256i dot[R][2];
+        for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        if (sub == 0) steps4<R, 6, 0>(at, xs, m, g, dot);
+        else steps4<R, 6, 4>(at, xs, m, g, dot);
+        for (int j = 0; j < 2; ++j) {
+          const __m128i bytes =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(panels.small(p, g, sub) + 8 * j));
+          const __m256i sc = _mm256_cvtepi8_epi32(bytes);
+          for (int r = 0; r < R; ++r) {
+            const int32_t qs = in.qs16[((m + r) * groups + g) * 2 + sub];
+            const __m256i exact = _mm256_sub_epi32(dot[r][j], _mm256_set1_epi32(32 * qs));
+            isum[r][j] = _mm256_add_epi32(isum[r][j], _mm256_mullo_epi32(exact, sc));
+          }
+        }
+      }
+    }
+    const uint8_t* h = panels.halves(p, b);
+    for (int j = 0; j < 2; ++j) {
+      const __m256 d = halves8(h + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xs.d[(m + r) * groups + b]);
+        total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][j]), _mm256_mul_ps(d, dx), total[r][j]);
       }
     }
   }
@@ -182,24 +208,17 @@ inline void blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m,
 template <int R, int kBits, Chain kChain, typename T>
 void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
                      int64_t out_features, T* y) {
-  constexpr bool kSix = kChain == Chain::kSix;
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
   if constexpr (kChain == Chain::kBlock) blocks_over_panel<R, kBits>(panels, in, m, p, total);
-  for (int64_t g = 0; kChain != Chain::kBlock && g < panels.groups; ++g) {
+  if constexpr (kChain == Chain::kSix) six_blocks_over_panel<R>(panels, in, m, p, total);
+  for (int64_t g = 0; kChain == Chain::kGroup && g < panels.groups; ++g) {
     const uint8_t* at = panels.group_codes(p, g);
     __m256i dot[R][2];
-    auto clear = [&] {
-      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    };
-    clear();
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     steps4<R, kBits, 0>(at, in.xs, m, g, dot);
-    if constexpr (kSix) {
-      fold<R, true>(panels, in, p, m, g, 0, dot, total);
-      clear();
-    }
     steps4<R, kBits, 4>(at, in.xs, m, g, dot);
-    fold<R, kSix>(panels, in, p, m, g, kSix ? 1 : 0, dot, total);
+    fold<R>(panels, in, p, m, g, dot, total);
   }
   const int64_t width = std::min(kPanel, panels.rows - p * kPanel);
   for (int r = 0; r < R; ++r) {

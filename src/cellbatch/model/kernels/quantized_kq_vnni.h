@@ -4,9 +4,9 @@
 // columns.
 //
 // Promises: operand<kBits, s>(codes) is the 64 bytes of inputs 4s .. 4s + 3 of the group's
-// 16 outputs (one 32-bit lane each, the codes unsigned); terms(), block_codes() and
-// block_halves() the values Panels gives, and fold_block() the Q4_K/Q5_K chain's float
-// step, so that every path folds the same values the same way.
+// 16 outputs (one 32-bit lane each, the codes unsigned); terms(), sub_scales(), block_d(),
+// block_codes() and block_halves() the values Panels gives, and fold_block() the Q4_K/Q5_K
+// chain's float step, so that every path folds the same values the same way.
 // Never: runs before the caller asked the CPU for AVX512 (these are compiled for it).
 
 #pragma once
@@ -46,35 +46,34 @@ inline __m512i operand(const uint8_t* at) {
   return q;
 }
 
-// A panel's float16 terms as floats: group kinds' d and m (each group), Q6_K's d of the
-// block of 256 it is from, kept while the groups run through it.
-struct Halves {
-  __m512 d, second;
-  int64_t block = -1;
-};
+// Group g's 16 scales and offsets for the group kinds (the vector form of Panels::terms:
+// the same products, so the same values).
+[[gnu::always_inline]] inline void terms(const Panels& panels, int64_t p, int64_t g,
+                                         __m512* scale, __m512* offset) {
+  const uint8_t* h = panels.halves(p, g);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+  *scale = d;
+  *offset = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
+}
 
-// Sub-group `sub` of group g's 16 scales and offsets, for the group kinds and Q6_K (the
-// vector form of Panels::terms: the same products, so the same values). Always inlined:
-// the compiler left it a call through the PLT in every group's fold, a fifth of a 1B
-// model's decode.
-[[gnu::always_inline]] inline void terms(const Panels& panels, int64_t p, int64_t g, int sub,
-                                         Halves& halves, __m512* scale, __m512* offset) {
-  const bool six = panels.kind == kQ6_K;
-  if (!six || halves.block != g / 8) {
-    const uint8_t* h = panels.halves(p, g);
-    halves.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-    if (!six)
-      halves.second = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
-    halves.block = six ? g / 8 : -1;
-  }
-  const __m512 d = halves.d;
-  if (six) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
-    *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-  } else {
-    *scale = d;
-    *offset = _mm512_sub_ps(halves.second, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
-  }
+// v's lanes as floats, each |v| < 2^22: 1.5 2^23 + v is exact in float32, so one integer
+// add and one float subtraction give them, on either vector port (VCVTDQ2PS takes port 0,
+// beside the VPDPBUSDs).
+[[gnu::always_inline]] inline __m512 small_to_float(__m512i v) {
+  const __m512 biased = _mm512_castsi512_ps(_mm512_add_epi32(v, _mm512_set1_epi32(0x4B400000)));
+  return _mm512_sub_ps(biased, _mm512_set1_ps(12582912.0f));
+}
+
+// Q6_K: sub-group `sub` of group g's 16 integer scales as floats (Panels::sub_scale), and
+// the d of g's block (Panels::block_d).
+[[gnu::always_inline]] inline __m512 sub_scales(const Panels& panels, int64_t p, int64_t g,
+                                                int sub) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
+  return small_to_float(_mm512_cvtepi8_epi32(sc));
+}
+[[gnu::always_inline]] inline __m512 block_d(const Panels& panels, int64_t p, int64_t g) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panels.halves(p, g))));
 }
 
 // Q4_K and Q5_K: group g's 16 integer scales and mins as int32 lanes (Panels::scale_code,
@@ -85,14 +84,7 @@ struct Halves {
   *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
   *mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanel)));
 }
-// v's lanes as floats, each |v| < 2^22: 1.5 2^23 + v is exact in float32, so one integer
-// add and one float subtraction give them, on either vector port (VCVTDQ2PS takes port 0,
-// beside the VPDPBUSDs).
-[[gnu::always_inline]] inline __m512 small_to_float(__m512i v) {
-  const __m512 biased = _mm512_castsi512_ps(_mm512_add_epi32(v, _mm512_set1_epi32(0x4B400000)));
-  return _mm512_sub_ps(biased, _mm512_set1_ps(12582912.0f));
-}
-// ... and the d and -dmin of g's block (Panels::block_halves).
+// ... the d and -dmin of g's block (Panels::block_halves) ...
 [[gnu::always_inline]] inline void block_halves(const Panels& panels, int64_t p, int64_t g,
                                                 __m512* d, __m512* negative_dmin) {
   const uint8_t* h = panels.halves(p, g);
