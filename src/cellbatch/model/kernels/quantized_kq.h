@@ -134,6 +134,13 @@ struct Inputs {
   int64_t count() const { return static_cast<int64_t>(xs.d.size()) / (xs.in_features / kGroup); }
 };
 
+// True when this library holds the VNNI products and a8::products_path() takes them.
+bool vnni_products_available();
+// y [count, out_features] (T float or c10::BFloat16): the segment's columns, each output
+// the portable loop's chain (quantized_kq.cpp), bit for bit (quantized_kq_vnni.cpp).
+template <typename T>
+void products_vnni(const Inputs& in, const Panels& panels, int64_t out_features, T* y);
+
 // True when this library holds the AVX2 products and this CPU runs them (a8's question).
 // y [count, out_features] (T float or c10::BFloat16): the segment's columns, each output
 // the portable loop's chain (quantized_kq.cpp), bit for bit.
