@@ -168,18 +168,6 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
   }
 }
 
-template <int kBits, typename T>
-void product_amx(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
-  for_each_block<Buffer, kBlock, kRowChunk, 0>(
-      in.count(), panels.panel_count,
-      [&](auto width, int64_t m0, int64_t n, int64_t p0, Buffer* buffer, float* sums) {
-        block<decltype(width)::value, kBits>(panels, in, m0, n, p0, buffer, sums);
-      },
-      [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
-      });
-}
-
 // ---- K-quants: the blocks' integer sums by tiles ----
 
 constexpr int64_t kPlaneBytes = kTileRows * 64;  // a tile: 64 inputs of 16 outputs
@@ -333,16 +321,31 @@ void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t cou
     }
 }
 
-template <int kBits, typename T>
-void product_amx_blocks(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
-  for_each_block<BlockBuffer, kBlock, kRowChunk, 0>(
+// The segment's products: blocks of panels between threads (common.h's for_each_block),
+// each run by `block` over what a thread holds (a Buffer or a BlockBuffer).
+template <typename Held, typename Block, typename T>
+void products(const Inputs& in, const Panels& panels, int64_t out_features, T* y, Block&& block) {
+  for_each_block<Held, kBlock, kRowChunk, 0>(
       in.count(), panels.panel_count,
-      [&](auto width, int64_t m0, int64_t n, int64_t p0, BlockBuffer* buffer, float* sums) {
-        blocks_block<decltype(width)::value, kBits>(panels, in, m0, n, p0, buffer, sums);
+      [&](auto width, int64_t m0, int64_t n, int64_t p0, Held* buffer, float* sums) {
+        block(width, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
         store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
       });
+}
+
+template <int kBits, typename T>
+void product_amx(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
+  if (chain_of(panels.kind) != Chain::kGroup) {
+    products<BlockBuffer>(in, panels, out_features, y, [&](auto width, auto... rest) {
+      blocks_block<decltype(width)::value, kBits>(panels, in, rest...);
+    });
+  } else {
+    products<Buffer>(in, panels, out_features, y, [&](auto width, auto... rest) {
+      block<decltype(width)::value, kBits>(panels, in, rest...);
+    });
+  }
 }
 
 }  // namespace
@@ -351,15 +354,10 @@ void product_amx_blocks(const Inputs& in, const Panels& panels, int64_t out_feat
 
 template <typename T>
 void products_amx(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
-  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
   switch (bits(panels.kind)) {
-    case 4:
-      return blocks ? product_amx_blocks<4>(in, panels, out_features, y)
-                    : product_amx<4>(in, panels, out_features, y);
-    case 5:
-      return blocks ? product_amx_blocks<5>(in, panels, out_features, y)
-                    : product_amx<5>(in, panels, out_features, y);
-    default: return product_amx_blocks<6>(in, panels, out_features, y);
+    case 4: return product_amx<4>(in, panels, out_features, y);
+    case 5: return product_amx<5>(in, panels, out_features, y);
+    default: return product_amx<6>(in, panels, out_features, y);
   }
 }
 

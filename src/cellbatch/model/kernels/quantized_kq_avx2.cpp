@@ -119,10 +119,11 @@ inline void fold(const Panels& panels, const Inputs& in, int64_t p, int64_t m, i
   }
 }
 
-// The Q6_K chain (quantized_kq.cpp) of R rows from m over panel p.
-template <int R>
-inline void six_blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
-                                  __m256 (&total)[R][2]) {
+// The K-quants' chains (quantized_kq.cpp) of R rows from m over panel p.
+template <int R, int kBits>
+inline void blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
+                              __m256 (&total)[R][2]) {
+  constexpr bool kSix = kBits == 6;
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups;
   for (int64_t b = 0; b < groups; b += 8) {
@@ -130,18 +131,22 @@ inline void six_blocks_over_panel(const Panels& panels, const Inputs& in, int64_
     for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
     for (int64_t g = b; g < b + 8; ++g) {
       const uint8_t* at = panels.group_codes(p, g);
-      for (int sub = 0; sub < 2; ++sub) {
+      // Q6_K: each sub-group of 16 (its dots less 32 qs) by its scale; else the group's.
+      for (int sub = 0; sub < (kSix ? 2 : 1); ++sub) {
         __m256i dot[R][2];
         for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-        if (sub == 0) steps4<R, 6, 0>(at, xs, m, g, dot);
-        else steps4<R, 6, 4>(at, xs, m, g, dot);
+        if (!kSix || sub == 0) steps4<R, kBits, 0>(at, xs, m, g, dot);
+        if (!kSix || sub == 1) steps4<R, kBits, 4>(at, xs, m, g, dot);
         for (int j = 0; j < 2; ++j) {
-          const __m128i bytes =
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(panels.small(p, g, sub) + 8 * j));
-          const __m256i sc = _mm256_cvtepi8_epi32(bytes);
+          const uint8_t* small = panels.small(p, g, sub) + 8 * j;
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(small));
+          const __m256i sc = kSix ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
           for (int r = 0; r < R; ++r) {
-            const int32_t qs = in.qs16[((m + r) * groups + g) * 2 + sub];
-            const __m256i exact = _mm256_sub_epi32(dot[r][j], _mm256_set1_epi32(32 * qs));
+            __m256i exact = dot[r][j];
+            if constexpr (kSix) {
+              const int32_t qs = in.qs16[((m + r) * groups + g) * 2 + sub];
+              exact = _mm256_sub_epi32(exact, _mm256_set1_epi32(32 * qs));
+            }
             isum[r][j] = _mm256_add_epi32(isum[r][j], _mm256_mullo_epi32(exact, sc));
           }
         }
@@ -150,54 +155,26 @@ inline void six_blocks_over_panel(const Panels& panels, const Inputs& in, int64_
     const uint8_t* h = panels.halves(p, b);
     for (int j = 0; j < 2; ++j) {
       const __m256 d = halves8(h + 16 * j);
+      __m256 negative_dmin = _mm256_setzero_ps();
+      __m256i pairs[4];  // Q4_K/Q5_K: groups 2i and 2i + 1's mins as int16 pairs, for VPMADDWD
+      if constexpr (!kSix) {
+        negative_dmin = _mm256_sub_ps(negative_dmin, halves8(h + 32 + 16 * j));
+        for (int i = 0; i < 4; ++i) {
+          const __m256i low = codes8(panels.small(p, b + 2 * i, 0) + kPanel, j);
+          const __m256i high = codes8(panels.small(p, b + 2 * i + 1, 0) + kPanel, j);
+          pairs[i] = _mm256_or_si256(low, _mm256_slli_epi32(high, 16));
+        }
+      }
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(xs.d[(m + r) * groups + b]);
         total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][j]), _mm256_mul_ps(d, dx), total[r][j]);
-      }
-    }
-  }
-}
-
-// The Q4_K/Q5_K chain (quantized_kq.cpp) of R rows from m over panel p.
-template <int R, int kBits>
-inline void blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
-                              __m256 (&total)[R][2]) {
-  const a8::Quantised& xs = in.xs;
-  const int64_t groups = panels.groups;
-  for (int64_t b = 0; b < groups; b += 8) {
-    __m256i isum[R][2];
-    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
-    for (int64_t g = b; g < b + 8; ++g) {
-      const uint8_t* at = panels.group_codes(p, g);
-      __m256i dot[R][2];
-      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-      steps4<R, kBits, 0>(at, xs, m, g, dot);
-      steps4<R, kBits, 4>(at, xs, m, g, dot);
-      for (int j = 0; j < 2; ++j) {
-        const __m256i sc = codes8(panels.small(p, g, 0), j);
-        for (int r = 0; r < R; ++r)
-          isum[r][j] = _mm256_add_epi32(isum[r][j], _mm256_mullo_epi32(dot[r][j], sc));
-      }
-    }
-    const uint8_t* h = panels.halves(p, b);
-    for (int j = 0; j < 2; ++j) {
-      const __m256 d = halves8(h + 16 * j);
-      const __m256 negative_dmin = _mm256_sub_ps(_mm256_setzero_ps(), halves8(h + 32 + 16 * j));
-      __m256i pairs[4];  // groups 2i and 2i + 1's mins as int16 pairs, for VPMADDWD
-      for (int i = 0; i < 4; ++i) {
-        const __m256i low = codes8(panels.small(p, b + 2 * i, 0) + kPanel, j);
-        const __m256i high = codes8(panels.small(p, b + 2 * i + 1, 0) + kPanel, j);
-        pairs[i] = _mm256_or_si256(low, _mm256_slli_epi32(high, 16));
-      }
-      for (int r = 0; r < R; ++r) {
+        if constexpr (kSix) continue;
         const int32_t* qs = xs.qsum.data() + (m + r) * groups + b;
         __m256i imin = _mm256_setzero_si256();
         for (int i = 0; i < 4; ++i) {
           const int32_t both = (qs[2 * i] & 0xFFFF) | (qs[2 * i + 1] << 16);
           imin = _mm256_add_epi32(imin, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(both)));
         }
-        const __m256 dx = _mm256_set1_ps(xs.d[(m + r) * groups + b]);
-        total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][j]), _mm256_mul_ps(d, dx), total[r][j]);
         total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(negative_dmin, dx),
                                       total[r][j]);
       }
@@ -210,8 +187,7 @@ void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t 
                      int64_t out_features, T* y) {
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  if constexpr (kChain == Chain::kBlock) blocks_over_panel<R, kBits>(panels, in, m, p, total);
-  if constexpr (kChain == Chain::kSix) six_blocks_over_panel<R>(panels, in, m, p, total);
+  if constexpr (kChain != Chain::kGroup) blocks_over_panel<R, kBits>(panels, in, m, p, total);
   for (int64_t g = 0; kChain == Chain::kGroup && g < panels.groups; ++g) {
     const uint8_t* at = panels.group_codes(p, g);
     __m256i dot[R][2];
