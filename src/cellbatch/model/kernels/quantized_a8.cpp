@@ -384,7 +384,7 @@ bool portable_asked() {
 template <bool kInt4, typename T>
 Quantised quantise(const T* x, int64_t count, int64_t in_features, int64_t span, bool vector) {
   const int64_t groups = in_features / kGroup, per_span = span / kGroup;
-  Quantised xs{std::vector<int8_t>(count * in_features), std::vector<float>(count * groups),
+  Quantised xs{decltype(Quantised::q)(count * in_features), std::vector<float>(count * groups),
                std::vector<float>(count * groups), std::vector<int32_t>(count * groups),
                in_features};
   at::parallel_for(0, count * groups / per_span, std::max<int64_t>(1, 64 / per_span), [&](int64_t begin, int64_t end) {

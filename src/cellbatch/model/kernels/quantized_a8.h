@@ -8,7 +8,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 namespace cellbatch::a8 {
@@ -16,10 +18,25 @@ namespace cellbatch::a8 {
 constexpr int64_t kPanel = 16;  // outputs per panel
 constexpr int64_t kGroup = 32;  // inputs per group: one weight scale, one input scale
 
+// Storage from a 64-byte line: where K is a multiple of 64 every row's inputs start a cache
+// line, so that a tile or vector load of 64 inputs reads one line, not two.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}  // NOLINT: rebinding, as std::allocator does
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* at, std::size_t) { ::operator delete(at, std::align_val_t{64}); }
+  bool operator==(const LineAllocator&) const { return true; }
+};
+
 // Each row's quantised inputs: q [M, K] (in the byte order of the weights' format), d, sx
 // and qsum (the sum of the group's q: int8 weights' correction) [M, K / 32].
 struct Quantised {
-  std::vector<int8_t> q;
+  std::vector<int8_t, LineAllocator<int8_t>> q;
   std::vector<float> d, sx;
   std::vector<int32_t> qsum;
   int64_t in_features = 0;
