@@ -164,7 +164,14 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
   const bool blocks = std::any_of(parts.begin(), parts.end(),
                                   [](const Panels& p) { return in_blocks(p.kind); });
   const a8::Quantised xs = a8::quantise_rows(rows, path, blocks ? kBlockInputs : kGroup);
-  Inputs in{xs, {}};
+  Inputs in{xs, {}, {}};
+  if (std::any_of(parts.begin(), parts.end(),
+                  [](const Panels& p) { return chain_of(p.kind) == Chain::kBlock; })) {
+    in.qsum_pairs.resize(xs.qsum.size() / 2);
+    for (size_t i = 0; i < in.qsum_pairs.size(); ++i)
+      in.qsum_pairs[i] = (xs.qsum[2 * i] & 0xFFFF) | static_cast<int32_t>(
+                             static_cast<uint32_t>(xs.qsum[2 * i + 1]) << 16);
+  }
   if (std::any_of(parts.begin(), parts.end(), [](const Panels& p) { return p.kind == kQ6_K; })) {
     in.qs16.resize(count * in_features / 16);
     for (size_t h = 0; h < in.qs16.size(); ++h) {

@@ -126,11 +126,14 @@ struct Panels {
   }
 };
 
-// Each row's quantised inputs beside the sums Q6_K needs: per row and 16 inputs, the sum
-// of their codes (qs16 [M, K / 16]).
+// Each row's quantised inputs beside the sums the blocks' chains need: Q6_K, per row and
+// 16 inputs, the sum of their codes (qs16 [M, K / 16]); Q4_K/Q5_K's mins, the groups' sums
+// xs.qsum two by two as int16 halves of an int32 (qsum_pairs [M, K / 64]: VPDPWSSD's
+// operand, made once per call rather than per panel).
 struct Inputs {
   const a8::Quantised& xs;
   std::vector<int32_t> qs16;
+  std::vector<int32_t> qsum_pairs;
   int64_t count() const { return static_cast<int64_t>(xs.d.size()) / (xs.in_features / kGroup); }
 };
 

@@ -17,12 +17,13 @@
 // made once per panel and block for every row of the call (four tiles each of 64 inputs,
 // 16 rows of 64 bytes), accumulated over the block by the tile products:
 //   Q4_K, Q5_K: each group's codes times its scale sc = 2^k hi + lo (k = 4 for 4-bit codes,
-//     3 for 5-bit) make two planes, q lo and q hi (every byte at most 225), and its min mn
-//     a third (mn in every byte of the group's inputs): isum = C_lo + 2^k C_hi, imin = C_mn.
+//     3 for 5-bit) make two planes, q lo and q hi (every byte at most 225): isum = C_lo +
+//     2^k C_hi. imin, the mins times the inputs' group sums, is the VNNI path's (fold_block):
+//     a third plane of mins would cost a third of the tile products for 1/32 of the work.
 //   Q6_K: w = sc (q - 32) (|w| <= 4096) is split as 64 hi + lo, lo in [0, 64) (TDPBSUD)
 //     and hi in [-64, 64] (TDPBSSD): isum = C_lo + 64 C_hi.
 // Then per row the block's float step of quantized_kq.cpp's chain. Tiles: 0 the rows'
-// inputs, 1-3 the planes, 4-6 the sums (a8::TileShape::kBlocks).
+// inputs, 1-2 the planes, 4-5 the sums (a8::TileShape::kBlocks).
 // Promises: the VNNI path's chain over the same exact values, so y's bits do not depend on
 // which path a call takes, on the other rows or on the thread count. Each thread configures
 // its tiles when it starts a call and releases them when it ends it (a8::Tiles).
@@ -173,27 +174,26 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
 constexpr int64_t kPlaneBytes = kTileRows * 64;  // a tile: 64 inputs of 16 outputs
 constexpr int64_t kChunksPerBlock = kBlockInputs / 64;
 
-// What a thread holds for a call: one panel's planes of one block (per 64 inputs: up to
-// three) and its d and -dmin; a row tile's sums; a last row tile of fewer than 16 rows,
-// copied out.
+// What a thread holds for a call: one panel's planes of one block (two per 64 inputs), its
+// d and -dmin and (Q4_K, Q5_K) its mins' pairs; a row tile's sums; a last row tile of fewer
+// than 16 rows, copied out.
 struct alignas(64) BlockBuffer {
-  int8_t planes[kChunksPerBlock][3][kPlaneBytes];
+  int8_t planes[kChunksPerBlock][2][kPlaneBytes];
   __m512 d, negative_dmin;
-  int32_t sums[3][kTileRows * kPanel];
+  __m512i min_pairs[4];
+  int32_t sums[2][kTileRows * kPanel];
   int8_t tail[kTileRows][kBlockInputs] = {};
   a8::Tiles tiles;
 };
 
 // Operand kS of a Q4_K/Q5_K group's codes `at` times the scale words into the planes' rows.
 template <int kBits, int kS>
-inline void put_planes(const uint8_t* at, __m512i low, __m512i high, __m512i mins, int8_t* lo,
-                       int8_t* hi, int8_t* mn) {
+inline void put_planes(const uint8_t* at, __m512i low, __m512i high, int8_t* lo, int8_t* hi) {
   const __m512i q = operand<kBits, kS>(at);
   // Each 16-bit word holds two codes (at most 31) and the scale part (at most 15 for 4-bit
   // codes, 7 for 5-bit) in its low byte: each byte's product stays below 256, no carry.
   _mm512_store_si512(lo + 64 * kS, _mm512_mullo_epi16(q, low));
   _mm512_store_si512(hi + 64 * kS, _mm512_mullo_epi16(q, high));
-  _mm512_store_si512(mn + 64 * kS, mins);
 }
 
 // Operand kS of a Q6_K group's codes `at` and its sub-group's scale words (sc, sign
@@ -217,12 +217,25 @@ inline void put_six_planes(const uint8_t* at, __m512i scale, int8_t* lo, int8_t*
 template <int kBits>
 void make_planes(const Panels& panels, int64_t p, int64_t b, BlockBuffer* buffer) {
   constexpr int kShift = kBits == 4 ? 4 : 3;
+  // The next block's codes and scales (the next panel's after a panel's last: panels lie one
+  // after another) are asked for a group at a time, so that they arrive while the tiles work
+  // on this one: the hardware prefetcher, seeing codes read in bursts between tile products
+  // and starting afresh at each page, left this loop waiting on memory. All at once, the
+  // requests held up this block's own loads.
+  const int64_t group_bytes = code_bytes(panels.kind);
+  const char* next_codes =
+      reinterpret_cast<const char*>(panels.group_codes(p, 8 * b)) + 8 * group_bytes;
+  const char* next_scales =
+      reinterpret_cast<const char*>(panels.halves(p, 8 * b)) + (kBits == 6 ? 288 : 320);
   for (int64_t half = 0; half < 8; ++half) {
     const int64_t g = 8 * b + half;
     const int64_t row = (half % 2) * 8 * 64;  // a group is half of a 64-input tile
     int8_t* lo = buffer->planes[half / 2][0] + row;
     int8_t* hi = buffer->planes[half / 2][1] + row;
     const uint8_t* at = panels.group_codes(p, g);
+    for (int64_t offset = 0; offset < group_bytes; offset += 64)
+      _mm_prefetch(next_codes + half * group_bytes + offset, _MM_HINT_T0);
+    if (half < 5) _mm_prefetch(next_scales + 64 * half, _MM_HINT_T0);
     if constexpr (kBits == 6) {
       __m512i words[2];
       for (int sub = 0; sub < 2; ++sub) {
@@ -241,20 +254,18 @@ void make_planes(const Panels& panels, int64_t p, int64_t b, BlockBuffer* buffer
       const __m512i words = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
       const __m512i low = _mm512_and_si512(words, _mm512_set1_epi16((1 << kShift) - 1));
       const __m512i high = _mm512_srli_epi16(words, kShift);
-      const __m512i mins = _mm512_mullo_epi32(mn, _mm512_set1_epi32(0x01010101));
-      int8_t* mn_rows = buffer->planes[half / 2][2] + row;
-      put_planes<kBits, 0>(at, low, high, mins, lo, hi, mn_rows);
-      put_planes<kBits, 1>(at, low, high, mins, lo, hi, mn_rows);
-      put_planes<kBits, 2>(at, low, high, mins, lo, hi, mn_rows);
-      put_planes<kBits, 3>(at, low, high, mins, lo, hi, mn_rows);
-      put_planes<kBits, 4>(at, low, high, mins, lo, hi, mn_rows);
-      put_planes<kBits, 5>(at, low, high, mins, lo, hi, mn_rows);
-      put_planes<kBits, 6>(at, low, high, mins, lo, hi, mn_rows);
-      put_planes<kBits, 7>(at, low, high, mins, lo, hi, mn_rows);
+      put_planes<kBits, 0>(at, low, high, lo, hi), put_planes<kBits, 1>(at, low, high, lo, hi);
+      put_planes<kBits, 2>(at, low, high, lo, hi), put_planes<kBits, 3>(at, low, high, lo, hi);
+      put_planes<kBits, 4>(at, low, high, lo, hi), put_planes<kBits, 5>(at, low, high, lo, hi);
+      put_planes<kBits, 6>(at, low, high, lo, hi);
+      put_planes<kBits, 7>(at, low, high, lo, hi);
     }
   }
   if constexpr (kBits == 6) buffer->d = block_d(panels, p, 8 * b);
-  else block_halves(panels, p, 8 * b, &buffer->d, &buffer->negative_dmin);
+  else {
+    block_halves(panels, p, 8 * b, &buffer->d, &buffer->negative_dmin);
+    block_min_pairs(panels, p, 8 * b, buffer->min_pairs);
+  }
 }
 
 // The tile products of a row tile (its inputs of the block at `inputs`, rows `stride`
@@ -263,23 +274,16 @@ template <int kBits>
 void block_sums(const int8_t* inputs, int64_t stride, BlockBuffer* buffer) {
   _tile_zero(4);
   _tile_zero(5);
-  if constexpr (kBits != 6) _tile_zero(6);
   for (int64_t c = 0; c < kChunksPerBlock; ++c) {
     _tile_loadd(0, inputs + 64 * c, stride);
     _tile_loadd(1, buffer->planes[c][0], 64);
     _tile_loadd(2, buffer->planes[c][1], 64);
-    if constexpr (kBits != 6) _tile_loadd(3, buffer->planes[c][2], 64);
     _tile_dpbsud(4, 0, 1);
-    if constexpr (kBits == 6) {
-      _tile_dpbssd(5, 0, 2);
-    } else {
-      _tile_dpbsud(5, 0, 2);
-      _tile_dpbsud(6, 0, 3);
-    }
+    if constexpr (kBits == 6) _tile_dpbssd(5, 0, 2);
+    else _tile_dpbsud(5, 0, 2);
   }
   _tile_stored(4, buffer->sums[0], 64);
   _tile_stored(5, buffer->sums[1], 64);
-  if constexpr (kBits != 6) _tile_stored(6, buffer->sums[2], 64);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
@@ -307,13 +311,15 @@ void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t cou
           const __m512i lo = _mm512_load_si512(buffer->sums[0] + r * kPanel);
           const __m512i hi = _mm512_load_si512(buffer->sums[1] + r * kPanel);
           const __m512i isum = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, kShift));
-          const __m512 dx = _mm512_set1_ps(xs.d[(m + row0 + r) * groups + 8 * b]);
+          const int64_t i = (m + row0 + r) * groups + 8 * b;
           float* at = sums + (row0 + r) * kBlockWidth + p * kPanel;
           __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
-          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(buffer->d, dx), t);
-          if constexpr (kBits != 6) {
-            const __m512i imin = _mm512_load_si512(buffer->sums[2] + r * kPanel);
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(buffer->negative_dmin, dx), t);
+          if constexpr (kBits == 6) {
+            const __m512 scale = _mm512_mul_ps(buffer->d, _mm512_set1_ps(xs.d[i]));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, t);
+          } else {
+            t = fold_block(in.qsum_pairs.data() + i / 2, xs.d[i], isum, buffer->min_pairs, buffer->d,
+                           buffer->negative_dmin, t);
           }
           _mm512_storeu_ps(at, t);
         }

@@ -272,7 +272,7 @@ inline void blocks_of_rows(const Source& source, const Inputs& in, int64_t m, in
           const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xs.d[i]));
           t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][p]), scale, t);
         } else {
-          t = fold_block(xs.qsum.data() + i, xs.d[i], isum[r][p], pairs, d, negative_dmin, t);
+          t = fold_block(in.qsum_pairs.data() + i / 2, xs.d[i], isum[r][p], pairs, d, negative_dmin, t);
         }
         _mm512_storeu_ps(at, t);
       }

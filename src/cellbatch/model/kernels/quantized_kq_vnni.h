@@ -106,17 +106,15 @@ inline __m512i operand(const uint8_t* at) {
   }
 }
 
-// The Q4_K/Q5_K chain's float step of one block for a row (its inputs' sums `qs` of the
-// block's 8 groups, |qs| <= 32 x 127, and its scale dx) and 16 outputs: imin from the mins'
-// pairs, then the two fmas onto t.
-[[gnu::always_inline]] inline __m512 fold_block(const int32_t* qs, float dx, __m512i isum,
+// The Q4_K/Q5_K chain's float step of one block for a row (its inputs' group sums in
+// pairs `qs_pairs`, Inputs::qsum_pairs, and its scale dx) and 16 outputs: imin from the
+// mins' pairs, then the two fmas onto t.
+[[gnu::always_inline]] inline __m512 fold_block(const int32_t* qs_pairs, float dx, __m512i isum,
                                                 const __m512i (&pairs)[4], __m512 d,
                                                 __m512 negative_dmin, __m512 t) {
   __m512i imin = _mm512_setzero_si512();
-  for (int i = 0; i < 4; ++i) {
-    const int32_t both = (qs[2 * i] & 0xFFFF) | (qs[2 * i + 1] << 16);
-    imin = _mm512_dpwssd_epi32(imin, pairs[i], _mm512_set1_epi32(both));
-  }
+  for (int i = 0; i < 4; ++i)
+    imin = _mm512_dpwssd_epi32(imin, pairs[i], _mm512_set1_epi32(qs_pairs[i]));
   const __m512 row = _mm512_set1_ps(dx);
   t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, row), t);
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(negative_dmin, row), t);
