@@ -174,14 +174,17 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
 constexpr int64_t kPlaneBytes = kTileRows * 64;  // a tile: 64 inputs of 16 outputs
 constexpr int64_t kChunksPerBlock = kBlockInputs / 64;
 
+// A row tile's integer sums over a block: C_lo and C_hi, [16 rows][16 outputs] each.
+using RowTileSums = int32_t[2][kTileRows * kPanel];
+
 // What a thread holds for a call: one panel's planes of one block (two per 64 inputs), its
-// d and -dmin and (Q4_K, Q5_K) its mins' pairs; a row tile's sums; a last row tile of fewer
-// than 16 rows, copied out.
+// d and -dmin and (Q4_K, Q5_K) its mins' pairs; two row tiles' sums; a last row tile of
+// fewer than 16 rows, copied out.
 struct alignas(64) BlockBuffer {
   int8_t planes[kChunksPerBlock][2][kPlaneBytes];
   __m512 d, negative_dmin;
   __m512i min_pairs[4];
-  int32_t sums[2][kTileRows * kPanel];
+  RowTileSums sums[2];  // two row tiles': one's float steps run beside the next's products
   int8_t tail[kTileRows][kBlockInputs] = {};
   a8::Tiles tiles;
 };
@@ -269,9 +272,9 @@ void make_planes(const Panels& panels, int64_t p, int64_t b, BlockBuffer* buffer
 }
 
 // The tile products of a row tile (its inputs of the block at `inputs`, rows `stride`
-// bytes apart) over the block's planes, into buffer->sums.
+// bytes apart) over the block's planes, into sums (C_lo, C_hi).
 template <int kBits>
-void block_sums(const int8_t* inputs, int64_t stride, BlockBuffer* buffer) {
+void block_sums(const int8_t* inputs, int64_t stride, BlockBuffer* buffer, RowTileSums& sums) {
   _tile_zero(4);
   _tile_zero(5);
   for (int64_t c = 0; c < kChunksPerBlock; ++c) {
@@ -282,8 +285,8 @@ void block_sums(const int8_t* inputs, int64_t stride, BlockBuffer* buffer) {
     if constexpr (kBits == 6) _tile_dpbssd(5, 0, 2);
     else _tile_dpbsud(5, 0, 2);
   }
-  _tile_stored(4, buffer->sums[0], 64);
-  _tile_stored(5, buffer->sums[1], 64);
+  _tile_stored(4, sums[0], 64);
+  _tile_stored(5, sums[1], 64);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
@@ -297,6 +300,26 @@ void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t cou
   for (int p = 0; p < P; ++p)
     for (int64_t b = 0; b < groups / 8; ++b) {
       make_planes<kBits>(panels, p0 + p, b, buffer);
+      // The block's float step for `rows` rows from row0 of the call, from their tile sums.
+      auto fold_rows = [&](int64_t row0, int64_t rows) {
+        const RowTileSums& tile = buffer->sums[(row0 / kTileRows) % 2];
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512i lo = _mm512_load_si512(tile[0] + r * kPanel);
+          const __m512i hi = _mm512_load_si512(tile[1] + r * kPanel);
+          const __m512i isum = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, kShift));
+          const int64_t i = (m + row0 + r) * groups + 8 * b;
+          float* at = sums + (row0 + r) * kBlockWidth + p * kPanel;
+          __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
+          if constexpr (kBits == 6) {
+            const __m512 scale = _mm512_mul_ps(buffer->d, _mm512_set1_ps(xs.d[i]));
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, t);
+          } else {
+            t = fold_block(in.qsum_pairs.data() + i / 2, xs.d[i], isum, buffer->min_pairs,
+                           buffer->d, buffer->negative_dmin, t);
+          }
+          _mm512_storeu_ps(at, t);
+        }
+      };
       for (int64_t row0 = 0; row0 < count; row0 += kTileRows) {
         const int64_t rows = std::min(kTileRows, count - row0);
         const int8_t* inputs = xs.q.data() + (m + row0) * in_features + b * kBlockInputs;
@@ -306,23 +329,11 @@ void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t cou
             std::memcpy(buffer->tail[r], inputs + r * in_features, kBlockInputs);
           inputs = buffer->tail[0], stride = kBlockInputs;
         }
-        block_sums<kBits>(inputs, stride, buffer);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512i lo = _mm512_load_si512(buffer->sums[0] + r * kPanel);
-          const __m512i hi = _mm512_load_si512(buffer->sums[1] + r * kPanel);
-          const __m512i isum = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, kShift));
-          const int64_t i = (m + row0 + r) * groups + 8 * b;
-          float* at = sums + (row0 + r) * kBlockWidth + p * kPanel;
-          __m512 t = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
-          if constexpr (kBits == 6) {
-            const __m512 scale = _mm512_mul_ps(buffer->d, _mm512_set1_ps(xs.d[i]));
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, t);
-          } else {
-            t = fold_block(in.qsum_pairs.data() + i / 2, xs.d[i], isum, buffer->min_pairs, buffer->d,
-                           buffer->negative_dmin, t);
-          }
-          _mm512_storeu_ps(at, t);
-        }
+        // The float steps of the row tile before go after this one's tile products are
+        // issued, so that the vector units work on them while the tiles multiply.
+        block_sums<kBits>(inputs, stride, buffer, buffer->sums[(row0 / kTileRows) % 2]);
+        if (row0 > 0) fold_rows(row0 - kTileRows, kTileRows);
+        if (row0 + kTileRows >= count) fold_rows(row0, rows);
       }
     }
 }
