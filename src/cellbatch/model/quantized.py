@@ -550,7 +550,7 @@ def describe_kept(model: DecoderModel) -> str:
     """What runs a model's GGUF blocks kept as they are (`kquants.KQuantLinear`: a
     `bytes_by_kind` per kind), per kind ("" when none): "Q4_K in 56 products (457.9 MiB),
     Q6_K in 17 products (317.1 MiB) kept as they are: kquant_matmul_a8, int8 inputs
-    (VPDPBUSD, AVX512-VNNI; AMX tiles for Q4_K, Q5_K from 5 rows, Q6_K from 8)"."""
+    (VPDPBUSD, AVX512-VNNI; AMX tiles for Q4_K, Q5_K, Q6_K from 4 rows)"."""
     counts: dict[str, int] = {}
     sizes: dict[str, int] = {}
     compiled = False
@@ -571,5 +571,5 @@ def describe_kept(model: DecoderModel) -> str:
     how = int8_products_path() if compiled else "torch implementation"
     if compiled and how.endswith("AVX512-VNNI") and cpu_has_amx() and amx_switch() != "0":
         # as kernels/quantized_kq.cpp chooses
-        how += "; AMX tiles for Q4_K, Q5_K from 5 rows, Q6_K from 8"
+        how += "; AMX tiles for Q4_K, Q5_K, Q6_K from 4 rows"
     return f"{', '.join(parts)} kept as they are: kquant_matmul_a8, int8 inputs ({how})"

@@ -48,11 +48,10 @@ namespace cellbatch::kq {
 namespace {
 
 // Rows from which `auto` takes the tiles: the group kinds' from 32; the K-quants' (whose
-// tiles leave one float step per block) Q4_K and Q5_K's from 5, Q6_K's from 8 (its planes
-// take longer to make). benchmarks/quantized.py --products --shapes 1b measures them.
+// tiles leave one float step per block) from 4. benchmarks/quantized.py --products
+// --shapes 1b measures them.
 constexpr int64_t kAmxMinRows = 32;
-constexpr int64_t kBlockAmxMinRows = 5;
-constexpr int64_t kSixAmxMinRows = 8;
+constexpr int64_t kBlockAmxMinRows = 4;
 
 // The portable loop over rows [0, count) and panels [p0, p1) of one segment.
 template <typename T>
@@ -186,11 +185,7 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
   const bool always = amx && a8::amx_takes(1);
   auto tiles = [&](const Panels& panels) {
     if (!amx || always) return amx;
-    switch (chain_of(panels.kind)) {
-      case Chain::kGroup: return count >= kAmxMinRows;
-      case Chain::kBlock: return count >= kBlockAmxMinRows;
-      default: return count >= kSixAmxMinRows;
-    }
+    return count >= (chain_of(panels.kind) == Chain::kGroup ? kAmxMinRows : kBlockAmxMinRows);
   };
   auto run = [&](auto tag) {
     using T = decltype(tag);
