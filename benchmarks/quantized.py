@@ -331,12 +331,17 @@ def products(
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
     tiles = cpu_has_amx() and amx_switch() != "0"
-    kernel_names = PRODUCT_KERNELS + (AMX_KERNELS if tiles else ())
-    if chosen:
-        kernel_names = tuple(name.strip() for name in chosen.split(","))
     layer_shapes, head_shape = (
         (LAYER_SHAPES_1B, HEAD_SHAPE_1B) if shapes == "1b" else (LAYER_SHAPES, HEAD_SHAPE)
     )
+    kernel_names = PRODUCT_KERNELS + (AMX_KERNELS if tiles else ())
+    if chosen:
+        kernel_names = tuple(name.strip() for name in chosen.split(","))
+    # with the kernels those models run for some products (int4's head in int8, ...)
+    while more := {
+        _as_run(k, n) for k in kernel_names for n in [*layer_shapes, "lm_head"]
+    }.difference(kernel_names):
+        kernel_names += tuple(sorted(more))
     calls = {
         kernel: {
             name: [_product_calls(kernel, shape, generator) for _ in range(layers)]

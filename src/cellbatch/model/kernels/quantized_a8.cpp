@@ -387,7 +387,8 @@ Quantised quantise(const T* x, int64_t count, int64_t in_features, int64_t span,
   Quantised xs{decltype(Quantised::q)(count * in_features), std::vector<float>(count * groups),
                std::vector<float>(count * groups), std::vector<int32_t>(count * groups),
                in_features};
-  at::parallel_for(0, count * groups / per_span, std::max<int64_t>(1, 64 / per_span), [&](int64_t begin, int64_t end) {
+  const int64_t spans = count * groups / per_span;
+  at::parallel_for(0, spans, std::max<int64_t>(1, 64 / per_span), [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const T* from = x + s * span;
 #ifdef CELLBATCH_A8_PRODUCTS

@@ -26,6 +26,7 @@
 // Never: allocates per row, or runs when CELLBATCH_AMX=0.
 
 #include "quantized_amx.h"
+#include "quantized_amx_dots.h"
 
 #include "common.h"
 
@@ -181,38 +182,6 @@ struct alignas(64) Buffer {
   Tiles state;
 };
 
-// Tile products of one row tile (inputs of the chunk's first group at `inputs`, rows
-// `stride` bytes apart) for the chunk's `chunk` groups of P panels: dots[i][p], the
-// 16 x 16 exact int32 dot products of group i and panel p.
-template <int P, bool kSigned>
-void tile_dots(Buffer* buffer, const int8_t* inputs, int64_t stride, int64_t chunk) {
-  Dots& dots = buffer->dots;
-  // Tile numbers are immediates: one statement per panel. The panels' products are issued
-  // together, and only then stored, so that a store does not wait on the product just
-  // before it.
-  for (int64_t i = 0; i < chunk; ++i) {
-    _tile_loadd(0, inputs + i * kGroup, stride);
-    _tile_zero(4);
-    if constexpr (P > 1) _tile_zero(5);
-    if constexpr (P > 2) _tile_zero(6);
-    _tile_loadd(1, buffer->tiles[i][0], 64);
-    if constexpr (P > 1) _tile_loadd(2, buffer->tiles[i][1], 64);
-    if constexpr (P > 2) _tile_loadd(3, buffer->tiles[i][2], 64);
-    if constexpr (kSigned) {
-      _tile_dpbssd(4, 0, 1);
-      if constexpr (P > 1) _tile_dpbssd(5, 0, 2);
-      if constexpr (P > 2) _tile_dpbssd(6, 0, 3);
-    } else {
-      _tile_dpbsud(4, 0, 1);
-      if constexpr (P > 1) _tile_dpbsud(5, 0, 2);
-      if constexpr (P > 2) _tile_dpbsud(6, 0, 3);
-    }
-    _tile_stored(4, dots[i][0], 64);
-    if constexpr (P > 1) _tile_stored(5, dots[i][1], 64);
-    if constexpr (P > 2) _tile_stored(6, dots[i][2], 64);
-  }
-}
-
 // The float chain of R rows (row `first` of a row tile, quantised row m) over the chunk's
 // `count` groups from g0, P panels, from that tile's dot products; sums[r][16 kBlock]
 // continue from group g0 (start at 0).
@@ -269,7 +238,9 @@ void block(const Panels& panels, const Quantised& xs, int64_t m, int64_t count, 
           std::memcpy(buffer->tail[r], inputs + r * in_features, chunk * kGroup);
         inputs = buffer->tail[0], stride = kChunkGroups * kGroup;
       }
-      tile_dots<P, Panels::kSigned>(buffer, inputs, stride, chunk);
+      group_tile_dots<P, Panels::kSigned>(
+          inputs, stride, chunk, [&](int64_t i, int p) { return buffer->tiles[i][p]; },
+          [&](int64_t i, int p) { return buffer->dots[i][p]; });
       for (int64_t r = 0; r < rows; r += kRunRows)
         with_count<kRunRows>(std::min(kRunRows, rows - r), [&](auto run) {
           chain<decltype(run)::value, P, Panels::kInt4>(xs, m + row0 + r, r, g0, chunk, buffer,

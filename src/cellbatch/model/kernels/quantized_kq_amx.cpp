@@ -34,6 +34,7 @@
 
 #include "common.h"
 #include "quantized_amx.h"
+#include "quantized_amx_dots.h"
 #include "quantized_kq.h"
 #include "quantized_kq_vnni.h"
 
@@ -90,29 +91,6 @@ void fill(const Panels& panels, int64_t p0, int64_t g0, int64_t chunk, Buffer* b
     }
 }
 
-// Tile products of one row tile (inputs of the chunk's first group at `inputs`, rows
-// `stride` bytes apart) for the chunk's groups and P panels.
-template <int P>
-void tile_dots(Buffer* buffer, const int8_t* inputs, int64_t stride, int64_t chunk) {
-  // Tile numbers are immediates: one statement per panel. The panels' products are issued
-  // together, and only then stored, so that a store does not wait on the product before it.
-  for (int64_t i = 0; i < chunk; ++i) {
-    _tile_loadd(0, inputs + i * kGroup, stride);
-    _tile_zero(4);
-    if constexpr (P > 1) _tile_zero(5);
-    if constexpr (P > 2) _tile_zero(6);
-    _tile_loadd(1, buffer->operands[i][0], 64);
-    if constexpr (P > 1) _tile_loadd(2, buffer->operands[i][1], 64);
-    if constexpr (P > 2) _tile_loadd(3, buffer->operands[i][2], 64);
-    _tile_dpbsud(4, 0, 1);
-    if constexpr (P > 1) _tile_dpbsud(5, 0, 2);
-    if constexpr (P > 2) _tile_dpbsud(6, 0, 3);
-    _tile_stored(4, buffer->dots[i][0], 64);
-    if constexpr (P > 1) _tile_stored(5, buffer->dots[i][1], 64);
-    if constexpr (P > 2) _tile_stored(6, buffer->dots[i][2], 64);
-  }
-}
-
 // The chain of R rows (row `first` of a row tile, row m of the call) over the chunk's
 // `chunk` groups from g0, P panels; sums[r][16 kBlock] continue from group g0.
 template <int R, int P>
@@ -159,7 +137,9 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
           std::memcpy(buffer->tail[r], inputs + r * in_features, chunk * kGroup);
         inputs = buffer->tail[0], stride = kChunkGroups * kGroup;
       }
-      tile_dots<P>(buffer, inputs, stride, chunk);
+      a8::group_tile_dots<P, false>(
+          inputs, stride, chunk, [&](int64_t i, int p) { return buffer->operands[i][p]; },
+          [&](int64_t i, int p) { return buffer->dots[i][p]; });
       for (int64_t r = 0; r < rows; r += kRunRows)
         with_count<kRunRows>(std::min(kRunRows, rows - r), [&](auto run) {
           chain<decltype(run)::value, P>(in, m + row0 + r, r, g0, chunk, buffer,
