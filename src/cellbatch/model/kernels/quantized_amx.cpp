@@ -26,7 +26,7 @@
 // Never: allocates per row, or runs when CELLBATCH_AMX=0.
 
 #include "quantized_amx.h"
-#include "quantized_amx_dots.h"
+#include "quantized_amx_tiles.h"
 
 #include "common.h"
 
@@ -231,13 +231,9 @@ void block(const Panels& panels, const Quantised& xs, int64_t m, int64_t count, 
       }
     for (int64_t row0 = 0; row0 < count; row0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, count - row0);
-      const int8_t* inputs = xs.q.data() + (m + row0) * in_features + g0 * kGroup;
-      int64_t stride = in_features;
-      if (rows < kTileRows) {  // the last tile, part-filled
-        for (int64_t r = 0; r < rows; ++r)
-          std::memcpy(buffer->tail[r], inputs + r * in_features, chunk * kGroup);
-        inputs = buffer->tail[0], stride = kChunkGroups * kGroup;
-      }
+      const auto [inputs, stride] =
+          row_tile(xs.q.data() + (m + row0) * in_features + g0 * kGroup, in_features, rows,
+                   chunk * kGroup, buffer->tail[0], kChunkGroups * kGroup);
       group_tile_dots<P, Panels::kSigned>(
           inputs, stride, chunk, [&](int64_t i, int p) { return buffer->tiles[i][p]; },
           [&](int64_t i, int p) { return buffer->dots[i][p]; });

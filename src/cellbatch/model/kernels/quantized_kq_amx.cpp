@@ -34,7 +34,7 @@
 
 #include "common.h"
 #include "quantized_amx.h"
-#include "quantized_amx_dots.h"
+#include "quantized_amx_tiles.h"
 #include "quantized_kq.h"
 #include "quantized_kq_vnni.h"
 
@@ -130,13 +130,9 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
     fill<P, kBits>(panels, p0, g0, chunk, buffer);
     for (int64_t row0 = 0; row0 < count; row0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, count - row0);
-      const int8_t* inputs = in.xs.q.data() + (m + row0) * in_features + g0 * kGroup;
-      int64_t stride = in_features;
-      if (rows < kTileRows) {  // the last tile, part-filled
-        for (int64_t r = 0; r < rows; ++r)
-          std::memcpy(buffer->tail[r], inputs + r * in_features, chunk * kGroup);
-        inputs = buffer->tail[0], stride = kChunkGroups * kGroup;
-      }
+      const auto [inputs, stride] =
+          a8::row_tile(in.xs.q.data() + (m + row0) * in_features + g0 * kGroup, in_features,
+                       rows, chunk * kGroup, buffer->tail[0], kChunkGroups * kGroup);
       a8::group_tile_dots<P, false>(
           inputs, stride, chunk, [&](int64_t i, int p) { return buffer->operands[i][p]; },
           [&](int64_t i, int p) { return buffer->dots[i][p]; });
@@ -302,13 +298,9 @@ void blocks_block(const Panels& panels, const Inputs& in, int64_t m, int64_t cou
       };
       for (int64_t row0 = 0; row0 < count; row0 += kTileRows) {
         const int64_t rows = std::min(kTileRows, count - row0);
-        const int8_t* inputs = xs.q.data() + (m + row0) * in_features + b * kBlockInputs;
-        int64_t stride = in_features;
-        if (rows < kTileRows) {  // the last tile, part-filled
-          for (int64_t r = 0; r < rows; ++r)
-            std::memcpy(buffer->tail[r], inputs + r * in_features, kBlockInputs);
-          inputs = buffer->tail[0], stride = kBlockInputs;
-        }
+        const auto [inputs, stride] =
+            a8::row_tile(xs.q.data() + (m + row0) * in_features + b * kBlockInputs, in_features,
+                         rows, kBlockInputs, buffer->tail[0], kBlockInputs);
         // The float steps of the row tile before go after this one's tile products are
         // issued, so that the vector units work on them while the tiles multiply.
         block_sums<kBits>(inputs, stride, buffer, buffer->sums[(row0 / kTileRows) % 2]);

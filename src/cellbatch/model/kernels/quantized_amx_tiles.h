@@ -1,9 +1,10 @@
-// The group tile products both AMX paths run: quantized_amx.cpp's (int4 and int8 panels)
-// and quantized_kq_amx.cpp's (the GGUF group kinds, Q4_0 .. Q5_1).
+// What both AMX paths share: quantized_amx.cpp's (int4 and int8 panels) and
+// quantized_kq_amx.cpp's (GGUF blocks).
 //
-// Owns: one row tile's exact int32 dot products of a chunk of groups of 32 inputs with up
-// to three panels' operand tiles (a8::TileShape::kGroups: tile 0 the rows' inputs, 1-3 the
-// operands, 4-6 the dots).
+// Owns: a row tile's inputs (a part-filled last tile copied out), and one row tile's
+// exact int32 dot products of a chunk of groups of 32 inputs with up to three panels'
+// operand tiles (a8::TileShape::kGroups: tile 0 the rows' inputs, 1-3 the operands, 4-6
+// the dots).
 // Promises: dot(i, p) holds group i's 16 rows x 16 outputs of panel p, TDPBSSD's (signed
 // operands) or TDPBSUD's (unsigned), the values VPDPBUSD sums on the VNNI path.
 // Never: configures tiles (the caller's a8::Tiles has).
@@ -15,8 +16,27 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace cellbatch::a8 {
+
+constexpr int64_t kRowTileRows = 16;  // the rows of an input tile and of a dot-product tile
+
+// The inputs of a row tile: `rows` rows (at most 16) from `first`, `stride` bytes apart,
+// `bytes` of each. A full tile's are read in place; a part-filled one's are copied into
+// `tail` (rows tail_stride bytes apart), so that the tile load reads no further than the
+// last row.
+struct RowTile {
+  const int8_t* inputs;
+  int64_t stride;
+};
+inline RowTile row_tile(const int8_t* first, int64_t stride, int64_t rows, int64_t bytes,
+                        int8_t* tail, int64_t tail_stride) {
+  if (rows == kRowTileRows) return {first, stride};
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(tail + r * tail_stride, first + r * stride, bytes);
+  return {tail, tail_stride};
+}
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8")
