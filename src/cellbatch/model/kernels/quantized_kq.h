@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace cellbatch::kq {
@@ -45,6 +46,20 @@ constexpr int64_t code_bytes(Kind kind) { return bits(kind) == 4 ? 256 : bits(ki
 enum class Chain { kGroup, kBlock, kSix };
 constexpr Chain chain_of(Kind kind) {
   return kind == kQ6_K ? Chain::kSix : kind >= kQ4_K ? Chain::kBlock : Chain::kGroup;
+}
+// fn(bits, chain) for a segment's kind, both std::integral_constants: the vector paths
+// compile their loops per code width and chain.
+template <typename Fn>
+void with_kind(Kind kind, Fn&& fn) {
+  using Bits4 = std::integral_constant<int, 4>;
+  using Bits5 = std::integral_constant<int, 5>;
+  using Group = std::integral_constant<Chain, Chain::kGroup>;
+  using Block = std::integral_constant<Chain, Chain::kBlock>;
+  switch (chain_of(kind)) {
+    case Chain::kGroup: return bits(kind) == 4 ? fn(Bits4{}, Group{}) : fn(Bits5{}, Group{});
+    case Chain::kBlock: return bits(kind) == 4 ? fn(Bits4{}, Block{}) : fn(Bits5{}, Block{});
+    default: return fn(std::integral_constant<int, 6>{}, std::integral_constant<Chain, Chain::kSix>{});
+  }
 }
 // Sub-groups of a group of 32 inputs, each with its own scale: Q6_K's 16-input ones.
 constexpr int subs(Kind kind) { return kind == kQ6_K ? 2 : 1; }

@@ -222,16 +222,9 @@ void products(const Inputs& in, const Panels& panels, int64_t out_features, T* y
 
 template <typename T>
 void products_avx2(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
-  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
-  switch (bits(panels.kind)) {
-    case 4:
-      return blocks ? products<4, Chain::kBlock>(in, panels, out_features, y)
-                    : products<4, Chain::kGroup>(in, panels, out_features, y);
-    case 5:
-      return blocks ? products<5, Chain::kBlock>(in, panels, out_features, y)
-                    : products<5, Chain::kGroup>(in, panels, out_features, y);
-    default: return products<6, Chain::kSix>(in, panels, out_features, y);
-  }
+  with_kind(panels.kind, [&](auto kind_bits, auto chain) {
+    products<decltype(kind_bits)::value, decltype(chain)::value>(in, panels, out_features, y);
+  });
 }
 
 #pragma GCC pop_options

@@ -332,16 +332,9 @@ void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, 
 
 template <typename T>
 void products_vnni(const Inputs& in, const Panels& panels, int64_t out_features, T* y) {
-  const bool blocks = chain_of(panels.kind) == Chain::kBlock;
-  switch (bits(panels.kind)) {
-    case 4:
-      return blocks ? product_vnni<4, Chain::kBlock>(in, panels, out_features, y)
-                    : product_vnni<4, Chain::kGroup>(in, panels, out_features, y);
-    case 5:
-      return blocks ? product_vnni<5, Chain::kBlock>(in, panels, out_features, y)
-                    : product_vnni<5, Chain::kGroup>(in, panels, out_features, y);
-    default: return product_vnni<6, Chain::kSix>(in, panels, out_features, y);
-  }
+  with_kind(panels.kind, [&](auto kind_bits, auto chain) {
+    product_vnni<decltype(kind_bits)::value, decltype(chain)::value>(in, panels, out_features, y);
+  });
 }
 
 #else  // not x86-64 with GCC or Clang: no VNNI products
