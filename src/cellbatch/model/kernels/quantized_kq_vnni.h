@@ -11,6 +11,7 @@
 
 #pragma once
 
+#include "common.h"
 #include "quantized_kq.h"
 
 #include <algorithm>
@@ -129,9 +130,8 @@ void store_block(const Panels& panels, const float* sums, int64_t m0, int64_t n,
     for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < panels.rows; ++p) {
       const int64_t start = (p0 + p) * kPanel;
       const int64_t width = std::min(kPanel, panels.rows - start);
-      T* row = y + (m0 + r) * out_features + panels.column + start;
-      const float* from = sums + (r * kBlock + p) * kPanel;
-      for (int64_t c = 0; c < width; ++c) row[c] = static_cast<T>(from[c]);
+      store16(sums + (r * kBlock + p) * kPanel, width,
+              y + (m0 + r) * out_features + panels.column + start);
     }
 }
 
