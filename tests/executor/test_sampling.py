@@ -47,6 +47,17 @@ def test_temperature_zero_is_argmax_whatever_the_coin() -> None:
     assert sample_rows(logits, params).tolist() == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_of_equal_maxima_at_a_real_vocabulary(dtype: torch.dtype) -> None:
+    # bf16 logits of a 128,256-token vocabulary tie often: the first maximum is the token.
+    logits = torch.zeros(4, 128256, dtype=dtype)
+    for row, places in enumerate([(5, 9), (128255,), (77, 100000, 128255), (0, 1)]):
+        logits[row, list(places)] = 3.0
+    logits[3, 1] = float("nan")  # a NaN row's token is its NaN, as argmax has it
+    tokens = sample_rows(logits, torch.tensor([GREEDY_ROW] * 4))
+    assert tokens.tolist() == [5, 128255, 77, 1]
+
+
 def test_full_distribution_samples_in_token_order() -> None:
     # Token order cumulative: 0.05, 0.35, 0.45, 0.70, 0.90, 1.00.
     coins = [0.0, 0.04, 0.06, 0.34, 0.36, 0.5, 0.71, 0.95, 0.9999]
