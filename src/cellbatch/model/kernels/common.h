@@ -229,15 +229,17 @@ __attribute__((target("avx512f"), always_inline)) inline void store_totals(
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(sums + r * kWidth + p * 16, total[r][p]);
 }
-// The sums [n][16 kBlock] of rows m0 .. m0 + n - 1 and panels p0 .. into y [M,
-// out_features] (the `store` of for_each_block for the AVX512 int8-input products).
+// The sums [n][16 kBlock] of rows m0 .. m0 + n - 1 and panels p0 .. into the first
+// `columns` columns from y of rows `out_features` apart (y [M, out_features] itself, or a
+// segment of it): the `store` of for_each_block for the AVX512 int8-input products.
 template <int64_t kBlock, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_sums(
-    const float* sums, int64_t m0, int64_t n, int64_t p0, int64_t out_features, T* y) {
+    const float* sums, int64_t m0, int64_t n, int64_t p0, int64_t columns, int64_t out_features,
+    T* y) {
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t p = 0; p < kBlock && (p0 + p) * 16 < out_features; ++p) {
+    for (int64_t p = 0; p < kBlock && (p0 + p) * 16 < columns; ++p) {
       const int64_t start = (p0 + p) * 16;
-      store16(sums + (r * kBlock + p) * 16, std::min<int64_t>(16, out_features - start),
+      store16(sums + (r * kBlock + p) * 16, std::min<int64_t>(16, columns - start),
               y + (m0 + r) * out_features + start);
     }
 }

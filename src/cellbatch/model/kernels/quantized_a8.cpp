@@ -361,7 +361,7 @@ void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int6
         block<decltype(width)::value>(panels, panel_count, xs, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        store_sums<kBlock>(sums, m0, n, p0, out_features, y);
+        store_sums<kBlock>(sums, m0, n, p0, out_features, out_features, y);
       });
 }
 

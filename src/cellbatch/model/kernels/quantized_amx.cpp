@@ -256,7 +256,7 @@ void product_amx(const Quantised& xs, const Panels& panels, int64_t panel_count,
         block<decltype(width)::value>(panels, xs, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        store_sums<kBlock>(sums, m0, n, p0, out_features, y);
+        store_sums<kBlock>(sums, m0, n, p0, out_features, out_features, y);
       });
 }
 

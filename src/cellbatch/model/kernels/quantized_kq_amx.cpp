@@ -320,7 +320,7 @@ void products(const Inputs& in, const Panels& panels, int64_t out_features, T* y
         block(width, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
+        store_sums<kBlock>(sums, m0, n, p0, panels.rows, out_features, y + panels.column);
       });
 }
 

@@ -322,7 +322,7 @@ void product_vnni(const Inputs& in, const Panels& panels, int64_t out_features, 
         block<decltype(width)::value, kBits, kChain>(panels, in, m0, n, p0, buffer, sums);
       },
       [&](int64_t m0, int64_t n, int64_t p0, const float* sums) {
-        store_block<kBlock>(panels, sums, m0, n, p0, out_features, y);
+        store_sums<kBlock>(sums, m0, n, p0, panels.rows, out_features, y + panels.column);
       });
 }
 

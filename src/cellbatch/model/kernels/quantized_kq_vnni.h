@@ -1,7 +1,7 @@
 // The kept GGUF block kinds' vector pieces that the AVX512 paths share (quantized_kq.cpp's
-// VNNI products and quantized_kq_amx.cpp's tiles): a group's operands from its codes, a
-// panel's scales and offsets as floats, and the store of a block's sums into a segment's
-// columns.
+// VNNI products and quantized_kq_amx.cpp's tiles): a group's operands from its codes and
+// a panel's scales and offsets as floats. (A block's sums go into a segment's columns by
+// common.h's store_sums.)
 //
 // Promises: operand<kBits, s>(codes) is the 64 bytes of inputs 4s .. 4s + 3 of the group's
 // 16 outputs (one 32-bit lane each, the codes unsigned); terms(), sub_scales(), block_d(),
@@ -11,7 +11,6 @@
 
 #pragma once
 
-#include "common.h"
 #include "quantized_kq.h"
 
 #include <algorithm>
@@ -119,20 +118,6 @@ inline __m512i operand(const uint8_t* at) {
   const __m512 row = _mm512_set1_ps(dx);
   t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, row), t);
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(negative_dmin, row), t);
-}
-
-// The sums [n][16 kBlock] of rows m0 .. m0 + n - 1 and panels p0 .. (a block) into the
-// segment's columns of y [M, out_features], rounded to T.
-template <int64_t kBlock, typename T>
-void store_block(const Panels& panels, const float* sums, int64_t m0, int64_t n, int64_t p0,
-                 int64_t out_features, T* y) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t p = 0; p < kBlock && (p0 + p) * kPanel < panels.rows; ++p) {
-      const int64_t start = (p0 + p) * kPanel;
-      const int64_t width = std::min(kPanel, panels.rows - start);
-      store16(sums + (r * kBlock + p) * kPanel, width,
-              y + (m0 + r) * out_features + panels.column + start);
-    }
 }
 
 #pragma GCC pop_options
