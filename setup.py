@@ -87,10 +87,14 @@ def kernel_build() -> dict:
         f"{PACKAGE}._C",
         [str(path) for path in sources],
         depends=[str(path) for path in headers],
-        # No contraction of a*b+c into one fused multiply-add behind our back: the ops
-        # promise torch's roundings, and torch's elementwise kernels round each step.
+        # -g0 undoes the -g that Python's own CFLAGS put first: debug information for the
+        # ATen headers' templates doubles the compile time, and profilers need only the
+        # symbols, which stay. No contraction of a*b+c into one fused multiply-add behind
+        # our back: the ops promise torch's roundings, and torch's elementwise kernels
+        # round each step.
         extra_compile_args=[
             "-O3",
+            "-g0",
             "-fopenmp",
             "-ffp-contract=off",
             *CAPABILITY_FLAGS.get(capability, []),
