@@ -99,7 +99,8 @@ bool amx_products_available() {
   static const bool available = __builtin_cpu_supports("avx512f") &&
                                 __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512dq") && torch_runs_avx512() &&
+                                __builtin_cpu_supports("avx512dq") &&
+                                __builtin_cpu_supports("avx512vbmi") && torch_runs_avx512() &&
                                 tiles_permitted();
   return available;
 }

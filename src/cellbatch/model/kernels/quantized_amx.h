@@ -10,7 +10,8 @@
 namespace cellbatch::a8 {
 
 // True when this library holds the AMX products and this process may run them: the CPU
-// has AMX-TILE and AMX-INT8 besides the VNNI path's AVX512 features (CPUID), torch runs at
+// has AMX-TILE and AMX-INT8 besides the VNNI path's AVX512 features and AVX512-VBMI, which
+// every AMX CPU has (CPUID; the K-quant planes use its byte multishift), torch runs at
 // the AVX512 width, and Linux granted the tile data state (arch_prctl
 // ARCH_REQ_XCOMP_PERM; refused, or another OS: false). Asked once, when first needed.
 bool amx_products_available();

@@ -51,7 +51,7 @@ namespace cellbatch::kq {
 #ifdef CELLBATCH_KQ_AMX
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c,amx-tile,amx-int8")
 
 namespace {
 
@@ -175,20 +175,41 @@ inline void put_planes(const uint8_t* at, __m512i low, __m512i high, int8_t* lo,
   _mm512_store_si512(hi + 64 * kS, _mm512_mullo_epi16(q, high));
 }
 
-// Operand kS of a Q6_K group's codes `at` and its sub-group's scale words (sc, sign
-// extended, in both 16-bit halves of each output's lane) into the planes' rows.
+// A Q6_K sub-group's 16 scales sc (int8) in the forms put_six_planes takes: in each output's
+// 32-bit lane, sc as the even bytes' and as the odd bytes' multiplier (VPMADDUBSW: the
+// other byte of each 16-bit word zero), and 32 sc in both 16-bit halves.
+struct SixScales {
+  __m512i even, odd, offset;
+};
+
+inline SixScales six_scales(const uint8_t* scales) {
+  const __m512i lanes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+  const __m512i byte = _mm512_and_si512(lanes, _mm512_set1_epi32(0xFF));
+  const __m512i even = _mm512_or_si512(byte, _mm512_slli_epi32(byte, 16));
+  const __m512i words = _mm512_or_si512(_mm512_and_si512(lanes, _mm512_set1_epi32(0xFFFF)),
+                                        _mm512_slli_epi32(lanes, 16));
+  return {even, _mm512_slli_epi32(even, 8), _mm512_slli_epi16(words, 5)};
+}
+
+// Operand kS of a Q6_K group's codes `at` and its sub-group's scales into the planes' rows:
+// w = sc (q - 32) of the even and of the odd bytes as int16 words (VPMADDUBSW of the codes,
+// at most 63, by sc is exact), then split by 64: the low plane's bytes are w's bits 0-5, the
+// high plane's its bits 6-13 (w >> 6, |w| <= 4096), each picked from its word by a
+// multishift and interleaved back into the operand's byte order.
 template <int kS>
-inline void put_six_planes(const uint8_t* at, __m512i scale, int8_t* lo, int8_t* hi) {
+inline void put_six_planes(const uint8_t* at, const SixScales& scales, int8_t* lo, int8_t* hi) {
   const __m512i q = operand<6, kS>(at);
-  const __m512i byte = _mm512_set1_epi16(0x00FF), thirty_two = _mm512_set1_epi16(32);
-  // The even and odd bytes' w = sc (q - 32) as int16 words, then split by 64.
-  const __m512i even = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(q, byte), thirty_two), scale);
-  const __m512i odd = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(q, 8), thirty_two), scale);
-  const __m512i six_bits = _mm512_set1_epi16(63);
-  const __m512i low = _mm512_or_si512(_mm512_and_si512(even, six_bits),
-                                      _mm512_slli_epi16(_mm512_and_si512(odd, six_bits), 8));
-  const __m512i high = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(even, 6), byte),
-                                       _mm512_slli_epi16(_mm512_srai_epi16(odd, 6), 8));
+  const __m512i even = _mm512_sub_epi16(_mm512_maddubs_epi16(q, scales.even), scales.offset);
+  const __m512i odd = _mm512_sub_epi16(_mm512_maddubs_epi16(q, scales.odd), scales.offset);
+  constexpr __mmask64 kOddBytes = 0xAAAAAAAAAAAAAAAAull;
+  // Bytes 2i and 2i + 1 of a 64-bit lane take the 8 bits from bit 16 i (low) or 16 i + 6
+  // (high) of the lane of `even` or of `odd`.
+  const __m512i from_low = _mm512_set1_epi64(0x3030202010100000);
+  const __m512i from_high = _mm512_set1_epi64(0x3636262616160606);
+  const __m512i low = _mm512_and_si512(
+      _mm512_mask_multishift_epi64_epi8(even, kOddBytes, from_low, odd), _mm512_set1_epi8(63));
+  const __m512i high = _mm512_mask_multishift_epi64_epi8(
+      _mm512_multishift_epi64_epi8(from_high, even), kOddBytes, from_high, odd);
   _mm512_store_si512(lo + 64 * kS, low);
   _mm512_store_si512(hi + 64 * kS, high);
 }
@@ -216,17 +237,12 @@ void make_planes(const Panels& panels, int64_t p, int64_t b, BlockBuffer* buffer
       _mm_prefetch(next_codes + half * group_bytes + offset, _MM_HINT_T0);
     if (half < 5) _mm_prefetch(next_scales + 64 * half, _MM_HINT_T0);
     if constexpr (kBits == 6) {
-      __m512i words[2];
-      for (int sub = 0; sub < 2; ++sub) {
-        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
-        const __m512i lanes = _mm512_cvtepi8_epi32(sc);
-        words[sub] = _mm512_or_si512(_mm512_and_si512(lanes, _mm512_set1_epi32(0xFFFF)),
-                                     _mm512_slli_epi32(lanes, 16));
-      }
-      put_six_planes<0>(at, words[0], lo, hi), put_six_planes<1>(at, words[0], lo, hi);
-      put_six_planes<2>(at, words[0], lo, hi), put_six_planes<3>(at, words[0], lo, hi);
-      put_six_planes<4>(at, words[1], lo, hi), put_six_planes<5>(at, words[1], lo, hi);
-      put_six_planes<6>(at, words[1], lo, hi), put_six_planes<7>(at, words[1], lo, hi);
+      const SixScales first = six_scales(panels.small(p, g, 0));
+      const SixScales second = six_scales(panels.small(p, g, 1));
+      put_six_planes<0>(at, first, lo, hi), put_six_planes<1>(at, first, lo, hi);
+      put_six_planes<2>(at, first, lo, hi), put_six_planes<3>(at, first, lo, hi);
+      put_six_planes<4>(at, second, lo, hi), put_six_planes<5>(at, second, lo, hi);
+      put_six_planes<6>(at, second, lo, hi), put_six_planes<7>(at, second, lo, hi);
     } else {
       __m512i sc, mn;
       block_codes(panels, p, g, &sc, &mn);
