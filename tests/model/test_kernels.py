@@ -227,6 +227,7 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "int8_matmul": quantized_inputs("int8", dtype, generator),
         "int8_matmul_a8": quantized_inputs("int8", dtype, generator, a8=True),
         "kquant_matmul_a8": kquant_inputs(dtype, generator),
+        "kquant_rows": (*kquant_inputs(dtype, generator)[1:3], torch.tensor([19, 0, 3]), 256, 20),
         "decoder_layer": layer_inputs(dtype),
         "lora_add": lora_inputs(dtype),
     }

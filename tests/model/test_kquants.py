@@ -250,18 +250,47 @@ def test_a_bad_header_or_shape_is_refused(compiled_ops) -> None:
 def test_a_kept_embedding_gathers_its_head_s_rows(table) -> None:
     weight = _weight(("Q6_K",), (100,), 256)
     head = kquants.KQuantLinear(weight, None, table)
-    embedding = kquants.KQuantEmbedding(head, torch.float32)
+    embedding = kquants.KQuantEmbedding(head, torch.bfloat16, table)
     tokens = torch.tensor([[0, 99, 16], [15, 17, 50]])
-    assert torch.equal(embedding(tokens), weight.dequantize()[tokens])
+    assert torch.equal(embedding(tokens), weight.dequantize()[tokens].to(torch.bfloat16))
 
 
-def test_torch_export_traces_a_kept_product(table) -> None:
+def test_the_rows_op_gives_gguf_s_values_of_every_kind(table) -> None:
+    """kquant_rows: any outputs, in any order, repeated, across segments of every kind, are
+    gguf's own values (the layout's, which test_the_layout_holds_gguf_s_own_values holds to
+    gguf's dequantiser) bit for bit; no rows, no values."""
+    weight = _weight(*MIXED, 512)
+    codes, scales = kquants.pack(weight)
+    out = weight.shape[0]
+    rows = torch.tensor([155, 0, 39, 40, 63, 64, 80, 96, 127, 128, 135, 136, 0, 155, 70])
+    got = table.kquant_rows(codes, scales, rows, 512, out)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, weight.dequantize()[rows])
+    assert table.kquant_rows(codes, scales, rows[:0], 512, out).shape == (0, 512)
+
+
+def test_the_rows_op_refuses_a_row_outside_the_weight(table) -> None:
+    weight = _weight(("Q4_K", "Q5_0"), (20, 12), 256)
+    codes, scales = kquants.pack(weight)
+    error = RuntimeError if table.kind == "compiled" else ValueError
+    for bad in (32, -1):
+        with pytest.raises(error, match="outside the weight's 32 outputs"):
+            table.kquant_rows(codes, scales, torch.tensor([3, bad]), 256, 32)
+    with pytest.raises(error, match="int64 vector"):
+        table.kquant_rows(codes, scales, torch.tensor([3], dtype=torch.int32), 256, 32)
+
+
+def test_torch_export_traces_a_kept_product_and_embedding(table) -> None:
     linear = kquants.KQuantLinear(_weight(("Q4_K", "Q6_K"), (32, 16), 256), None, table)
-    x = torch.randn(5, 256)
-    exported = torch.export.export(linear, (x,))
+    embedding = kquants.KQuantEmbedding(linear, torch.float32, table)
     namespace = ops.NAMESPACE if table.kind == "compiled" else ops.TORCH_NAMESPACE
-    assert f"{namespace}.kquant_matmul_a8" in str(exported.graph)
-    assert torch.equal(exported.module()(x), linear(x))
+    for module, argument, op in (
+        (linear, torch.randn(5, 256), "kquant_matmul_a8"),
+        (embedding, torch.tensor([[47, 3], [0, 31]]), "kquant_rows"),
+    ):
+        exported = torch.export.export(module, (argument,))
+        assert f"{namespace}.{op}" in str(exported.graph)
+        assert torch.equal(exported.module()(argument), module(argument))
 
 
 def _q4_k_m(name: str) -> str | None:

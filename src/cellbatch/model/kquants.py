@@ -422,6 +422,9 @@ class KQuantOps(Protocol):
     @property
     def kquant_matmul_a8(self) -> Callable[..., torch.Tensor]: ...
 
+    @property
+    def kquant_rows(self) -> Callable[..., torch.Tensor]: ...
+
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
@@ -458,21 +461,23 @@ class KQuantLinear(nn.Module):
 
 
 class KQuantEmbedding(nn.Module):
-    """Token rows gathered from a KQuantLinear's panels (shared with a tied LM head), each
-    dequantised as gguf does and rounded to the model's dtype."""
+    """Token rows gathered from a KQuantLinear's panels (shared with a tied LM head) by the
+    op `kquant_rows` of the model's ops table, each dequantised as gguf does and rounded to
+    the model's dtype."""
 
-    def __init__(self, linear: KQuantLinear, dtype: torch.dtype) -> None:
+    def __init__(self, linear: KQuantLinear, dtype: torch.dtype, ops: KQuantOps) -> None:
         super().__init__()
         self.codes, self.scales = linear.codes, linear.scales
+        self.out_features, self.in_features = linear.out_features, linear.in_features
         self.format = linear.format
         self.bytes_by_kind = linear.bytes_by_kind
         self.dtype = dtype
-        (self.where,) = segments_of(linear.codes.data)  # one tensor: one kind
+        self.rows_of: Callable[..., torch.Tensor] = ops.kquant_rows
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        segment = segment_view(self.codes, self.scales, self.where)
-        flat = tokens.reshape(-1)
-        rows = dense_segment(segment, flat // PANEL, flat % PANEL)
+        rows = self.rows_of(
+            self.codes, self.scales, tokens.reshape(-1), self.in_features, self.out_features
+        )
         return rows.view(*tokens.shape, -1).to(self.dtype)
 
 
@@ -485,7 +490,7 @@ def install(model: Any, weights: dict[str, KQuantWeight]) -> None:
         path = target.removesuffix(".weight")
         if path == "embed":
             linear = KQuantLinear(weight, None, model.ops)
-            model.embed = KQuantEmbedding(linear, model.dtype)
+            model.embed = KQuantEmbedding(linear, model.dtype, model.ops)
             if model.lm_head is None:
                 model.lm_head = linear
             continue

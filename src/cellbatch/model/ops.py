@@ -1,6 +1,7 @@
 """The model's custom ops, `cellbatch::cell_attention`, `rms_norm`, `rope_store`,
 `silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul`, `int8_matmul_a8` and
-`kquant_matmul_a8` (GGUF block kinds kept as they are, `cellbatch.model.kquants`),
+`kquant_matmul_a8` (GGUF block kinds kept as they are, `cellbatch.model.kquants`) and
+`kquant_rows` (such a weight's rows dequantised: a kept embedding),
 `lora_add`, the whole-layer `decoder_layer` over them, and the table of them a model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
@@ -41,6 +42,7 @@ from cellbatch.model.quantized_torch import (
     int8_matmul_a8_torch,
     int8_matmul_torch,
     kquant_matmul_a8_torch,
+    kquant_rows_torch,
 )
 from cellbatch.types import InvalidArgumentError
 
@@ -75,6 +77,10 @@ SCHEMAS: dict[str, str] = {
     ),
     "kquant_matmul_a8": (
         "kquant_matmul_a8(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor"
+    ),
+    "kquant_rows": (
+        "kquant_rows(Tensor codes, Tensor scales, Tensor rows, int in_features, "
+        "int out_features) -> Tensor"
     ),
     "decoder_layer": (
         "decoder_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
@@ -296,6 +302,7 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "int8_matmul": int8_matmul_torch,
     "int8_matmul_a8": int8_matmul_a8_torch,
     "kquant_matmul_a8": kquant_matmul_a8_torch,
+    "kquant_rows": kquant_rows_torch,
     "decoder_layer": decoder_layer_torch,
     "lora_add": lora_add_torch,
 }
@@ -322,6 +329,12 @@ def _matmul_fake(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def _kquant_rows_fake(
+    codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, in_features: int, out: int
+) -> torch.Tensor:
+    return codes.new_empty(rows.shape[0], in_features, dtype=torch.float32)
+
+
 def _decoder_layer_fake(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
@@ -336,6 +349,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "int8_matmul": _matmul_fake,
     "int8_matmul_a8": _matmul_fake,
     "kquant_matmul_a8": _matmul_fake,
+    "kquant_rows": _kquant_rows_fake,
     "decoder_layer": _decoder_layer_fake,
     "lora_add": _returns_nothing,
 }
@@ -377,6 +391,7 @@ class Ops:
     int8_matmul: Callable[..., torch.Tensor]
     int8_matmul_a8: Callable[..., torch.Tensor]
     kquant_matmul_a8: Callable[..., torch.Tensor]
+    kquant_rows: Callable[..., torch.Tensor]
     decoder_layer: Callable[..., torch.Tensor]
     lora_add: Callable[..., None]
 

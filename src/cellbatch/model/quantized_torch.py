@@ -147,6 +147,36 @@ def int8_matmul_torch(
     return _padded_linear(x, _int8_dense(codes, scales, out_features))
 
 
+def kquant_rows_torch(
+    codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, in_features: int, out: int
+) -> torch.Tensor:
+    """The op `kquant_rows` in torch: outputs `rows` (int64 [n]) of a weight kept in its
+    GGUF kinds, dequantised as gguf does (`kquants.dense_segment`): float32 [n, K]."""
+    if rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ValueError(
+            f"kquant_rows: rows must be an int64 vector, got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < out):
+        raise ValueError(f"kquant_rows: a row is outside the weight's {out} outputs")
+    result = torch.empty(rows.shape[0], in_features, dtype=torch.float32, device=codes.device)
+    column = 0
+    for where in kquants.segments_of(codes):
+        if where.in_features != in_features:
+            raise ValueError(
+                f"kquant_rows: the weight has {where.in_features} inputs, not {in_features}"
+            )
+        segment = kquants.segment_view(codes, scales, where)
+        inside = ((rows >= column) & (rows < column + where.rows)).nonzero().flatten()
+        if inside.numel():
+            at = rows[inside] - column
+            picked = kquants.dense_segment(segment, at // PANEL, at % PANEL)
+            result[inside] = picked.to(result.device)
+        column += where.rows
+    if column != out:
+        raise ValueError(f"kquant_rows: the weight holds {column} outputs, not {out}")
+    return result
+
+
 def kquant_matmul_a8_torch(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int
 ) -> torch.Tensor:

@@ -103,6 +103,16 @@ AOTITorchError aoti_torch_cpu_kquant_matmul_a8(AtenTensorHandle x, AtenTensorHan
   return quantized_matmul<kKquantMatmulA8>(x, codes, scales, out_features, ret0);
 }
 
+AOTITorchError aoti_torch_cpu_kquant_rows(AtenTensorHandle codes, AtenTensorHandle scales,
+                                          AtenTensorHandle rows, int64_t in_features,
+                                          int64_t out_features, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    static const auto op = find_op<cellbatch::KquantRowsOp>("cellbatch::kquant_rows");
+    *ret0 = new_tensor_handle(
+        op.call(tensor(codes), tensor(scales), tensor(rows), in_features, out_features));
+  });
+}
+
 AOTITorchError aoti_torch_cpu_rope_store(AtenTensorHandle q, AtenTensorHandle k,
                                          AtenTensorHandle v, AtenTensorHandle cos,
                                          AtenTensorHandle sin, AtenTensorHandle cells,

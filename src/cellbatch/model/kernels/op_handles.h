@@ -20,6 +20,8 @@ using SiluMulOp = at::Tensor(const at::Tensor&);
 // same arguments.
 using QuantizedMatmulOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      int64_t);
+using KquantRowsOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                int64_t, int64_t);
 using RopeStoreOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&);
 using LoraAddOp = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -5,11 +5,14 @@
 // scale d per block of 256 inputs where any segment is a K-quant kind, as llama.cpp's
 // Q8_K inputs have it, so that a block's integer sums need one float step.
 //
-// Owns: the products' chains and their portable loop, and the op (the header's checks, the
-// inputs' quantisation, one product per segment into its columns by the path its kind and
-// row count take: quantized_kq_vnni.cpp on AVX512-VNNI CPUs, quantized_kq_amx.cpp's tiles
-// from a few rows where there is AMX, quantized_kq_avx2.cpp on AVX2 CPUs). Per row (inputs
-// xq, scale d), output n with codes q:
+// `cellbatch::kquant_rows`: outputs of such a weight dequantised as gguf does (a kept
+// embedding's token rows).
+//
+// Owns: the products' chains and their portable loop, the rows' dequantisation, and the ops
+// (the header's checks, the inputs' quantisation, one product per segment into its columns
+// by the path its kind and row count take: quantized_kq_vnni.cpp on AVX512-VNNI CPUs,
+// quantized_kq_amx.cpp's tiles from a few rows where there is AMX, quantized_kq_avx2.cpp on
+// AVX2 CPUs). Per row (inputs xq, scale d), output n with codes q:
 //   Q4_0 .. Q5_1, w = s q + o per group of 32 (`Panels::terms`), over the groups in order:
 //     t = fma(float(dot), s * d, t); t = fma(o, sx, t),   dot = sum(q xq) over the group
 //   Q4_K, Q5_K, w = D sc q - M mn (sc, mn per group; D, M per block of 256), per block:
@@ -105,9 +108,8 @@ void product_portable(const Inputs& in, const Panels& panels, int64_t p0, int64_
 }
 
 // The weight's segments, each checked against the tensors' sizes.
-std::vector<Panels> segments(const at::Tensor& codes, const at::Tensor& scales,
+std::vector<Panels> segments(const char* op, const at::Tensor& codes, const at::Tensor& scales,
                              int64_t in_features, int64_t out_features) {
-  constexpr const char* op = "kquant_matmul_a8";
   TORCH_CHECK(codes.dim() == 1 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   scales.dim() == 1 && scales.scalar_type() == at::kByte && scales.is_contiguous(),
               op, ": codes and scales must be contiguous uint8 vectors (kquants.pack)");
@@ -152,7 +154,8 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "kquant_matmul_a8: x must be float32 or bfloat16, got ", x.scalar_type());
   const int64_t in_features = x.size(-1);
-  const std::vector<Panels> parts = segments(codes, scales, in_features, out_features);
+  const std::vector<Panels> parts =
+      segments("kquant_matmul_a8", codes, scales, in_features, out_features);
   const at::Tensor rows = x.reshape({-1, in_features}).contiguous();
   const int64_t count = rows.size(0);
   at::Tensor out = at::empty({count, out_features}, rows.options());
@@ -209,10 +212,70 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
   return out.view(shape);
 }
 
+// Output c of panel p as floats, as gguf dequantises it: w = q s + o per group of 32 (the
+// group kinds' terms; Q4_K, Q5_K: s = D sc, o = -(M mn)), w = (q - 32) D sc (Q6_K), each
+// product and sum rounded once.
+void dequantise(const Panels& panels, int64_t p, int c, float* w) {
+  const Chain chain = chain_of(panels.kind);
+  for (int64_t g = 0; g < panels.groups; ++g) {
+    float scale[2], offset = 0.0f;
+    if (chain == Chain::kGroup) {
+      panels.terms(p, g, c, &scale[0], &offset);
+      scale[1] = scale[0];
+    } else if (chain == Chain::kSix) {
+      const float d = panels.block_d(p, g, c);
+      scale[0] = d * static_cast<float>(panels.sub_scale(p, g, 0, c));
+      scale[1] = d * static_cast<float>(panels.sub_scale(p, g, 1, c));
+    } else {
+      float d, negative_dmin;
+      panels.block_halves(p, g, c, &d, &negative_dmin);
+      scale[0] = scale[1] = d * static_cast<float>(panels.scale_code(p, g, c));
+      offset = negative_dmin * static_cast<float>(panels.min_code(p, g, c));
+    }
+    for (int k = 0; k < kGroup; ++k) {
+      const int q = panels.code(p, g, c, k);
+      w[g * kGroup + k] = chain == Chain::kSix
+                              ? static_cast<float>(q - 32) * scale[k / 16]
+                              : static_cast<float>(q) * scale[0] + offset;
+    }
+  }
+}
+
+// `cellbatch::kquant_rows`: outputs `rows` (int64 [n], each below out_features) of the
+// weight, dequantised (float32 [n, in_features]): a kept embedding's token rows.
+at::Tensor kquant_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& rows,
+                       int64_t in_features, int64_t out_features) {
+  const std::vector<Panels> parts =
+      segments("kquant_rows", codes, scales, in_features, out_features);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong,
+              "kquant_rows: rows must be an int64 vector, got ", rows.scalar_type(), " of ",
+              rows.dim(), " dimensions");
+  const at::Tensor wanted = rows.contiguous();
+  const int64_t* row = wanted.data_ptr<int64_t>();
+  const int64_t count = wanted.numel();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < out_features, "kquant_rows: row ", row[i],
+                " is outside the weight's ", out_features, " outputs");
+  at::Tensor out = at::empty({count, in_features}, codes.options().dtype(at::kFloat));
+  float* w = out.data_ptr<float>();
+  // A few rows of a few thousand values: threads only for a prompt's many.
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto part = std::find_if(parts.begin(), parts.end(), [&](const Panels& panels) {
+        return row[i] < panels.column + panels.rows;
+      });
+      const int64_t at = row[i] - part->column;
+      dequantise(*part, at / kPanel, static_cast<int>(at % kPanel), w + i * in_features);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace cellbatch::kq
 
 // The schema is defined in Python (cellbatch/model/ops.py), with the torch implementation.
 TORCH_LIBRARY_IMPL(cellbatch, CPU, m) {
   m.impl("kquant_matmul_a8", &cellbatch::kq::kquant_matmul_a8);
+  m.impl("kquant_rows", &cellbatch::kq::kquant_rows);
 }
