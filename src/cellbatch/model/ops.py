@@ -330,7 +330,11 @@ def _matmul_fake(
 
 
 def _kquant_rows_fake(
-    codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, in_features: int, out: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    in_features: int,
+    out_features: int,
 ) -> torch.Tensor:
     return codes.new_empty(rows.shape[0], in_features, dtype=torch.float32)
 

@@ -148,7 +148,11 @@ def int8_matmul_torch(
 
 
 def kquant_rows_torch(
-    codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, in_features: int, out: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    in_features: int,
+    out_features: int,
 ) -> torch.Tensor:
     """The op `kquant_rows` in torch: outputs `rows` (int64 [n]) of a weight kept in its
     GGUF kinds, dequantised as gguf does (`kquants.dense_segment`): float32 [n, K]."""
@@ -156,8 +160,8 @@ def kquant_rows_torch(
         raise ValueError(
             f"kquant_rows: rows must be an int64 vector, got {rows.dtype} {tuple(rows.shape)}"
         )
-    if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < out):
-        raise ValueError(f"kquant_rows: a row is outside the weight's {out} outputs")
+    if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < out_features):
+        raise ValueError(f"kquant_rows: a row is outside the weight's {out_features} outputs")
     result = torch.empty(rows.shape[0], in_features, dtype=torch.float32, device=codes.device)
     column = 0
     for where in kquants.segments_of(codes):
@@ -172,8 +176,8 @@ def kquant_rows_torch(
             picked = kquants.dense_segment(segment, at // PANEL, at % PANEL)
             result[inside] = picked.to(result.device)
         column += where.rows
-    if column != out:
-        raise ValueError(f"kquant_rows: the weight holds {column} outputs, not {out}")
+    if column != out_features:
+        raise ValueError(f"kquant_rows: the weight holds {column} outputs, not {out_features}")
     return result
 
 
