@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -319,8 +320,12 @@ def _fill(
                 scales=_parameter(tensors, "embed.scales"),
             )
         )
+        cls = _model_class(embedding["class"])
+        # An embedding that calls an op of the model's table (kquants' `kquant_rows`) takes
+        # the table too.
+        table = {"ops": model.ops} if "ops" in inspect.signature(cls).parameters else {}
         # setattr: the model's annotation names the float and int8 embeddings only.
-        setattr(model, "embed", _model_class(embedding["class"])(linear, model.dtype))  # noqa: B010
+        setattr(model, "embed", cls(linear, model.dtype, **table))  # noqa: B010
     quantised = (*products, "embed") if embedding is not None else tuple(products)
     floats = {
         name: tensor
