@@ -162,22 +162,19 @@ def kquant_rows_torch(
         )
     if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < out_features):
         raise ValueError(f"kquant_rows: a row is outside the weight's {out_features} outputs")
+    weight = kquants.unpack(codes, scales)
+    if weight.shape != (out_features, in_features):
+        raise ValueError(
+            f"kquant_rows: a {weight.shape} weight is not {(out_features, in_features)}"
+        )
     result = torch.empty(rows.shape[0], in_features, dtype=torch.float32, device=codes.device)
     column = 0
-    for where in kquants.segments_of(codes):
-        if where.in_features != in_features:
-            raise ValueError(
-                f"kquant_rows: the weight has {where.in_features} inputs, not {in_features}"
-            )
-        segment = kquants.segment_view(codes, scales, where)
-        inside = ((rows >= column) & (rows < column + where.rows)).nonzero().flatten()
+    for segment in weight.segments:
+        inside = ((rows >= column) & (rows < column + segment.rows)).nonzero().flatten()
         if inside.numel():
             at = rows[inside] - column
-            picked = kquants.dense_segment(segment, at // PANEL, at % PANEL)
-            result[inside] = picked.to(result.device)
-        column += where.rows
-    if column != out_features:
-        raise ValueError(f"kquant_rows: the weight holds {column} outputs, not {out_features}")
+            result[inside] = kquants.dense_segment(segment, at // PANEL, at % PANEL)
+        column += segment.rows
     return result
 
 
