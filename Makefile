@@ -33,7 +33,9 @@ test: $(STAMP) $(KERNELS)/_C.so
 	# The documentation site: a broken link, a missing page or a docstring that does not
 	# render fails it (offline: no plugin fetches anything).
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	# Two workers, a test file to each at a time (a file's module fixtures are made once):
+	# one process alone keeps two CPUs only 1.1 busy, the tests being mostly Python.
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 run: $(STAMP) $(KERNELS)/_C.so
 	HF_HUB_OFFLINE=1 $(BIN)/cellbatch run --prompts-file examples/prompts.txt --max-new-tokens 96 --report-json run-report.json
