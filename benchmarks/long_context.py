@@ -44,8 +44,9 @@ import torch
 
 from cellbatch.bench.peers import load_transformers_model
 from cellbatch.bench.workload import CHAT_PROMPTS
-from cellbatch.cache import CellCache, KVPool
+from cellbatch.cache import CellCache
 from cellbatch.engine import DEFAULT_MAX_BATCH_TOKENS
+from cellbatch.kv_pool import KVPool
 from cellbatch.model.cpu import cpu_has_fast_bf16
 from cellbatch.model.default import default_model_path
 from cellbatch.threads import in_short_lived_thread

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cellbatch.cache import CellCache, KVPool
+from cellbatch.cache import CellCache
+from cellbatch.kv_pool import KVPool
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import describe

@@ -22,6 +22,7 @@ PACKAGE = Path(cellbatch.__file__).parent
 LAYERS: list[set[str]] = [
     {"types"},
     {"metrics", "text_stream", "threads", "kv_format", "machine", "speculative"},
+    {"kv_pool"},
     {"cache", "scheduler", "constraint", "tool_calls", "reasoning"},
     {"model"},
     {"export"},

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.cache import SCRATCH_CELL
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.cuda_executor import CudaExecutor, CudaOptions, default_widths
 from cellbatch.executor.graphs import RecordedCapture
 from cellbatch.executor.module_executor import ModuleExecutor
+from cellbatch.kv_pool import SCRATCH_CELL
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.transformer import PackedTransformer
 from cellbatch.types import BatchInput, Input, InvalidArgumentError, SamplingParams, SessionId

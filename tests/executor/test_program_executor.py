@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cellbatch.cache import SCRATCH_CELL, FlatAttentionPlan
+from cellbatch.cache import FlatAttentionPlan
 from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.module_executor import ModuleExecutor
 from cellbatch.executor.program_executor import ProgramExecutor
@@ -31,6 +31,7 @@ from cellbatch.export.manifest import (
     MethodSpec,
 )
 from cellbatch.export.program import Program
+from cellbatch.kv_pool import SCRATCH_CELL
 from cellbatch.model.attention import QUERY_BLOCK
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.transformer import PackedTransformer

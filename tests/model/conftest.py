@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.cache import CellCache, KVPool
+from cellbatch.cache import CellCache
+from cellbatch.kv_pool import KVPool
 from cellbatch.model import kernels, ops
 from cellbatch.model.adapters import AdapterBank
 from cellbatch.model.transformer import PackedTransformer

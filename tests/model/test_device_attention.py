@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.cache import SCRATCH_CELL, CellCache
+from cellbatch.cache import CellCache
+from cellbatch.kv_pool import SCRATCH_CELL
 from cellbatch.model.device_attention import (
     KEY_ALIGN,
     CellGroup,

@@ -102,7 +102,8 @@ def test_the_window_changes_the_result(tiny_checkpoint, packed_steps) -> None:
 
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_a_window_layer_skips_key_blocks_outside_its_window(tiny_checkpoint, kernels) -> None:
-    from cellbatch.cache import CellCache, KVPool
+    from cellbatch.cache import CellCache
+    from cellbatch.kv_pool import KVPool
     from cellbatch.model.attention import KEY_BLOCK
 
     _, folder = tiny_checkpoint("mistral", sliding_window=4)

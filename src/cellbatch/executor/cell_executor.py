@@ -31,12 +31,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cellbatch.cache import AttentionPlan, CellCache, KVPool
+from cellbatch.cache import AttentionPlan, CellCache
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.drafting import Draft, Drafter, DraftRequest
 from cellbatch.executor.packed_step import PackedStep, select_rows
 from cellbatch.executor.pooling import pool_slice, slice_pooling
 from cellbatch.executor.session_table import SessionTable
+from cellbatch.kv_pool import KVPool
 from cellbatch.types import (
     NO_ADAPTER,
     BatchInput,

@@ -36,13 +36,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from cellbatch.cache import SCRATCH_CELL, AttentionPlan, KVPool
+from cellbatch.cache import AttentionPlan
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.graphs import CudaGraphCapture, GraphCapture, StepGraphs
 from cellbatch.executor.packed_step import PackedStep
 from cellbatch.executor.step_plan import plan_calls
+from cellbatch.kv_pool import SCRATCH_CELL, KVPool
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.device_attention import (
     ATTENTION_KINDS,

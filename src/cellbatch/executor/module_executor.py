@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Protocol, cast
 import numpy as np
 import torch
 
-from cellbatch.cache import AttentionPlan, KVPool
+from cellbatch.cache import AttentionPlan
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward, PooledForward
 from cellbatch.executor.drafting import Drafter
 from cellbatch.executor.packed_step import PackedStep
 from cellbatch.executor.step_plan import plan_slices
+from cellbatch.kv_pool import KVPool
 
 if TYPE_CHECKING:
     from cellbatch.model.adapters import AdapterBank, LoraStep

@@ -26,7 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from cellbatch.cache import SCRATCH_CELL, AttentionPlan, flatten_plan
+from cellbatch.cache import AttentionPlan, flatten_plan
 from cellbatch.constraint import ConstraintCompiler
 from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape, Forward
 from cellbatch.executor.drafting import Drafter
@@ -34,6 +34,7 @@ from cellbatch.executor.packed_step import PackedStep
 from cellbatch.executor.step_plan import plan_calls
 from cellbatch.export.manifest import MethodSpec
 from cellbatch.export.program import Program
+from cellbatch.kv_pool import SCRATCH_CELL
 from cellbatch.types import InvalidArgumentError
 
 # Dynamic sizes of a method start at 2 (torch.export specialises 0 and 1).

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cellbatch.cache import SCRATCH_CELL, AttentionPlan, FlatAttentionPlan, flatten_plan
+from cellbatch.cache import AttentionPlan, FlatAttentionPlan, flatten_plan
 from cellbatch.kv_format import read_heads
+from cellbatch.kv_pool import SCRATCH_CELL
 from cellbatch.types import ModelGeometry
 
 # The torch implementation sums keys in blocks of this many positions (see _weighted_values).

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cellbatch.cache import SCRATCH_CELL, AttentionPlan
+from cellbatch.cache import AttentionPlan
+from cellbatch.kv_pool import SCRATCH_CELL
 from cellbatch.types import InvalidArgumentError, ModelGeometry
 
 ATTENTION_KINDS = ("sdpa", "flex")

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cellbatch.cache import AttentionPlan, FlatAttentionPlan, KVPool
+from cellbatch.cache import AttentionPlan, FlatAttentionPlan
 from cellbatch.kv_format import KV_INT8, is_int8_name
+from cellbatch.kv_pool import KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.cpu import cpu_dtype, cpu_has_fast_bf16
