@@ -9,12 +9,11 @@ import threading
 
 import pytest
 
-from cellbatch.metrics import (
+from cellbatch.metrics import EngineMetrics, GenerationMetrics
+from cellbatch.runner.metrics_ledger import (
     Admitted,
     DeferredForCells,
-    EngineMetrics,
     GenerationFinished,
-    GenerationMetrics,
     GenerationStarted,
     Initialized,
     MetricsLedger,

@@ -2,6 +2,8 @@
 (docs/design.md#runner-sessions-and-handles).
 
 Modules, each with one job (imports only go down this list):
+- `metrics_ledger`: the events the books below record and the one owner of the engine's
+  live counters;
 - `commands`: the typed commands and the `Inbox` the faces post them to;
 - `handle`: `GenerationHandle`, a caller's view of one generation (threads, asyncio);
 - `generation`: engine-side session records and generation state, and how a generation

@@ -34,17 +34,7 @@ from collections.abc import Sequence
 from time import perf_counter
 
 from cellbatch.executor import Executor
-from cellbatch.metrics import (
-    EngineMetrics,
-    GenerationFinished,
-    GenerationStarted,
-    Initialized,
-    MetricsLedger,
-    PrefillTurnStarted,
-    SessionRefused,
-    StepDone,
-    StepFailed,
-)
+from cellbatch.metrics import EngineMetrics
 from cellbatch.runner.admission import AdmissionPolicy, Occupancy
 from cellbatch.runner.batch import BatchFailure, check_outputs
 from cellbatch.runner.commands import (
@@ -63,6 +53,16 @@ from cellbatch.runner.generation import (
     GenerationKind,
     GenerationStatus,
     SessionRecord,
+)
+from cellbatch.runner.metrics_ledger import (
+    GenerationFinished,
+    GenerationStarted,
+    Initialized,
+    MetricsLedger,
+    PrefillTurnStarted,
+    SessionRefused,
+    StepDone,
+    StepFailed,
 )
 from cellbatch.runner.session import Session, TurnDefaults
 from cellbatch.runner.sessions import SessionBook

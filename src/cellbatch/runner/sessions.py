@@ -20,12 +20,17 @@ import logging
 from collections.abc import Callable, Iterable
 
 from cellbatch.executor import Executor
-from cellbatch.metrics import MetricsLedger, PrefixCacheHit, SessionOpened, SessionRefused
 from cellbatch.runner.generation import (
     MIXED_ADAPTERS,
     ContextSource,
     Generation,
     SessionRecord,
+)
+from cellbatch.runner.metrics_ledger import (
+    MetricsLedger,
+    PrefixCacheHit,
+    SessionOpened,
+    SessionRefused,
 )
 from cellbatch.runner.snapshots import SnapshotCache
 from cellbatch.types import SessionId

@@ -35,7 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cellbatch.executor import Executor
-from cellbatch.metrics import (
+from cellbatch.runner.admission import Admission, AdmissionPolicy, Occupancy
+from cellbatch.runner.draft_budget import DraftBudget
+from cellbatch.runner.generation import Generation, GenerationStatus, SessionRecord
+from cellbatch.runner.metrics_ledger import (
     Admitted,
     DeferredForCells,
     MetricsLedger,
@@ -43,9 +46,6 @@ from cellbatch.metrics import (
     PromptFed,
     SessionReclaimed,
 )
-from cellbatch.runner.admission import Admission, AdmissionPolicy, Occupancy
-from cellbatch.runner.draft_budget import DraftBudget
-from cellbatch.runner.generation import Generation, GenerationStatus, SessionRecord
 from cellbatch.runner.sessions import SessionBook
 from cellbatch.runner.tasks import TaskBook
 from cellbatch.scheduler import Scheduler
