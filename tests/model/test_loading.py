@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cellbatch.model.checkpoints import CheckpointMismatchError
 from cellbatch.model.config import UnsupportedModelError
-from cellbatch.model.loading import CheckpointMismatchError, load_model, locate_model
+from cellbatch.model.loading import load_model, locate_model
 from tiny_models import write_gguf
 
 TOKENS = [5, 17, 33, 2, 61, 9, 40, 12]

@@ -6,9 +6,10 @@ folder or a GGUF file; `default_model_path()` finds the embedded SmolLM2.
 Never: owns cells, sessions or sampling.
 """
 
+from cellbatch.model.checkpoints import CheckpointMismatchError
 from cellbatch.model.config import ModelConfig, RopeScaling, UnsupportedModelError
 from cellbatch.model.default import DefaultModelMissingError, default_model_path
-from cellbatch.model.loading import CheckpointMismatchError, ModelFiles, load_model, locate_model
+from cellbatch.model.loading import ModelFiles, load_model, locate_model
 from cellbatch.model.tokenizer import Tokenizer, load_tokenizer
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype
 
