@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cellbatch.kv_format import KV_DTYPES, head_width, kv_bytes_per_cell
+from cellbatch.kv_format import check_kv_dtype, head_width, kv_bytes_per_cell
 from cellbatch.types import InvalidArgumentError, OutOfResourcesError
 
 SCRATCH_CELL = 0
@@ -50,10 +50,7 @@ class KVPool:
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise InvalidArgumentError(f"KVPool {name} must be a positive int, got {value}")
-        if dtype not in KV_DTYPES:
-            raise InvalidArgumentError(
-                f"KV dtype must be one of float32, bfloat16, float16, int8, got {dtype}"
-            )
+        check_kv_dtype(dtype)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
