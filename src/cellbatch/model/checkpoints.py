@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -191,6 +191,9 @@ class GGUFCheckpoint:
         return unpermuted
 
 
+Checkpoint: TypeAlias = HFCheckpoint | GGUFCheckpoint
+
+
 # -- name maps: our parameter -> the checkpoint tensors concatenated (dim 0) into it ------
 
 
@@ -278,7 +281,7 @@ def _sources(
     return out
 
 
-def check_tensors(checkpoint: HFCheckpoint | GGUFCheckpoint, config: ModelConfig) -> None:
+def check_tensors(checkpoint: Checkpoint, config: ModelConfig) -> None:
     """Checks every name and shape before anything loads: one error lists all problems."""
     shapes = checkpoint.shapes()
     wanted = {name: shape for parts in checkpoint.sources.values() for name, shape in parts}

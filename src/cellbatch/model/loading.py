@@ -41,6 +41,7 @@ import torch
 from cellbatch.machine import FileMappings, read_memory
 from cellbatch.model import kquants, quantized, weights_cache
 from cellbatch.model.checkpoints import (
+    Checkpoint,
     CheckpointMismatchError,
     GGUFCheckpoint,
     HFCheckpoint,
@@ -200,7 +201,7 @@ def _gib(count: int) -> str:
 
 
 def _fill(
-    checkpoint: HFCheckpoint | GGUFCheckpoint,
+    checkpoint: Checkpoint,
     model: PackedTransformer,
     quantize: str,
     activations: str,
@@ -258,9 +259,7 @@ def _assign(model: PackedTransformer, target: str, tensor: torch.Tensor) -> None
 _LEAST_QUANTIZED_BITS = 4
 
 
-def _check_memory(
-    checkpoint: HFCheckpoint | GGUFCheckpoint, formats: dict[str, str], dtype: torch.dtype
-) -> None:
+def _check_memory(checkpoint: Checkpoint, formats: dict[str, str], dtype: torch.dtype) -> None:
     """Refuses, with the numbers and the fix, weights whose least size is more than the
     memory available: float targets at `dtype`'s size, quantised ones at 4 bits a weight."""
     floats = quantised = 0
@@ -297,9 +296,7 @@ def _return_freed_memory() -> None:
     trim(0)
 
 
-def _formats(
-    checkpoint: HFCheckpoint | GGUFCheckpoint, quantize: str, activations: str
-) -> dict[str, str]:
+def _formats(checkpoint: Checkpoint, quantize: str, activations: str) -> dict[str, str]:
     """Each quantisable weight's format (quantized.target_format); one note names the GGUF
     kinds that "auto" had to load as float."""
     roles = {"embed.weight": "embedding", "lm_head.weight": "lm_head"}
