@@ -52,7 +52,9 @@ struct alignas(64) Buffer {
 static_assert(kChunkGroups * kGroup == kBlockInputs);
 
 // Operands and terms straight from the panels (the few-row path), asking for the codes
-// kAhead groups on. The sources' reads are always inlined: left to the compiler, some were
+// kAhead groups on, into L2: asked into L1, the requests took the miss buffers the loads
+// themselves need (on an AVX512 AMD EPYC, one 8192 x 2048 row product streamed Q6_K at
+// 30 GB/s so and at 35-42 into L2; docs/benchmarks.md#scale-models). The sources' reads are always inlined: left to the compiler, some were
 // calls in every group's steps.
 template <int kBits>
 struct Direct {
@@ -64,7 +66,7 @@ struct Direct {
     if constexpr (kS == 0) {
       const char* ahead = reinterpret_cast<const char*>(panels.group_codes(p0 + p, g + kAhead));
       for (int line = 0; line < 4 + (kBits - 4); ++line)  // the group's 256, 320 or 384 bytes
-        _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
     }
     return operand<kBits, kS>(at);
   }
