@@ -3,8 +3,9 @@
 Owns: the map from session ids to `CellCache` sequences, each session's sampling
 policy, its LoRA adapter, its pooler (`executor/pooling.py`) and the token ids it was fed;
 `pack`, which lays a batch onto one token axis (a `PackedStep`); `sample`, which draws
-every output row with its own session's policy in one call (penalties, then token rules
-and constraints; logprobs where asked); and `score`, which gathers a generation's
+every output row with its own session's policy in one call (`executor/row_policies.py`
+applies the policies to the rows and gives the logprobs asked for) and keeps a verified
+run's drafts while they equal the draws; and `score`, which gathers a generation's
 prompt logprobs across its chunks.
 Promises: session ids are issued monotonically and never reused (cache sequence
 ids may be); sessions are bounded by `max_sessions` (clones count) and each by
@@ -27,19 +28,13 @@ import numpy as np
 import torch
 
 from cellbatch.cache import CellCache
-from cellbatch.constraint import ConstraintCompiler, ConstraintMatcher, MaskSource, mask_rows
+from cellbatch.constraint import ConstraintCompiler, ConstraintMatcher
 from cellbatch.executor.packed_step import PackedStep
 from cellbatch.executor.pooling import Pooler, plan_pooling
 from cellbatch.executor.prompt_scores import PromptScores, plan_scoring
-from cellbatch.executor.sampling import (
-    GREEDY_ROW,
-    NUM_PARAMS,
-    SessionSampler,
-    apply_penalties,
-    sample_rows,
-    token_logprobs,
-)
-from cellbatch.executor.token_rules import TokenRules, apply_token_rules
+from cellbatch.executor.row_policies import apply_policies, kept_logprobs
+from cellbatch.executor.sampling import SessionSampler, sample_rows
+from cellbatch.executor.token_rules import TokenRules
 from cellbatch.types import (
     MAX_POSITION,
     NO_ADAPTER,
@@ -82,19 +77,6 @@ class _Session:
             grown[:start] = self.history[:start]
             self.history = grown
         self.history[start:end] = tokens
-
-
-class _AfterDraft:
-    """A constraint's mask for the row after a draft, in a verified run: the draft is
-    consumed first (`mask_rows` fills the rows in order, so the matcher has consumed the
-    drafts before this one already); `SessionTable.sample` rolls them back after."""
-
-    def __init__(self, matcher: ConstraintMatcher, draft: Token) -> None:
-        self._matcher, self._draft = matcher, draft
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.consume(self._draft)
-        self._matcher.fill(bitmask, row)
 
 
 class SessionTable:
@@ -381,7 +363,7 @@ class SessionTable:
             firsts.append(first)
             owners.extend([session] * count)
             targets.extend(range(first, first + count))
-        drawn, params = self._policies(logits, owners, targets, sessions, counts, drafts)
+        drawn, params = apply_policies(logits, owners, targets, sessions, counts, drafts)
         tokens = sample_rows(drawn, torch.from_numpy(params)).tolist()
         kept_counts = []
         row = 0
@@ -399,7 +381,7 @@ class SessionTable:
                 for token in draws[:kept]:
                     matcher.consume(token)
             row += count
-        logprobs = self._logprobs(logits, sessions, counts, kept_counts, tokens)
+        logprobs = kept_logprobs(logits, sessions, counts, kept_counts, tokens)
         outputs = []
         row = 0
         for index, (sid, session, count) in enumerate(zip(sids, sessions, counts, strict=True)):
@@ -415,88 +397,6 @@ class SessionTable:
             )
             row += count
         return outputs
-
-    def _policies(
-        self,
-        logits: torch.Tensor,
-        owners: Sequence[_Session],
-        targets: Sequence[int],
-        sessions: Sequence[_Session],
-        counts: Sequence[int],
-        drafts: Sequence[Sequence[Token]] | None,
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """The rows to draw from (penalties, token rules, constraints applied) and their
-        `sample_rows` params, row r drawing its owner's token at position targets[r]."""
-        params = np.empty((len(owners), NUM_PARAMS), dtype=np.float32)
-        penalised: list[int] = []
-        for row, (session, target) in enumerate(zip(owners, targets, strict=True)):
-            sampler = session.sampler
-            if sampler is None:
-                params[row] = GREEDY_ROW
-                continue
-            assert session.generated_from is not None
-            # The coin of the generation's token at this position, whatever step draws it.
-            params[row] = sampler.row(target - session.generated_from)
-            if sampler.params.penalised:
-                penalised.append(row)
-        drawn = self._penalise(logits, owners, targets, penalised) if penalised else logits
-        restricted = [
-            (row, session.rules, session.produced(target))
-            for row, (session, target) in enumerate(zip(owners, targets, strict=True))
-            if session.rules is not None
-        ]
-        if restricted:
-            drawn = apply_token_rules(drawn, logits, restricted)
-        constrained: list[tuple[int, MaskSource]] = []
-        row = 0
-        for index, (session, count) in enumerate(zip(sessions, counts, strict=True)):
-            if session.matcher is not None:
-                constrained.append((row, session.matcher))
-                for draft in drafts[index] if drafts is not None else ():
-                    row += 1
-                    constrained.append((row, _AfterDraft(session.matcher, draft)))
-            row += count if session.matcher is None else 1
-        if constrained:
-            # Where the token rules leave nothing the constraint allows, the constraint wins.
-            drawn = mask_rows(
-                drawn,
-                [row for row, _ in constrained],
-                [source for _, source in constrained],
-                fallback=logits if restricted else None,
-            )
-        return drawn, params
-
-    @staticmethod
-    def _logprobs(
-        logits: torch.Tensor,
-        sessions: Sequence[_Session],
-        counts: Sequence[int],
-        kept: Sequence[int],
-        tokens: Sequence[Token],
-    ) -> dict[int, tuple[TokenLogprob, ...]]:
-        """Per session whose policy asks, its kept tokens' logprobs from their raw rows
-        (one call for all of them)."""
-        rows: list[int] = []
-        tops: list[int] = []
-        asking: list[int] = []
-        row = 0
-        for index, session in enumerate(sessions):
-            sampler = session.sampler
-            if sampler is not None and sampler.params.logprobs is not None:
-                asking.append(index)
-                rows.extend(range(row, row + kept[index]))
-                tops.extend([sampler.params.logprobs] * kept[index])
-            row += counts[index]
-        if not asking:
-            return {}
-        found = iter(
-            token_logprobs(
-                logits.index_select(0, torch.tensor(rows, device=logits.device)),
-                [tokens[row] for row in rows],
-                tops,
-            )
-        )
-        return {index: tuple(next(found) for _ in range(kept[index])) for index in asking}
 
     @staticmethod
     def _prompt_scores(session: _Session, first: int) -> tuple[TokenLogprob | None, ...]:
@@ -529,44 +429,6 @@ class SessionTable:
                 session.history,
                 self.cache.seq_length(seq),
             )
-
-    def _penalise(
-        self,
-        logits: torch.Tensor,
-        sessions: Sequence[_Session],
-        fed: Sequence[int],
-        rows: Sequence[int],
-    ) -> torch.Tensor:
-        """A float32 copy of `logits` whose `rows` carry their sessions' penalties over
-        their context before position fed[row] and their generation's tokens there (the
-        raw rows stay for logprobs)."""
-        vocab = logits.shape[1]
-        # One key per (penalised row, token): row * vocab + token.
-        context = np.concatenate(
-            [p * vocab + sessions[r].history[: fed[r]] for p, r in enumerate(rows)]
-        )
-        generated = np.concatenate(
-            [p * vocab + sessions[r].produced(fed[r]) for p, r in enumerate(rows)]
-        )
-        pairs = np.unique(context)
-        repeated, times = np.unique(generated, return_counts=True)
-        counts = np.zeros(len(pairs), dtype=np.float32)
-        counts[np.searchsorted(pairs, repeated)] = times  # generated tokens are context
-        device = logits.device
-        penalties = torch.tensor(
-            [sessions[r].sampler.penalty_row() for r in rows],  # type: ignore[union-attr]
-            dtype=torch.float32,
-            device=device,
-        )
-        picked = torch.tensor(rows, device=device)
-        penalised = apply_penalties(
-            logits.index_select(0, picked),
-            torch.from_numpy(pairs // vocab).to(device),
-            torch.from_numpy(pairs % vocab).to(device),
-            torch.from_numpy(counts).to(device),
-            penalties,
-        )
-        return logits.float().index_copy(0, picked, penalised)
 
     def _session(self, sid: SessionId) -> _Session:
         session = self._sessions.get(sid)
