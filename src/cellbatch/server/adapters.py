@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cellbatch.server.api import ApiError, Backend, Plan
 from cellbatch.server.openapi import ADAPTER_REFUSED, errors
-from cellbatch.server.protocol import ErrorResponse, ModelCard
+from cellbatch.server.reply_bodies import ErrorResponse, ModelCard
 from cellbatch.types import InvalidArgumentError, OutOfResourcesError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

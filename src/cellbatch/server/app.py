@@ -67,11 +67,10 @@ from cellbatch.server.messages_protocol import CountTokensRequest, MessagesReque
 from cellbatch.server.observability import ServerMetrics
 from cellbatch.server.openapi import GENERATION_STATUSES, Limits, answers, document
 from cellbatch.server.planner import RequestPlanner
-from cellbatch.server.protocol import (
+from cellbatch.server.protocol import ChatCompletionRequest, CompletionRequest
+from cellbatch.server.reply_bodies import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelList,

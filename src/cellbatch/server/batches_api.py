@@ -33,7 +33,7 @@ from cellbatch.server.batch_store import BatchRecord, BatchStore, new_batch_id
 from cellbatch.server.batch_worker import BatchWorker
 from cellbatch.server.file_store import FileStore
 from cellbatch.server.openapi import answers
-from cellbatch.server.protocol import ErrorResponse
+from cellbatch.server.reply_bodies import ErrorResponse
 from cellbatch.server.routing import parse, read_body
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}

@@ -26,7 +26,8 @@ from cellbatch.engine.embedding import finish_embedding
 from cellbatch.server.api import ApiError, Backend, Interrupted
 from cellbatch.server.openapi import answers, bound
 from cellbatch.server.planner import RequestPlanner
-from cellbatch.server.protocol import INTEGRAL, ErrorResponse, Text, TokenPrompt
+from cellbatch.server.protocol import INTEGRAL, Text, TokenPrompt
+from cellbatch.server.reply_bodies import ErrorResponse
 from cellbatch.server.routing import check_model, parse, read_body
 from cellbatch.types import DEFAULT_PRIORITY, POOLING_CHOICES, FinishReason, InvalidArgumentError
 

@@ -25,7 +25,7 @@ from cellbatch.server.batch_protocol import UPLOAD_PURPOSES, FileDeleted, FileLi
 from cellbatch.server.batch_store import BatchStore
 from cellbatch.server.file_store import FileRecord, FileStore, FileTooLarge
 from cellbatch.server.openapi import answers, errors
-from cellbatch.server.protocol import ErrorResponse
+from cellbatch.server.reply_bodies import ErrorResponse
 
 # What a multipart body adds around the file's own bytes, at most (boundaries, headers,
 # the small fields): a Content-Length above the limit plus this is refused unread.

@@ -1,35 +1,27 @@
-"""The OpenAI API's request and response shapes, as pydantic models.
+"""The OpenAI API's request shapes, as pydantic models.
 
 Owns: the fields cellbatch reads from `/v1/completions` and `/v1/chat/completions`
-requests, and the bodies and stream chunks it answers with, named as the OpenAI API
-names them (plus vLLM's `top_k`, `min_p` and `repetition_penalty`), tool definitions
-and calls (in history messages, answers and stream deltas) among them; the fields that
-peers take and cellbatch does not (`UNSUPPORTED_FIELDS`); the `/v1/models` list. (The
-tokenize routes' shapes are `tokenize_protocol`'s.)
+requests, named as the OpenAI API names them (plus vLLM's `top_k`, `min_p` and
+`repetition_penalty`): history messages, tool definitions and calls (`ToolCallMessage`,
+which answers reuse), tool choices, response formats and the constraint a request asks
+for among them; the fields that peers take and cellbatch does not
+(`UNSUPPORTED_FIELDS`), and which of their values ask for something. (The bodies and
+stream chunks answered, the `/v1/models` list and the error body are `reply_bodies`';
+the tokenize routes' shapes are `tokenize_protocol`'s.)
 Promises: a field of the wrong type or out of range fails validation (the app
 answers 400 in OpenAI's error shape, naming the field); a request's other top-level
 fields are kept in `model_extra` for the app to refuse (an unsupported field that
-asks for something) or log (an unknown one); responses serialise exactly to the
-OpenAI shapes the official client parses.
+asks for something) or log (an unknown one).
 Never: tokenizes, generates or touches the engine.
 """
 
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from cellbatch.server.openapi import bound
 from cellbatch.types import Constraint
@@ -414,155 +406,3 @@ class ChatCompletionRequest(_Request):
 
 def _chat_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
     document_unsupported(schema, model)
-
-
-# -- responses -------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = Field(default_factory=list)
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None  # the `<think>` part (vLLM's name)
-    tool_calls: list[ToolCallMessage] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class DeltaFunction(BaseModel):
-    name: str | None = None
-    arguments: str = ""
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class DeltaToolCall(BaseModel):
-    """A piece of a streamed call: its first carries the id, type and name; the others
-    only the index and the next piece of the arguments (OpenAI's stream shape)."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "cellbatch"
-    max_model_len: int | None = None
-    root: str | None = None  # a LoRA adapter's folder (vLLM's field)
-    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    """A response model as the JSON object the API sends (None fields kept where the
-    OpenAI API sends null)."""
-    return model.model_dump(mode="json")

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 from cellbatch.server.answers import AnswerStream, whole_answer
 from cellbatch.server.api import FINISH_REASONS, ApiError, Backend, Choice, Plan
-from cellbatch.server.protocol import (
+from cellbatch.server.protocol import FunctionCall, ToolCallMessage
+from cellbatch.server.reply_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -34,9 +35,7 @@ from cellbatch.server.protocol import (
     CompletionResponse,
     DeltaFunction,
     DeltaToolCall,
-    FunctionCall,
     PromptTokensDetails,
-    ToolCallMessage,
     TopLogprob,
     Usage,
 )

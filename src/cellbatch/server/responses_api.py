@@ -33,7 +33,6 @@ from cellbatch.server.openapi import GENERATION_STATUSES, answers, errors
 from cellbatch.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
-    ErrorResponse,
     FunctionCall,
     FunctionDefinition,
     JsonSchemaFormat,
@@ -44,6 +43,7 @@ from cellbatch.server.protocol import (
     ToolDefinition,
     ToolMessage,
 )
+from cellbatch.server.reply_bodies import ErrorResponse
 from cellbatch.server.responses_protocol import (
     RESPONSES_UNSUPPORTED,
     DeletedResponse,

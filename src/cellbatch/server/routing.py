@@ -38,10 +38,9 @@ from cellbatch.server.protocol import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorBody,
-    ErrorResponse,
     refused_fields,
 )
+from cellbatch.server.reply_bodies import ErrorBody, ErrorResponse
 from cellbatch.server.responses import Responses
 from cellbatch.server.service import EngineService, Job, until_disconnected
 from cellbatch.server.storage import Storage
