@@ -9,7 +9,6 @@ import torch
 
 from cellbatch.cache import CellCache
 from cellbatch.kv_format import head_width, read_heads, store_heads
-from cellbatch.model import ops
 from cellbatch.model.attention import CellAttention
 from tiny_models import head_geometry
 
@@ -139,8 +138,9 @@ DTYPE_PAIRS = [
 def test_a_query_gives_the_same_bits_whatever_shares_its_step(
     attention, window, dtype, kv_dtype
 ) -> None:
-    """Sequence 0 (a 37-token prompt, then decodes) alone, chunked in different sizes, and
-    beside other sequences in either order: each of its rows is bit-identical."""
+    """Sequence 0 (a 37-token prompt, then decodes) alone, chunked in different sizes,
+    beside other sequences in either order, and fed one token a step as decodes are: each
+    of its rows is bit-identical (what a speculative step's verified rows rely on)."""
     generator = torch.Generator().manual_seed(2)
     queries = torch.randn(45, HEADS.num_heads, HEADS.head_dim, generator=generator).to(dtype)
     extra = torch.randn(200, HEADS.num_heads, HEADS.head_dim, generator=generator).to(dtype)
@@ -163,12 +163,9 @@ def test_a_query_gives_the_same_bits_whatever_shares_its_step(
     schedules = [
         [[(0, 16)], [(0, 16)], [(0, 5)]] + [[(0, 1)]] * 8,
         [[(1, 30), (0, 20), (2, 3)], [(2, 9), (0, 17)]] + [[(1, 1), (0, 1), (2, 1)]] * 8,
+        [[(0, 1)]] * 45,
+        [[(0, 1)]] * 37 + [[(0, 2)], [(0, 1)], [(0, 5)]],
     ]
-    if attention.op.namespace == ops.NAMESPACE:
-        # The torch implementation's one-query groups take fewer GEMM rows than its
-        # multi-query ones, which rounds differently: a prompt fed one token per step is
-        # not bit-identical there (see cell_attention_torch).
-        schedules.append([[(0, 1)]] * 45)
     for schedule in schedules:
         assert torch.equal(run(schedule), alone), schedule
 

@@ -116,12 +116,13 @@ def cell_attention_torch(
     `block_starts` is not needed here.
 
     Batch invariance needs care that the compiled kernel gets for free: GEMM rounding
-    depends on shapes, so keys are padded to whole KEY_BLOCKs aligned on positions, waves
-    of multi-query sequences to at least MIN_GEMM_ROWS rows, and operands made contiguous
-    so every batch takes the same GEMM path; a query's result then depends neither on its
-    wave's other queries nor on how far its batch's keys reach. Waves of one-query
-    sequences (decodes, and one-token prompt chunks) keep their fewer rows, so they round
-    as one another, not as chunks.
+    depends on shapes, so keys are padded to whole KEY_BLOCKs aligned on positions, every
+    wave to at least MIN_GEMM_ROWS rows, and operands made contiguous so every batch takes
+    the same GEMM path; a query's result then depends neither on its wave's other queries
+    nor on how far its batch's keys reach. A decode's one query is padded too: it must
+    round as the same query in a chunk does (a speculative step's verified rows stand for
+    decodes), and fp32 GEMMs of one query's rows round differently from those of 16 on
+    some CPUs (an AVX512 AMD EPYC).
     """
     if rows.numel() == 0:
         return
@@ -168,7 +169,6 @@ class _Waves:
     first: torch.Tensor  # index of the wave's first query
     offset: torch.Tensor  # where its sequence's cells start in the op's `cells`
     count: torch.Tensor  # its number of queries
-    single: torch.Tensor  # bool: its sequence has one query in the step
     lowest: torch.Tensor  # the lowest key position any of its queries sees
     keys: torch.Tensor  # keys it spans: KEY_BLOCK-aligned, from `lowest`'s block to its last
 
@@ -185,20 +185,18 @@ def _waves(pos: torch.Tensor, cell_offsets: torch.Tensor, window: int | None) ->
     lowest = torch.zeros_like(highest) if window is None else (pos[first] - window + 1).clamp(0)
     start = lowest // KEY_BLOCK * KEY_BLOCK
     keys = (highest + 1 - start + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
-    return _Waves(first, offsets[sequence], count, counts[sequence] == 1, lowest, keys)
+    return _Waves(first, offsets[sequence], count, lowest, keys)
 
 
 def _batches(waves: _Waves, heads: int, min_query_rows: int) -> list[_Waves]:
-    """The waves in batches of one kind (one-query sequences or not) and similar key
-    counts, each holding about SCORE_BUDGET scores (a wave alone may hold more)."""
-    query_rows = torch.where(waves.single, 1, waves.count.clamp(min=min_query_rows))
-    order = torch.argsort(waves.keys + waves.single * (1 << 40), stable=True)
+    """The waves in batches of similar key counts, each holding about SCORE_BUDGET scores
+    (a wave alone may hold more)."""
+    query_rows = waves.count.clamp(min=min_query_rows)
+    order = torch.argsort(waves.keys, stable=True)
     cost = (heads * query_rows * waves.keys)[order]
-    kind = waves.single[order].long()
-    # Consecutive waves share a batch while their running cost stays in one budget's
-    # worth; the kinds never share one.
+    # Consecutive waves share a batch while their running cost stays in one budget's worth.
     running = torch.cumsum(cost, 0) - cost
-    label = kind * (1 << 40) + running // SCORE_BUDGET
+    label = running // SCORE_BUDGET
     _, sizes = torch.unique_consecutive(label, return_counts=True)
     fields = [getattr(waves, field.name) for field in dataclasses.fields(_Waves)]
     return [
@@ -230,9 +228,7 @@ def _batch_work(
     dtype: torch.dtype,
 ) -> _BatchWork:
     device = cells.device
-    num_queries = int(batch.count.max())
-    if not bool(batch.single[0]):
-        num_queries = max(num_queries, min_query_rows)
+    num_queries = max(int(batch.count.max()), min_query_rows)
     query_offsets = torch.arange(num_queries, device=device)
     valid = query_offsets < batch.count[:, None]
     # Padded queries repeat the wave's last query: any valid row will do.
