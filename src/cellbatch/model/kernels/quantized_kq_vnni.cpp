@@ -52,10 +52,9 @@ struct alignas(64) Buffer {
 static_assert(kChunkGroups * kGroup == kBlockInputs);
 
 // Operands and terms straight from the panels (the few-row path), asking for the codes
-// kAhead groups on, into L2: asked into L1, the requests took the miss buffers the loads
-// themselves need (on an AVX512 AMD EPYC, one 8192 x 2048 row product streamed Q6_K at
-// 30 GB/s so and at 35-42 into L2; docs/benchmarks.md#scale-models). The sources' reads are always inlined: left to the compiler, some were
-// calls in every group's steps.
+// kAhead groups on, into L2: asked into L1, the requests held the miss buffers that the
+// loads themselves need (docs/benchmarks.md#scale-models). The sources' reads are always
+// inlined: left to the compiler, some were calls in every group's steps.
 template <int kBits>
 struct Direct {
   const Panels& panels;
