@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from cellbatch.model.decoder_layer import PROJECTIONS
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model
-from cellbatch.model.transformer import PROJECTIONS
 
 
 def products(

@@ -58,7 +58,7 @@ MODULE_PRODUCTS: dict[str, str] = {
     "up_proj": "gate_up",
     "down_proj": "down",
 }
-# The fused products in the order decoder layers run them (transformer.PROJECTIONS).
+# The fused products in the order decoder layers run them (decoder_layer.PROJECTIONS).
 PRODUCTS = ("qkv", "o_proj", "gate_up", "down")
 _KEY = re.compile(
     r"(?:^|\.)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>[a-z_]+)"

@@ -1,7 +1,8 @@
 """The packed-step transformer: one forward over a step's tokens from many sequences.
 
-Owns: `PackedTransformer` (a Llama-family decoder whose batch is one token axis),
-`resolve_dtype` and `resolve_kv_dtype`, and the RoPE frequency rule.
+Owns: `PackedTransformer` (a Llama-family decoder whose batch is one token axis; its
+layers are `cellbatch.model.decoder_layer`'s), `PackedLinear`, `resolve_dtype` and
+`resolve_kv_dtype`, and the RoPE frequency rule.
 Promises: `forward(tokens, positions, plan, kv, cells, logit_rows)` writes each token's
 K/V into its cell of the `KVPool`, attends each token to exactly the cells the
 `AttentionPlan` gives its sequence (`cellbatch.model.attention`: a token's work scales with
@@ -25,25 +26,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cellbatch.cache import AttentionPlan, FlatAttentionPlan
+from cellbatch.cache import AttentionPlan
 from cellbatch.kv_format import KV_INT8, is_int8_name
 from cellbatch.kv_pool import KVPool
 from cellbatch.model.attention import MIN_GEMM_ROWS, CellAttention
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.cpu import cpu_dtype, cpu_has_fast_bf16
-from cellbatch.model.device_attention import CellRows
+from cellbatch.model.decoder_layer import (
+    PROJECTIONS,
+    DecoderLayer,
+    LayerAttention,
+    RMSNorm,
+    StepAttention,
+)
 from cellbatch.model.gemm import in_fixed_calls, rows_per_call
-from cellbatch.model.ops import PRODUCT_OPS, Ops, resolve
-from cellbatch.types import InvalidArgumentError, ModelGeometry
+from cellbatch.model.ops import resolve
+from cellbatch.types import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from cellbatch.model.adapters import LayerLora, LoraStep
+    from cellbatch.model.adapters import LoraStep
     from cellbatch.model.quantized import QuantizedEmbedding
 
 DTYPES: dict[str, torch.dtype] = {
@@ -55,28 +62,6 @@ _DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16":
 # oneDNN's products on reordered weights (PackedLinear) round only 1-row calls differently,
 # in fp32 and bf16 alike.
 PACKED_MIN_GEMM_ROWS = 2
-# A DecoderLayer's weight-matrix products, by attribute name.
-PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
-# What a step's attention is handed: the CPU op's flat plan (CellAttention), or the cell
-# rows of a model on a device (cellbatch.model.device_attention.DeviceAttention).
-StepAttention = FlatAttentionPlan | CellRows
-
-
-class LayerAttention(Protocol):
-    """What a layer attends with: CellAttention, or a DeviceAttention on a device."""
-
-    geometry: ModelGeometry
-
-    def prepare(self, plan: AttentionPlan) -> Any: ...
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        prepared: Any,
-        window: int | None,
-    ) -> torch.Tensor: ...
 
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
@@ -187,154 +172,6 @@ def can_pack_linears(dtype: torch.dtype, device: str | torch.device) -> bool:
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
-
-
-class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype (the op
-    `rms_norm` of the model's table)."""
-
-    def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, device: str | torch.device, ops: Ops
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
-        self.eps = eps
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention and SwiGLU MLP, with fused q/k/v and gate/up projections."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        dtype: torch.dtype,
-        device: str | torch.device,
-        attention: LayerAttention,
-        ops: Ops,
-    ) -> None:
-        super().__init__()
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.attention = attention
-        self.ops = ops
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, ops)
-        self.qkv = nn.Linear(
-            c.hidden_size,
-            c.q_size + 2 * c.kv_size,
-            bias=c.attention_bias,
-            dtype=dtype,
-            device=device,
-        )
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, ops) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, device, ops) if c.qk_norm else None
-        self.o_proj = nn.Linear(
-            c.q_size, c.hidden_size, bias=c.attention_out_bias, dtype=dtype, device=device
-        )
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device, ops)
-        self.gate_up = nn.Linear(
-            c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype, device=device
-        )
-        self.down = nn.Linear(
-            c.intermediate_size, c.hidden_size, bias=False, dtype=dtype, device=device
-        )
-        # The arguments of ops.decoder_layer after the step's own, when the layer runs as
-        # that one op (`fuse`); None: the Python steps below.
-        self.fused: tuple[object, ...] | None = None
-
-    def fuse(self, enabled: bool = True) -> bool:
-        """Runs the layer as the compiled op `decoder_layer` (one call instead of ~15; the
-        same bits) when `enabled` and it can: compiled kernels, and all four products
-        quantised ones without a bias (cellbatch.model.quantized), no q/k norms."""
-        products = [getattr(self, name) for name in PROJECTIONS]
-        can = (
-            enabled
-            and self.ops.kind == "compiled"
-            and self.q_norm is None
-            and all(getattr(p, "op", None) in PRODUCT_OPS and p.bias is None for p in products)
-        )
-        self.fused = None
-        if can:
-            qkv, o_proj, gate_up, down = (
-                (p.codes, p.scales, PRODUCT_OPS.index(p.op)) for p in products
-            )
-            self.fused = (
-                self.input_norm.weight,
-                self.post_norm.weight,
-                self.input_norm.eps,
-                *qkv,
-                *o_proj,
-                *gate_up,
-                self.down.in_features,
-                *down,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.attention.geometry.attention_scale,
-            )
-        return can
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cells: torch.Tensor,
-        prepared: StepAttention,
-        window: int | None,
-        lora: LayerLora | None = None,
-    ) -> torch.Tensor:
-        """The layer over a step's hidden rows; `lora` adds the step's adapters to the
-        rows that carry one (cellbatch.model.adapters), after each product."""
-        if self.fused is not None:  # compiled ops, hence CellAttention and its flat plan
-            prepared = cast(FlatAttentionPlan, prepared)
-            out: torch.Tensor = self.ops.decoder_layer(
-                hidden,
-                cos,
-                sin,
-                k_cache,
-                v_cache,
-                cells,
-                *prepared.tensors,
-                prepared.num_tokens,
-                window or 0,
-                *self.fused,
-                [] if lora is None else lora.args,
-            )
-            return out
-        tokens = hidden.shape[0]
-        normed = self.input_norm(hidden)
-        qkv = self._adapted(0, self.qkv(normed), normed, lora)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # then k_norm is one too (config.qk_norm)
-            q, k = self.q_norm(q), cast("RMSNorm", self.k_norm)(k)
-        # Rows past len(cells) are padding (PackedTransformer.min_rows): never stored.
-        self.ops.rope_store(q, k, v, cos, sin, cells, k_cache, v_cache)
-        attended = self.attention.attend(q, k_cache, v_cache, prepared, window)
-        hidden = hidden + self._adapted(1, self.o_proj(attended), attended, lora)
-        normed = self.post_norm(hidden)
-        activated = self.ops.silu_mul(self._adapted(2, self.gate_up(normed), normed, lora))
-        return hidden + self._adapted(3, self.down(activated), activated, lora)
-
-    def _adapted(
-        self, product: int, out: torch.Tensor, x: torch.Tensor, lora: LayerLora | None
-    ) -> torch.Tensor:
-        """`out` = product `product` (PROJECTIONS' order) of x, plus the adapters' low-rank
-        products on their rows."""
-        weights = None if lora is None else lora.products[product]
-        if weights is not None:
-            assert lora is not None
-            self.ops.lora_add(out, x, lora.rows, lora.offsets, weights)
-        return out
 
 
 class PackedTransformer(nn.Module):
