@@ -249,7 +249,7 @@ def engine_figures(threads: int, max_new_tokens: int, ttft_runs: int) -> dict[st
     import jsonschema
 
     from cellbatch import Engine, GenConfig
-    from cellbatch.types import Constraint, SamplingParams
+    from cellbatch.generation_config import Constraint, SamplingParams
 
     with Engine.from_pretrained(threads=threads, max_sessions=32) as engine:
         prompts = [

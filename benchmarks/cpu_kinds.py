@@ -116,7 +116,7 @@ def measure(model: str | None, mode: str, parts: Sequence[str], threads: int) ->
     generate, GenConfig), not quantized.py's measurement, which uses newer helpers."""
     from cellbatch.bench.workload import CHAT_PROMPTS
     from cellbatch.engine import Engine
-    from cellbatch.types import GenConfig
+    from cellbatch.generation_config import GenConfig
 
     quantize, dtype = mode.split(":")
     engine = Engine.from_pretrained(model, threads=threads, quantize=quantize, dtype=dtype)

@@ -78,8 +78,9 @@ from cellbatch.engine.backend import ModuleBackend
 from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.cuda_executor import CudaExecutor, CudaOptions
 from cellbatch.executor.graphs import RecordedCapture
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.model.loading import load_model
-from cellbatch.types import GenConfig, SamplingParams, Token
+from cellbatch.types import Token
 
 PROMPT_TOKENS = Path(__file__).parent / "data" / "chat_prompt_tokens.json"
 SESSIONS = (1, 8, 32, 64, 256)

@@ -46,8 +46,9 @@ from cellbatch.bench.report import Agreement, compare, dump_json
 from cellbatch.bench.results import cpu_name
 from cellbatch.bench.throughput import _load_average
 from cellbatch.bench.workload import CHAT_PROMPTS, WARMUP_PROMPTS, WARMUP_TOKENS
+from cellbatch.generation_config import GenConfig
 from cellbatch.metrics import EngineMetrics
-from cellbatch.types import QUANTIZE_CHOICES, GenConfig, Token
+from cellbatch.types import QUANTIZE_CHOICES, Token
 
 OPTIMISTIC = "optimistic"
 RESERVE = "reserve"

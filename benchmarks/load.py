@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 def measure(model: str, cache: str, threads: int) -> dict[str, Any]:
     """One start, in this process (the child side)."""
     from cellbatch.engine import Engine
-    from cellbatch.types import GenConfig
+    from cellbatch.generation_config import GenConfig
 
     phases: list[tuple[str, float]] = []
     started = perf_counter()

@@ -46,11 +46,12 @@ from cellbatch.bench.peers import load_transformers_model
 from cellbatch.bench.workload import CHAT_PROMPTS
 from cellbatch.cache import CellCache
 from cellbatch.engine import DEFAULT_MAX_BATCH_TOKENS
+from cellbatch.generation_config import GenConfig
 from cellbatch.kv_pool import KVPool
 from cellbatch.model.cpu import cpu_has_fast_bf16
 from cellbatch.model.default import default_model_path
 from cellbatch.threads import in_short_lived_thread
-from cellbatch.types import FinishReason, GenConfig, Token
+from cellbatch.types import FinishReason, Token
 
 PREFILL_ROWS = ((1, 500), (1, 2000), (1, 4000), (8, 1000))
 QUICK_PREFILL_ROWS = ((1, 500), (2, 300))

@@ -45,9 +45,10 @@ import torch
 
 from cellbatch.bench.workload import CHAT_PROMPTS, DEFAULT_PEER_CACHE, DEFAULT_VLLM_PYTHON
 from cellbatch.engine import Engine
+from cellbatch.generation_config import GenConfig
 from cellbatch.model.default import default_model_path
 from cellbatch.model.lora import MODULE_PRODUCTS
-from cellbatch.types import GenConfig, Token
+from cellbatch.types import Token
 
 SINGLE_PROMPTS = 8
 WORKLOADS = ("P32", "D32", "single")

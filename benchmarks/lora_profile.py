@@ -105,7 +105,7 @@ def kind_of(sample: str) -> str:
 def run_prompts(engine: Any, names: list[str], prompts: int, new: int, rounds: int) -> list[Span]:
     """Each of the first `prompts` chat prompts alone on the base model and with adapter
     names[i % N], the order alternating from one prompt and round to the next."""
-    from cellbatch.types import GenConfig
+    from cellbatch.generation_config import GenConfig
 
     tokens = [engine.chat_tokens(text) for text in CHAT_PROMPTS[:prompts]]
     spans = []
@@ -126,7 +126,7 @@ def run_prompts(engine: Any, names: list[str], prompts: int, new: int, rounds: i
 def generate_under_perf(options: argparse.Namespace) -> None:
     """The child's part (--spans): load the engine, warm it, run the prompts, write spans."""
     from cellbatch.engine import Engine
-    from cellbatch.types import GenConfig
+    from cellbatch.generation_config import GenConfig
 
     adapters = {f"lora{index}": folder for index, folder in enumerate(options.adapters)}
     model = options.model or default_model_path()

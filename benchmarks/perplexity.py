@@ -35,9 +35,9 @@ from cellbatch.cache import CellCache
 from cellbatch.kv_pool import KVPool
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model
-from cellbatch.model.quantized import describe
 from cellbatch.model.tokenizer import load_tokenizer
 from cellbatch.model.transformer import resolve_kv_dtype
+from cellbatch.model.weights_summary import describe
 from cellbatch.threads import in_short_lived_thread
 from llama_cpp_peer import ask
 from quantized import mode_options, weights_label

@@ -41,7 +41,8 @@ import torch
 
 from cellbatch.bench.peers import cellbatch_generate, decode_sweep_point, progress
 from cellbatch.bench.workload import CHAT_PROMPTS, WARMUP_TOKENS
-from cellbatch.types import QUANTIZE_CHOICES, GenConfig
+from cellbatch.generation_config import GenConfig
+from cellbatch.types import QUANTIZE_CHOICES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = ("module", "program")

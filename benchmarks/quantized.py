@@ -71,8 +71,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from cellbatch.bench.peers import cellbatch_generate, decode_sweep_point
     from cellbatch.bench.workload import CHAT_PROMPTS, WARMUP_TOKENS
     from cellbatch.engine import Engine
+    from cellbatch.generation_config import GenConfig
     from cellbatch.model.default import default_model_path
-    from cellbatch.types import GenConfig
 
     torch.set_num_threads(args.threads)
     program = args.child.endswith(".pt2")

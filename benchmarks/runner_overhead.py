@@ -12,17 +12,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.runner import Runner
 from cellbatch.scheduler import DecodeFirstScheduler
-from cellbatch.types import (
-    BatchInput,
-    BatchOutput,
-    GenConfig,
-    KVUsage,
-    Output,
-    SamplingParams,
-    SessionId,
-)
+from cellbatch.types import BatchInput, BatchOutput, KVUsage, Output, SessionId
 
 
 class InstantExecutor:

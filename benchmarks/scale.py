@@ -63,7 +63,7 @@ def measure(path: str, threads: int) -> dict[str, Any]:
 
     from cellbatch.bench.workload import CHAT_PROMPTS
     from cellbatch.engine import Engine
-    from cellbatch.types import GenConfig
+    from cellbatch.generation_config import GenConfig
 
     torch.set_num_threads(threads)
     said: list[str] = []

@@ -218,7 +218,7 @@ def _measure(base_url: str, name: str, model: str, args, pid: int | None = None)
 
 def _offline(args, prompts: list[str]) -> dict[str, float]:
     from cellbatch.engine import Engine
-    from cellbatch.types import GenConfig
+    from cellbatch.generation_config import GenConfig
 
     with Engine.from_pretrained(
         args.model,

@@ -42,9 +42,10 @@ import torch
 
 from cellbatch.bench.workload import CHAT_PROMPTS, DEFAULT_PEER_CACHE, DEFAULT_VLLM_PYTHON
 from cellbatch.engine import Engine
+from cellbatch.generation_config import GenConfig
 from cellbatch.model.default import default_model_path
 from cellbatch.speculative import parse_speculative_config
-from cellbatch.types import GenConfig, Token
+from cellbatch.types import Token
 
 sys.path.insert(0, str(Path(__file__).parent))
 import speculative_peers

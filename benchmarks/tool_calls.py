@@ -68,7 +68,7 @@ def figures(threads: int, max_new_tokens: int, ttft_runs: int) -> dict[str, Any]
     import jsonschema
 
     from cellbatch import Engine, GenConfig
-    from cellbatch.types import Constraint, SamplingParams
+    from cellbatch.generation_config import Constraint, SamplingParams
 
     form = HermesFormat()
     with Engine.from_pretrained(threads=threads, max_sessions=32) as engine:

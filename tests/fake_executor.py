@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cellbatch.generation_config import SamplingParams
 from cellbatch.runner import Runner, Session
 from cellbatch.types import (
     BatchInput,
@@ -28,7 +29,6 @@ from cellbatch.types import (
     GenerationUpdate,
     KVUsage,
     Output,
-    SamplingParams,
     SessionId,
     TokenLogprob,
 )

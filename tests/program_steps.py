@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from cellbatch.executor.cell_executor import ExecutorShape
-from cellbatch.types import BatchInput, Input, SamplingParams
+from cellbatch.generation_config import SamplingParams
+from cellbatch.types import BatchInput, Input
 
 MAX_STEP = 64
 MIN_PREFILL = 9

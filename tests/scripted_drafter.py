@@ -5,7 +5,8 @@ its drafts: for tests that an executor's verification keeps one-at-a-time tokens
 from __future__ import annotations
 
 from cellbatch.executor.cell_executor import CellExecutor
-from cellbatch.types import BatchInput, Input, SamplingParams
+from cellbatch.generation_config import SamplingParams
+from cellbatch.types import BatchInput, Input
 from program_steps import SEEDED
 
 

@@ -13,7 +13,7 @@ import torch
 
 from cellbatch.cli import main
 from cellbatch.engine import Engine
-from cellbatch.types import GenConfig
+from cellbatch.generation_config import GenConfig
 from lora_adapters import make_adapter
 from tiny_models import make_tiny_chat_checkpoint
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cellbatch import Engine, FinishReason, GenConfig, SamplingParams
-from cellbatch.types import Constraint, InvalidArgumentError
+from cellbatch.generation_config import Constraint
+from cellbatch.types import InvalidArgumentError
 from tiny_models import make_tiny_chat_checkpoint
 
 PERSON = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from cellbatch.generation_config import GenConfig
 from cellbatch.runner.draft_budget import DraftBudget
 from cellbatch.runner.generation import Generation, GenerationKind
 from cellbatch.speculative import SpeculativeConfig
-from cellbatch.types import GenConfig
 
 K = 4
 

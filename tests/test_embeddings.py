@@ -15,7 +15,8 @@ import torch
 from cellbatch.engine import Engine
 from cellbatch.engine.embedding import embedding_size, finish_embedding
 from cellbatch.executor.pooling import Pooler, plan_pooling
-from cellbatch.types import GenConfig, InvalidArgumentError, SamplingParams
+from cellbatch.generation_config import GenConfig, SamplingParams
+from cellbatch.types import InvalidArgumentError
 from tiny_models import make_tiny_checkpoint
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 60)), [9], list(range(60, 91))]  # vocabulary: 96

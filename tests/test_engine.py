@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from cellbatch.engine import Engine, EngineShape, ModuleBackend
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.model.loading import load_model
-from cellbatch.types import FinishReason, GenConfig, SamplingParams
+from cellbatch.types import FinishReason
 from tiny_models import (
     KINDS,
     first_divergence,

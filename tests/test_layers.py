@@ -21,6 +21,7 @@ PACKAGE = Path(cellbatch.__file__).parent
 # Bottom first; each part may import only from the parts of lower layers (and itself).
 LAYERS: list[set[str]] = [
     {"types"},
+    {"generation_config"},
     {"metrics", "text_stream", "threads", "kv_format", "machine", "speculative"},
     {"kv_pool"},
     {"cache", "scheduler", "constraint", "tool_calls", "reasoning"},

@@ -22,10 +22,11 @@ import torch
 
 from cellbatch import Runner
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.model.loading import load_model
 from cellbatch.runner.admission import GROWTH_CELLS
 from cellbatch.scheduler import DecodeFirstScheduler
-from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, SamplingParams
+from cellbatch.types import FinishReason, GenerationUpdate
 from fake_executor import (
     WAIT_S,
     FakeExecutor,

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from cellbatch.engine import Engine
+from cellbatch.generation_config import GenConfig
 from cellbatch.model.default import default_model_path
 from cellbatch.model.lora import AdapterError
-from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError
+from cellbatch.types import FinishReason, InvalidArgumentError
 from lora_adapters import make_adapter, peft_model
 from tiny_models import (
     first_divergence,

@@ -16,9 +16,10 @@ from cellbatch.engine import Engine, EngineShape, ModuleBackend
 from cellbatch.engine.adapter_options import check_lora_options
 from cellbatch.executor.cell_executor import ExecutorShape
 from cellbatch.executor.cuda_executor import CudaExecutor, CudaOptions
+from cellbatch.generation_config import GenConfig
 from cellbatch.model.loading import load_model
 from cellbatch.speculative import SpeculativeConfig
-from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError
+from cellbatch.types import FinishReason, InvalidArgumentError
 from fake_executor import WAIT_S
 from lora_adapters import make_adapter
 from tiny_models import make_tiny_checkpoint

@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from cellbatch import GenerationHandle, Runner, Session
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.runner import InitializationState
 from cellbatch.runner.generation import MOVES, Generation, GenerationKind, GenerationStatus
 from cellbatch.scheduler import DecodeFirstScheduler
-from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError, SamplingParams, Task
+from cellbatch.types import FinishReason, InvalidArgumentError, Task
 from fake_executor import WAIT_S, FakeExecutor, Recorder, make_tokens, open_session, wait_until
 
 ENGINE = "cellbatch-engine"

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError
+from cellbatch.generation_config import GenConfig
+from cellbatch.types import FinishReason, InvalidArgumentError
 from fake_executor import WAIT_S, make_tokens, open_session
 
 

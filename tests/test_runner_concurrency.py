@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from cellbatch.engine import Engine, EngineShape, ModuleBackend
+from cellbatch.generation_config import GenConfig
 from cellbatch.model.loading import load_model
 from cellbatch.runner import GenerationHandle, Session
 from cellbatch.speculative import SpeculativeConfig
-from cellbatch.types import FinishReason, GenConfig, GenerationUpdate
+from cellbatch.types import FinishReason, GenerationUpdate
 from fake_executor import wait_until
 from tiny_models import make_tiny_checkpoint
 

@@ -16,17 +16,11 @@ from collections.abc import Sequence
 import pytest
 
 from cellbatch import GenerationHandle, Runner
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.runner import Occupancy
 from cellbatch.runner.admission import GROWTH_CELLS, Admission, AdmissionPolicy
 from cellbatch.runner.generation import ContextSource, Generation, GenerationKind
-from cellbatch.types import (
-    BATCH_PRIORITY,
-    FinishReason,
-    GenConfig,
-    GenerationUpdate,
-    InvalidArgumentError,
-    SamplingParams,
-)
+from cellbatch.types import BATCH_PRIORITY, FinishReason, GenerationUpdate, InvalidArgumentError
 from fake_executor import WAIT_S, FakeExecutor, make_tokens, open_session, wait_until
 
 

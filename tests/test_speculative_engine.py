@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from cellbatch.engine import Engine, EngineShape, ModuleBackend
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.model.loading import load_model
 from cellbatch.speculative import SpeculativeConfig
-from cellbatch.types import FinishReason, GenConfig, GenerationUpdate, SamplingParams
+from cellbatch.types import FinishReason, GenerationUpdate
 from fake_executor import WAIT_S
 from tiny_models import make_tiny_checkpoint
 

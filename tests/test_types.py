@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from cellbatch import Runner
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.scheduler import DecodeFirstScheduler
-from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError, SamplingParams
+from cellbatch.types import FinishReason, InvalidArgumentError
 from fake_executor import WAIT_S, FakeExecutor, make_tokens, open_session
 
 

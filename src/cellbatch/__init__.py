@@ -9,15 +9,14 @@ import os
 # value the user set stays.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
 from cellbatch.runner import GenerationHandle, Runner, Session
 from cellbatch.types import (
     FinishReason,
-    GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
     OutOfResourcesError,
-    SamplingParams,
 )
 
 __all__ = [

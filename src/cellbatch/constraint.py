@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
-from cellbatch.types import Constraint, InvalidArgumentError, Token
+from cellbatch.generation_config import Constraint
+from cellbatch.types import InvalidArgumentError, Token
 
 # Compiled grammars kept per compiler (a server sees the same few schemas again and again).
 MAX_CACHED_GRAMMARS = 256

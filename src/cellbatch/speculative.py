@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from cellbatch.types import InvalidArgumentError, coerce_int
+from cellbatch.generation_config import coerce_int
+from cellbatch.types import InvalidArgumentError
 
 METHODS = ("ngram", "draft_model")
 # An n-gram draft's lookup window when the config names neither end of it.

@@ -15,9 +15,10 @@ from cellbatch.distributed.backend import ReplicaBackend
 from cellbatch.distributed.cluster import import_ray
 from cellbatch.distributed.replica import Delivery, ReplicaInfo
 from cellbatch.engine import EngineShape
+from cellbatch.generation_config import GenConfig
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.server.api import Choice, Plan
-from cellbatch.types import FinishReason, GenConfig, GenerationUpdate
+from cellbatch.types import FinishReason, GenerationUpdate
 
 ray = import_ray(local=True)
 PLAN = Plan(prompts=[[1, 2, 3]], configs=[GenConfig(max_new_tokens=2)], n=2)

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cellbatch.distributed import ReplicaSet
 from cellbatch.distributed.backend import ReplicaBackend
 from cellbatch.engine import Engine
-from cellbatch.types import GenConfig, SamplingParams
+from cellbatch.generation_config import GenConfig, SamplingParams
 from served import API_KEY, MODEL_NAME, serve_in_thread
 
 ENGINE = {"dtype": "float32", "kernels": "torch", "max_sessions": 16}

@@ -23,10 +23,11 @@ from cellbatch.executor.cell_executor import CellExecutor, ExecutorShape
 from cellbatch.executor.cuda_executor import CudaExecutor, CudaOptions, default_widths
 from cellbatch.executor.graphs import RecordedCapture
 from cellbatch.executor.module_executor import ModuleExecutor
+from cellbatch.generation_config import SamplingParams
 from cellbatch.kv_pool import SCRATCH_CELL
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.transformer import PackedTransformer
-from cellbatch.types import BatchInput, Input, InvalidArgumentError, SamplingParams, SessionId
+from cellbatch.types import BatchInput, Input, InvalidArgumentError, SessionId
 from scripted_drafter import ScriptedDrafter, decode_run
 
 VOCAB = 64

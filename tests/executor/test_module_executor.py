@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cellbatch.executor.module_executor import ExecutorShape, ModuleExecutor
+from cellbatch.generation_config import SamplingParams
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.transformer import PackedTransformer
 from cellbatch.types import (
@@ -24,7 +25,6 @@ from cellbatch.types import (
     InvalidArgumentError,
     OutOfResourcesError,
     Output,
-    SamplingParams,
     SessionId,
 )
 

@@ -15,7 +15,8 @@ from cellbatch.executor.sampling import (
     sample_rows,
     token_logprobs,
 )
-from cellbatch.types import InvalidArgumentError, SamplingParams
+from cellbatch.generation_config import SamplingParams
+from cellbatch.types import InvalidArgumentError
 
 # A 6-token distribution with distinct probabilities, deliberately not in token order.
 PROBS = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])

@@ -10,14 +10,8 @@ from cellbatch.cache import CellCache
 from cellbatch.executor.packed_step import PackedStep, select_rows
 from cellbatch.executor.sampling import SessionSampler, sample_rows, token_logprobs
 from cellbatch.executor.session_table import SessionTable
-from cellbatch.types import (
-    BatchInput,
-    Constraint,
-    Input,
-    InvalidArgumentError,
-    OutOfResourcesError,
-    SamplingParams,
-)
+from cellbatch.generation_config import Constraint, SamplingParams
+from cellbatch.types import BatchInput, Input, InvalidArgumentError, OutOfResourcesError
 
 
 def _table(max_sessions: int = 8, max_session_tokens: int = 64) -> SessionTable:

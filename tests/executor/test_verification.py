@@ -11,7 +11,8 @@ import torch
 from cellbatch.cache import CellCache
 from cellbatch.executor.packed_step import PackedStep, select_rows
 from cellbatch.executor.session_table import SessionTable
-from cellbatch.types import BatchInput, Input, Output, SamplingParams
+from cellbatch.generation_config import SamplingParams
+from cellbatch.types import BatchInput, Input, Output
 
 VOCAB = 24
 PROMPT = [1, 2, 3, 4, 5, 6]

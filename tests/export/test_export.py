@@ -31,8 +31,9 @@ from cellbatch.export.archive import MANIFEST, METHODS_DIR, WEIGHTS
 from cellbatch.export.exporter import ExportOptions, export_program
 from cellbatch.export.manifest import ProgramFormatError
 from cellbatch.export.program import load_program
+from cellbatch.generation_config import GenConfig
 from cellbatch.model.loading import load_model
-from cellbatch.types import GenConfig, InvalidArgumentError
+from cellbatch.types import InvalidArgumentError
 from program_steps import (
     DECODE_WIDTHS,
     GREEDY,

@@ -26,7 +26,8 @@ from cellbatch.executor.program_executor import ProgramExecutor
 from cellbatch.export.exporter import ExportOptions, export_program
 from cellbatch.export.program import load_program
 from cellbatch.model.loading import load_model
-from cellbatch.model.quantized import a8_products, describe, resolve_activations
+from cellbatch.model.quantized import a8_products, resolve_activations
+from cellbatch.model.weights_summary import describe
 from cellbatch.types import InvalidArgumentError
 from program_steps import GREEDY, MAX_STEP, MIN_PREFILL, SCENARIO_SHAPE, SEEDED, run_scenario
 from tiny_models import make_tiny_checkpoint

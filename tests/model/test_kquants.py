@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.model import cpu, kquants, ops, quantized, quantized_torch
+from cellbatch.model import cpu, kquants, ops, quantized_torch, weights_summary
 from cellbatch.model.gguf_blocks import from_gguf
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import QuantizedLinear
@@ -326,7 +326,7 @@ def test_a_q4_k_m_file_keeps_every_tensor_in_its_kind(
     assert model.lm_head is not None and model.lm_head.format == "Q6_K"
     assert "Q4_K in 7 products" in said[-1] and "Q6_K in 4 products" in said[-1]
     assert "kept as they are: kquant_matmul_a8, int8 inputs" in said[-1]
-    summary = quantized.describe(model)
+    summary = weights_summary.describe(model)
     assert summary.format.endswith(said[-1].partition("; ")[2].removesuffix(")"))
     assert set(summary.bytes_by_format) == {"Q4_K", "Q6_K", "float32"}
     assert sum(summary.bytes_by_format.values()) == sum(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cellbatch.model import gguf_blocks, ops, quantized, quantized_torch
+from cellbatch.model import gguf_blocks, ops, quantized, quantized_torch, weights_summary
 from cellbatch.model.cpu import cpu_has_fast_bf16
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import Int4Weight, Int8Weight, QuantizedEmbedding, QuantizedLinear
@@ -397,7 +397,7 @@ def test_a_gguf_file_keeps_its_precision_class(
         _, model = load_model(file, "float32", kernel, activations="float")
     notes = [r.getMessage() for r in caplog.records if "quantised" in r.getMessage()]
     assert len(notes) == 1 and "Q5_0" in notes[0], notes
-    summary = quantized.describe(model)
+    summary = weights_summary.describe(model)
     assert summary.formats == {"projections": "int4", "embedding": "int8", "lm_head": "int8"}
     assert summary.kernel == ("compiled" if kernel == "compiled" else "dequantize")
     assert isinstance(model.layers[1].down, PackedLinear)  # the Q5_0 tensor, as float
@@ -411,7 +411,7 @@ def test_a_gguf_file_keeps_its_precision_class(
     assert (got - expected).abs().max() < ORDER_TOLERANCE
     # Asked for int8, the Q4_1 projections become int8 too.
     _, as_int8 = load_model(file, "float32", kernel, "int8", activations="float")
-    assert quantized.describe(as_int8).format == "int8"
+    assert weights_summary.describe(as_int8).format == "int8"
 
 
 def test_a_bad_quantize_choice_fails_before_loading(tmp_path) -> None:

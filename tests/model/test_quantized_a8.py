@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cellbatch.model import ops, quantized, quantized_torch
+from cellbatch.model import ops, quantized, quantized_torch, weights_summary
 from cellbatch.model.loading import load_model
 from cellbatch.model.quantized import QuantizedLinear, a8_products
 from cellbatch.types import InvalidArgumentError
@@ -218,9 +218,9 @@ def test_int8_activations_reach_only_their_projections(
             assert linear.matmul == expected, name
     assert model.lm_head.format == "int8" and model.lm_head.matmul == table.int8_matmul_a8
     words = f"({', '.join(chosen)} with int8 activations)"
-    assert words in quantized.describe(model).format
+    assert words in weights_summary.describe(model).format
     _, floats = load_model(folder, dtype, kernel, "int4", activations="float")
-    assert "int8 activations" not in quantized.describe(floats).format
+    assert "int8 activations" not in weights_summary.describe(floats).format
     steps = [[(0, [5, 17, 33, 2, 61]), (1, [9, 40, 12, 77, 3])], [(1, [70]), (0, [4])]]
     got = torch.cat(packed_steps(model, steps, 2))
     expected = torch.cat(packed_steps(floats, steps, 2))

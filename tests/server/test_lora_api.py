@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from cellbatch.types import GenConfig
+from cellbatch.generation_config import GenConfig
 from lora_adapters import make_adapter
 from served import API_KEY, MODEL_NAME, LiveServer
 

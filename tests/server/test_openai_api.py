@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
+from cellbatch.generation_config import GenConfig
 from cellbatch.server.protocol import ASKS_NOTHING
-from cellbatch.types import GenConfig
 from served import API_KEY, CONTEXT, MODEL_NAME
 from tiny_models import reference_model
 

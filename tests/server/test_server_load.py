@@ -18,8 +18,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from cellbatch.generation_config import GenConfig
 from cellbatch.runner.admission import GROWTH_CELLS
-from cellbatch.types import GenConfig
 from served import API_KEY, MODEL_NAME
 
 CLIENTS = 64

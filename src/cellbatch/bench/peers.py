@@ -36,7 +36,8 @@ from cellbatch.bench.workload import (
     SINGLE,
     WARMUP_TOKENS,
 )
-from cellbatch.types import FinishReason, GenConfig, Token
+from cellbatch.generation_config import GenConfig
+from cellbatch.types import FinishReason, Token
 
 # Tokens per page of transformers' paged cache in `generate_batch`.
 CONTINUOUS_PAGE_SIZE = 32

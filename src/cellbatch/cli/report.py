@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from cellbatch.cli.prompts import PromptLine
 from cellbatch.executor.cuda_executor import CudaExecutor
-from cellbatch.types import GenConfig, Token
+from cellbatch.generation_config import GenConfig
+from cellbatch.types import Token
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine, GenerationResult

@@ -35,7 +35,8 @@ from cellbatch.cli.options import (
 )
 from cellbatch.cli.prompts import PromptLine, read_prompts
 from cellbatch.cli.report import RunRecord, build_report, memory_snapshot, print_report
-from cellbatch.types import Constraint, GenConfig, SamplingParams, Token
+from cellbatch.generation_config import Constraint, GenConfig, SamplingParams
+from cellbatch.types import Token
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine, GenerationBatch, GenerationResult

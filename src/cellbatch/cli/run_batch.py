@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 from cellbatch.cli.options import UsageError, add_engine_options, engine_shape, load_engine, note
 from cellbatch.cli.report import memory_snapshot
 from cellbatch.cli.run import ProgressBar
+from cellbatch.generation_config import POOLING_CHOICES
 from cellbatch.tool_calls.formats import FORMATS
-from cellbatch.types import DEFAULT_PRIORITY, POOLING_CHOICES
+from cellbatch.types import DEFAULT_PRIORITY
 
 if TYPE_CHECKING:
     from cellbatch.engine import Engine

@@ -26,7 +26,7 @@ from cellbatch.cli.options import (
     load_engine,
     model_options,
 )
-from cellbatch.types import POOLING_CHOICES
+from cellbatch.generation_config import POOLING_CHOICES
 
 if TYPE_CHECKING:
     from cellbatch.distributed.backend import ReplicaBackend

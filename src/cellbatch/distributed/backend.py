@@ -37,17 +37,12 @@ from cellbatch.distributed.replica import Delivery
 from cellbatch.distributed.replicas import ReplicaSet
 from cellbatch.distributed.routing import PrefixRouter
 from cellbatch.engine.embedding import embedding_size
+from cellbatch.generation_config import Constraint
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.model.adapters import AdapterInfo
 from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector
-from cellbatch.types import (
-    Constraint,
-    FinishReason,
-    GenerationUpdate,
-    InvalidArgumentError,
-    Token,
-)
+from cellbatch.types import FinishReason, GenerationUpdate, InvalidArgumentError, Token
 
 # A replica that does not answer a ping (or a figures call) this fast is shown down.
 PING_TIMEOUT_S = 2.0

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from cellbatch.engine import Engine, EngineLimits, GenerationResult, Prompt
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.model.adapters import AdapterInfo
 from cellbatch.model.tokenizer import Tokenizer
 from cellbatch.runner import GenerationHandle
-from cellbatch.types import GenConfig, GenerationUpdate, SamplingParams, Token
+from cellbatch.types import GenerationUpdate, Token
 
 # Cancels that came before their request's stream: kept this many, oldest forgotten.
 _EARLY_CANCELS = 4096

@@ -22,7 +22,7 @@ from typing import Any
 from cellbatch.distributed.cluster import RayCluster, connect
 from cellbatch.distributed.replica import Replica, ReplicaInfo
 from cellbatch.engine import GenerationResult, Prompt
-from cellbatch.types import GenConfig, SamplingParams
+from cellbatch.generation_config import GenConfig, SamplingParams
 
 # Loading a model in a new process: imports, weights, and the first kernel build.
 START_TIMEOUT_S = 600.0

@@ -30,8 +30,6 @@ from cellbatch.machine import FileMappings
 from cellbatch.model.adapters import AdapterBank
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.loading import LoadProgress, PhaseClock, load_model
-from cellbatch.model.quantized import WeightsSummary
-from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import Tokenizer, tokenizer_from_files
 from cellbatch.model.transformer import (
     DTYPES,
@@ -39,6 +37,8 @@ from cellbatch.model.transformer import (
     resolve_dtype,
     resolve_kv_dtype,
 )
+from cellbatch.model.weights_summary import WeightsSummary
+from cellbatch.model.weights_summary import describe as describe_weights
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import DEFAULT_MAX_LORAS, InvalidArgumentError, ModelGeometry
 

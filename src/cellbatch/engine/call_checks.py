@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from cellbatch.types import GenConfig, InvalidArgumentError, SamplingParams, Token
+from cellbatch.generation_config import GenConfig, SamplingParams
+from cellbatch.types import InvalidArgumentError, Token
 
 
 def call_config(

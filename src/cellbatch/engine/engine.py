@@ -36,22 +36,20 @@ from cellbatch.engine.call_checks import call_config, prompt_problem, seeded
 from cellbatch.engine.embedding import embedding_size, finish_embedding
 from cellbatch.engine.prefix import feed_shared_prefix
 from cellbatch.engine.start import EngineStart
+from cellbatch.generation_config import Constraint, GenConfig, SamplingParams
 from cellbatch.metrics import EngineMetrics
 from cellbatch.model.adapters import AdapterBank, AdapterInfo, AdapterUsage
-from cellbatch.model.quantized import WeightsSummary
 from cellbatch.model.tokenizer import Tokenizer
+from cellbatch.model.weights_summary import WeightsSummary
 from cellbatch.runner import GenerationHandle, Session
 from cellbatch.threads import in_short_lived_thread
 from cellbatch.types import (
     DEFAULT_PRIORITY,
-    Constraint,
     FinishReason,
-    GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
     KVUsage,
     ModelGeometry,
-    SamplingParams,
     Token,
 )
 

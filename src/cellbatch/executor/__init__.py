@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from cellbatch.types import BatchInput, BatchOutput, KVUsage, SamplingParams, SessionId
+from cellbatch.generation_config import SamplingParams
+from cellbatch.types import BatchInput, BatchOutput, KVUsage, SessionId
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ from cellbatch.executor.drafting import Draft, Drafter, DraftRequest
 from cellbatch.executor.packed_step import PackedStep, select_rows
 from cellbatch.executor.pooling import pool_slice, slice_pooling
 from cellbatch.executor.session_table import SessionTable
+from cellbatch.generation_config import SamplingParams
 from cellbatch.kv_pool import KVPool
 from cellbatch.types import (
     NO_ADAPTER,
@@ -48,7 +49,6 @@ from cellbatch.types import (
     ModelGeometry,
     OutOfResourcesError,
     Output,
-    SamplingParams,
     SessionId,
 )
 

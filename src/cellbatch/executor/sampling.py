@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cellbatch.types import MAX_LOGPROBS, InvalidArgumentError, SamplingParams, TokenLogprob
+from cellbatch.generation_config import MAX_LOGPROBS, SamplingParams
+from cellbatch.types import InvalidArgumentError, TokenLogprob
 
 PARAM_TEMPERATURE = 0
 PARAM_TOP_P = 1

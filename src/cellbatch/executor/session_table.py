@@ -35,6 +35,7 @@ from cellbatch.executor.prompt_scores import PromptScores, plan_scoring
 from cellbatch.executor.row_policies import apply_policies, kept_logprobs
 from cellbatch.executor.sampling import SessionSampler, sample_rows
 from cellbatch.executor.token_rules import TokenRules
+from cellbatch.generation_config import SamplingParams
 from cellbatch.types import (
     MAX_POSITION,
     NO_ADAPTER,
@@ -42,7 +43,6 @@ from cellbatch.types import (
     InvalidArgumentError,
     OutOfResourcesError,
     Output,
-    SamplingParams,
     SessionId,
     Token,
     TokenLogprob,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cellbatch.types import SamplingParams, Token
+from cellbatch.generation_config import SamplingParams
+from cellbatch.types import Token
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,9 @@ from cellbatch.model.attention import QUERY_BLOCK
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.default import default_model_path
 from cellbatch.model.loading import load_model, locate_model
-from cellbatch.model.quantized import describe as describe_weights
 from cellbatch.model.tokenizer import load_tokenizer
 from cellbatch.model.transformer import PackedTransformer, resolve_dtype, resolve_kv_dtype
+from cellbatch.model.weights_summary import describe as describe_weights
 from cellbatch.types import InvalidArgumentError
 
 if TYPE_CHECKING:  # typeshed's name for "bytes-like", known to type checkers only

@@ -92,7 +92,7 @@ class Manifest:
     kernel_library: str  # record holding the compiled library of the custom ops
     tokenizer_files: list[str] = field(default_factory=list)  # records under tokenizer/
     export_seconds: dict[str, float] = field(default_factory=dict)  # per method
-    # The weights as cellbatch.model.quantized.describe gave them (a program written
+    # The weights as cellbatch.model.weights_summary.describe gave them (a program written
     # before these fields holds float weights of `dtype`).
     weights_format: str = ""  # in words, e.g. "int4, embedding int8, lm_head int8"
     weight_formats: dict[str, str] = field(default_factory=dict)  # role -> format

@@ -30,7 +30,8 @@ import torch
 
 from cellbatch.model.config import ModelConfig
 from cellbatch.model.lora import PRODUCTS, LoraAdapter, read_adapter
-from cellbatch.model.quantized import DecoderModel, describe
+from cellbatch.model.quantized import DecoderModel
+from cellbatch.model.weights_summary import describe
 from cellbatch.types import (
     DEFAULT_MAX_LORAS,
     NO_ADAPTER,

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from cellbatch.machine import FileMappings, read_memory
-from cellbatch.model import kquants, quantized, weights_cache
+from cellbatch.model import kquants, quantized, weights_cache, weights_summary
 from cellbatch.model.checkpoints import (
     Checkpoint,
     CheckpointMismatchError,
@@ -170,7 +170,7 @@ def load_model(
         model.reset_rope(target)
         clock.done(f"moved the weights to {target}")
     _return_freed_memory()
-    kept = quantized.describe_kept(model)
+    kept = weights_summary.describe_kept(model)
     clock.done(f"prepared the model ({model.ops.kind} kernels{'; ' + kept if kept else ''})")
     return config, model.eval()
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Protocol
 
+from cellbatch.generation_config import GenConfig, SamplingParams
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.runner.handle import GenerationHandle
 from cellbatch.text_stream import Detokenizer, TextStream, check_stop_strings
@@ -36,10 +37,8 @@ from cellbatch.types import (
     MAX_POSITION,
     NO_ADAPTER,
     FinishReason,
-    GenConfig,
     GenerationUpdate,
     InvalidArgumentError,
-    SamplingParams,
     SessionId,
     Token,
     TokenLogprob,

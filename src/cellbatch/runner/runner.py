@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 
 from cellbatch.executor import Executor
+from cellbatch.generation_config import GenConfig
 from cellbatch.metrics import EngineMetrics
 from cellbatch.runner.admission import AdmissionPolicy, Occupancy
 from cellbatch.runner.commands import Inbox, OpenSession, SessionFuture, Sync
@@ -39,7 +40,7 @@ from cellbatch.runner.session import Session, TurnDefaults, start_generation
 from cellbatch.scheduler import DecodeFirstScheduler, Scheduler
 from cellbatch.speculative import SpeculativeConfig
 from cellbatch.text_stream import Detokenizer
-from cellbatch.types import FinishReason, GenConfig, InvalidArgumentError, KVUsage, Token
+from cellbatch.types import FinishReason, InvalidArgumentError, KVUsage, Token
 
 _EXECUTOR_METHODS = (
     "initialize",

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
+from cellbatch.generation_config import GenConfig
 from cellbatch.runner.commands import (
     CancelGeneration,
     CloneSession,
@@ -33,7 +34,7 @@ from cellbatch.runner.generation import (
 )
 from cellbatch.runner.handle import GenerationHandle
 from cellbatch.text_stream import Detokenizer
-from cellbatch.types import FinishReason, GenConfig, SessionId, Token
+from cellbatch.types import FinishReason, SessionId, Token
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from cellbatch.generation_config import Constraint, GenConfig
 from cellbatch.metrics import GenerationMetrics
 from cellbatch.server.answers import AnswerReading, AnswerStream
-from cellbatch.types import (
-    Constraint,
-    FinishReason,
-    GenConfig,
-    GenerationUpdate,
-    Token,
-    TokenLogprob,
-)
+from cellbatch.types import FinishReason, GenerationUpdate, Token, TokenLogprob
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector

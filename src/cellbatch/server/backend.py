@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cellbatch.engine import Engine
+from cellbatch.generation_config import Constraint, GenConfig
 from cellbatch.model.adapters import AdapterInfo
 from cellbatch.runner import GenerationHandle
 from cellbatch.server.api import Choice, Plan
 from cellbatch.server.observability import EngineFiguresCollector, engine_figures
-from cellbatch.types import Constraint, GenConfig, GenerationUpdate, Token
+from cellbatch.types import GenerationUpdate, Token
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector

@@ -23,13 +23,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from cellbatch.engine.embedding import finish_embedding
+from cellbatch.generation_config import POOLING_CHOICES
 from cellbatch.server.api import ApiError, Backend, Interrupted
 from cellbatch.server.openapi import answers, bound
 from cellbatch.server.planner import RequestPlanner
 from cellbatch.server.protocol import INTEGRAL, Text, TokenPrompt
 from cellbatch.server.reply_bodies import ErrorResponse
 from cellbatch.server.routing import check_model, parse, read_body
-from cellbatch.types import DEFAULT_PRIORITY, POOLING_CHOICES, FinishReason, InvalidArgumentError
+from cellbatch.types import DEFAULT_PRIORITY, FinishReason, InvalidArgumentError
 
 # OpenAI's limit on the inputs of one request.
 MAX_INPUTS = 2048

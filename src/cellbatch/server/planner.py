@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from cellbatch.generation_config import Constraint, GenConfig, SamplingParams
 from cellbatch.reasoning import ReasoningFormat, reasoning_for_template, reasoning_named
 from cellbatch.server.answers import AnswerReading
 from cellbatch.server.api import ApiError, Backend, Plan
@@ -42,13 +43,7 @@ from cellbatch.text_stream import check_stop_strings
 from cellbatch.tool_calls.calls import Tool, ToolChoice, ToolMode
 from cellbatch.tool_calls.formats import ToolFormat, format_for_template, format_named
 from cellbatch.tool_calls.prompt import conversation
-from cellbatch.types import (
-    Constraint,
-    GenConfig,
-    InvalidArgumentError,
-    SamplingParams,
-    Token,
-)
+from cellbatch.types import InvalidArgumentError, Token
 
 if TYPE_CHECKING:
     from cellbatch.model.tokenizer import Tokenizer

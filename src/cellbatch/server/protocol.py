@@ -23,8 +23,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from cellbatch.generation_config import Constraint
 from cellbatch.server.openapi import bound
-from cellbatch.types import Constraint
 
 MAX_TOP_LOGPROBS = 20
 
