@@ -4,8 +4,9 @@
 // Owns: the VNNI arithmetic of quantized_kq.cpp's chains. VPDPBUSD takes the codes as they
 // are (unsigned) and four inputs per lane: operand s of a group is inputs 4s .. 4s + 3 of
 // the 16 outputs (quantized_kq_vnni.h). Calls of up to 3 rows make the operands in
-// registers; larger ones make one K-quant block's (256 inputs') operands and terms of
-// three panels once, into a buffer that stays in L1, and run the rows over it, 4 at a time.
+// registers, one panel after another; larger ones make one K-quant block's (256 inputs')
+// operands and terms of three panels once, into a buffer that stays in L1, and run the
+// rows over it, 4 at a time.
 // Promises: the portable loop's chain over the same exact values, so the same bits whatever
 // the rows, their count and the threads.
 // Never: runs unless vnni_products_available() said yes, or allocates per row.
@@ -38,7 +39,7 @@ constexpr int64_t kChunkGroups = kChunk / kGroup;
 constexpr int64_t kRows = 4;       // rows per run over a buffer
 constexpr int64_t kFusedRows = 3;  // calls of up to this many rows make operands in registers
 constexpr int64_t kRowChunk = 64;  // rows per pass over a block
-constexpr int64_t kAhead = 8;      // few-row path: codes asked for this many groups ahead
+constexpr int64_t kAhead = 32;     // few-row path: codes asked for this many groups ahead
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
 // A chunk of a block's operands and terms, for the rows to run over: one K-quant block.
@@ -52,9 +53,10 @@ struct alignas(64) Buffer {
 static_assert(kChunkGroups * kGroup == kBlockInputs);
 
 // Operands and terms straight from the panels (the few-row path), asking for the codes
-// kAhead groups on, into L2: asked into L1, the requests held the miss buffers that the
-// loads themselves need (docs/benchmarks.md#scale-models). The sources' reads are always
-// inlined: left to the compiler, some were calls in every group's steps.
+// kAhead groups on (8 KiB of Q4_K, 12 of Q6_K: past a panel's end, the next panel's), into
+// L2: asked into L1, the requests held the miss buffers that the loads themselves need
+// (docs/benchmarks.md#scale-models). The sources' reads are always inlined: left to the
+// compiler, some were calls in every group's steps.
 template <int kBits>
 struct Direct {
   const Panels& panels;
@@ -297,9 +299,13 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
            Buffer* buffer, float* sums) {
   const int64_t groups = panels.groups;
   if (count <= kFusedRows) {
+    // Panel by panel: the codes a thread reads are then one stream through memory (a
+    // panel's groups are contiguous, and so are the panels), which the prefetches run
+    // ahead of, where the block's three panels at once were three streams.
     with_count<kFusedRows>(count, [&](auto rows) {
-      rows_over_groups<decltype(rows)::value, P, kBits, kChain>(Direct<kBits>{panels, p0}, in, m,
-                                                                0, groups, sums);
+      for (int p = 0; p < P; ++p)
+        rows_over_groups<decltype(rows)::value, 1, kBits, kChain>(Direct<kBits>{panels, p0 + p}, in,
+                                                                  m, 0, groups, sums + p * kPanel);
     });
     return;
   }
