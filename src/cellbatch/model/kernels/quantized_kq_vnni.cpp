@@ -57,9 +57,9 @@ static_assert(kChunkGroups * kGroup == kBlockInputs);
 // L2: asked into L1, the requests held the miss buffers that the loads themselves need
 // (docs/benchmarks.md#scale-models). The sources' reads are always inlined: left to the
 // compiler, some were calls in every group's steps.
-template <int kBits>
+template <int kBits, Chain kChain>
 struct Direct {
-  const Panels& panels;
+  Layout<kBits, kChain> panels;
   int64_t p0;
   template <int kS>
   [[gnu::always_inline]] __m512i get(int p, int64_t g) const {
@@ -114,10 +114,11 @@ struct Buffered {
 
 template <int kBits, Chain kChain>
 void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, Buffer* buffer) {
-  const Direct<kBits> direct{panels, p0};
+  const Layout<kBits, kChain> layout(panels);
+  const Direct<kBits, kChain> direct{layout, p0};
   for (int p = 0; p < count; ++p) {
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* at = panels.group_codes(p0 + p, g);
+      const uint8_t* at = layout.group_codes(p0 + p, g);
       auto& ops = buffer->operands[g - g0];
       ops[0][p] = operand<kBits, 0>(at);
       ops[1][p] = operand<kBits, 1>(at);
@@ -302,10 +303,11 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
     // Panel by panel: the codes a thread reads are then one stream through memory (a
     // panel's groups are contiguous, and so are the panels), which the prefetches run
     // ahead of, where the block's three panels at once were three streams.
+    const Layout<kBits, kChain> layout(panels);
     with_count<kFusedRows>(count, [&](auto rows) {
       for (int p = 0; p < P; ++p)
-        rows_over_groups<decltype(rows)::value, 1, kBits, kChain>(Direct<kBits>{panels, p0 + p}, in,
-                                                                  m, 0, groups, sums + p * kPanel);
+        rows_over_groups<decltype(rows)::value, 1, kBits, kChain>(
+            Direct<kBits, kChain>{layout, p0 + p}, in, m, 0, groups, sums + p * kPanel);
     });
     return;
   }

@@ -25,6 +25,34 @@ namespace cellbatch::kq {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
+// A segment's panels (Panels) seen with the strides its kind's bits and chain fix: the
+// same addresses as Panels' accessors, computed without their run-time choice of kind,
+// which in the few-row loops cost a compare and a multiply at every operand.
+template <int kBits, Chain kChain>
+struct Layout {
+  static constexpr int64_t kCodeBytes = kBits == 4 ? 256 : kBits == 5 ? 320 : 384;
+  static constexpr int64_t kBlockBytes = kChain == Chain::kSix ? 288 : 320;  // scales a block
+
+  Kind kind;
+  int64_t groups;
+  const uint8_t* codes;
+  const uint8_t* scales;
+
+  explicit Layout(const Panels& panels)
+      : kind(panels.kind), groups(panels.groups), codes(panels.codes), scales(panels.scales) {}
+  [[gnu::always_inline]] const uint8_t* group_codes(int64_t p, int64_t g) const {
+    return codes + (p * groups + g) * kCodeBytes;
+  }
+  [[gnu::always_inline]] const uint8_t* halves(int64_t p, int64_t g) const {
+    if constexpr (kChain == Chain::kGroup) return scales + (p * groups + g) * 64;
+    return scales + (p * groups / 8 + g / 8) * kBlockBytes;
+  }
+  [[gnu::always_inline]] const uint8_t* small(int64_t p, int64_t g, int sub) const {
+    if constexpr (kChain == Chain::kSix) return halves(p, g) + 32 + ((g % 8) * 2 + sub) * kPanel;
+    return halves(p, g) + 64 + (g % 8) * 2 * kPanel;
+  }
+};
+
 // Operand s of a group (inputs 4s .. 4s + 3 of its 16 outputs) from its codes `at`.
 template <int kBits, int kS>
 inline __m512i operand(const uint8_t* at) {
@@ -48,7 +76,8 @@ inline __m512i operand(const uint8_t* at) {
 
 // Group g's 16 scales and offsets for the group kinds (the vector form of Panels::terms:
 // the same products, so the same values).
-[[gnu::always_inline]] inline void terms(const Panels& panels, int64_t p, int64_t g,
+template <typename Source>
+[[gnu::always_inline]] inline void terms(const Source& panels, int64_t p, int64_t g,
                                          __m512* scale, __m512* offset) {
   const uint8_t* h = panels.halves(p, g);
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
@@ -67,25 +96,29 @@ inline __m512i operand(const uint8_t* at) {
 
 // Q6_K: sub-group `sub` of group g's 16 integer scales as floats (Panels::sub_scale), and
 // the d of g's block (Panels::block_d).
-[[gnu::always_inline]] inline __m512 sub_scales(const Panels& panels, int64_t p, int64_t g,
+template <typename Source>
+[[gnu::always_inline]] inline __m512 sub_scales(const Source& panels, int64_t p, int64_t g,
                                                 int sub) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panels.small(p, g, sub)));
   return small_to_float(_mm512_cvtepi8_epi32(sc));
 }
-[[gnu::always_inline]] inline __m512 block_d(const Panels& panels, int64_t p, int64_t g) {
+template <typename Source>
+[[gnu::always_inline]] inline __m512 block_d(const Source& panels, int64_t p, int64_t g) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panels.halves(p, g))));
 }
 
 // Q4_K and Q5_K: group g's 16 integer scales and mins as int32 lanes (Panels::scale_code,
 // min_code) ...
-[[gnu::always_inline]] inline void block_codes(const Panels& panels, int64_t p, int64_t g,
+template <typename Source>
+[[gnu::always_inline]] inline void block_codes(const Source& panels, int64_t p, int64_t g,
                                                __m512i* sc, __m512i* mn) {
   const uint8_t* sm = panels.small(p, g, 0);
   *sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
   *mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kPanel)));
 }
 // ... the d and -dmin of g's block (Panels::block_halves) ...
-[[gnu::always_inline]] inline void block_halves(const Panels& panels, int64_t p, int64_t g,
+template <typename Source>
+[[gnu::always_inline]] inline void block_halves(const Source& panels, int64_t p, int64_t g,
                                                 __m512* d, __m512* negative_dmin) {
   const uint8_t* h = panels.halves(p, g);
   *d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
@@ -95,7 +128,8 @@ inline __m512i operand(const uint8_t* at) {
 
 // ... and the mins of the block from group g0 as int16 pairs: pairs[i] holds groups
 // 2i and 2i + 1's in each output's 32-bit lane, for VPDPWSSD.
-[[gnu::always_inline]] inline void block_min_pairs(const Panels& panels, int64_t p, int64_t g0,
+template <typename Source>
+[[gnu::always_inline]] inline void block_min_pairs(const Source& panels, int64_t p, int64_t g0,
                                                    __m512i (&pairs)[4]) {
   for (int i = 0; i < 4; ++i) {
     const uint8_t* first = panels.small(p, g0 + 2 * i, 0) + kPanel;
