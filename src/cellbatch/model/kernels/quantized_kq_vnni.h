@@ -5,8 +5,9 @@
 //
 // Promises: operand<kBits, s>(codes) is the 64 bytes of inputs 4s .. 4s + 3 of the group's
 // 16 outputs (one 32-bit lane each, the codes unsigned); terms(), sub_scales(), block_d(),
-// block_codes() and block_halves() the values Panels gives, and fold_block() the Q4_K/Q5_K
-// chain's float step, so that every path folds the same values the same way.
+// block_codes() and block_halves() the values Panels gives (read through Panels or through
+// a Layout, the same addresses), and fold_block() the Q4_K/Q5_K chain's float step, so that
+// every path folds the same values the same way.
 // Never: runs before the caller asked the CPU for AVX512 (these are compiled for it).
 
 #pragma once
