@@ -77,8 +77,6 @@ from cellbatch.types import (
     KVUsage,
     OutOfResourcesError,
     Output,
-    SessionId,
-    Task,
     Token,
 )
 
@@ -382,7 +380,7 @@ class EngineLoop:
                 generated += self._accept(generation, output, end, next_decodes)
             elif generation.feeds_only and state.computed == len(state.context):
                 self._end(generation, FinishReason.TOKEN_LIMIT)
-        self._ledger.record(_step_done(step.tasks, outputs, start, end, generated))
+        self._ledger.record(StepDone.of(step.tasks, outputs, start, end, generated))
         for generation in cancelled:
             self._end(generation, FinishReason.CANCELLED, "cancelled by the caller")
         if next_decodes:
@@ -466,39 +464,3 @@ class EngineLoop:
         occupancy = self._planner.occupancy()
         with self._published_lock:
             self._kv, self._occupancy = usage, occupancy
-
-
-def _step_done(
-    tasks: Sequence[Task],
-    outputs: Sequence[Output | None],
-    start: float,
-    end: float,
-    generated: int,
-) -> StepDone:
-    """The step's figures: decodes, distinct prefilling sessions and their tokens, the
-    context (each session's length after the step, once per session) and the drafts
-    verified (how many, and how many were kept, by position)."""
-    decodes = prefill_tokens = 0
-    prefill_sids: set[SessionId] = set()
-    context: dict[SessionId, int] = {}
-    verified: list[tuple[int, int]] = []
-    for task, output in zip(tasks, outputs, strict=True):
-        inp = task.input
-        context[inp.sid] = inp.start + inp.size
-        if task.is_decode:
-            decodes += 1
-        else:
-            prefill_tokens += inp.size
-            prefill_sids.add(inp.sid)
-        if output is not None and output.drafted:
-            verified.append((output.drafted, len(output.tokens) - 1))
-    return StepDone(
-        start,
-        end,
-        decodes,
-        len(prefill_sids),
-        prefill_tokens,
-        sum(context.values()),
-        generated,
-        tuple(verified),
-    )

@@ -2,7 +2,8 @@
 (docs/design.md#metrics).
 
 Owns: the events the runner's books record (`MetricsEvent`: small frozen dataclasses of
-numbers, one per thing counted), the one place each changes the counters (`_apply`), and
+numbers, one per thing counted; `StepDone.of` reads a step's tasks and outputs into
+one), the one place each changes the counters (`_apply`), and
 `MetricsLedger`, the owner of a live `EngineMetrics`, which adds events up under its lock.
 Promises: `MetricsLedger.record` applies each event whole, so that `snapshot()`, from any
 thread, is a consistent copy.
@@ -13,11 +14,12 @@ Never: reads clocks; locks anything outside the ledger; hands out the live
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
 from cellbatch.metrics import EngineMetrics
-from cellbatch.types import FinishReason
+from cellbatch.types import FinishReason, Output, SessionId, Task
 
 # -- events: what the runner counts, as plain values ---------------------------------
 # Per engine step the runner records one `StepDone` or `StepFailed`; the others come
@@ -38,6 +40,43 @@ class StepDone:
     generated_tokens: int
     # Per verification of drafts in the step: (drafts verified, drafts kept).
     verified: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        tasks: Sequence[Task],
+        outputs: Sequence[Output | None],
+        start: float,
+        end: float,
+        generated: int,
+    ) -> StepDone:
+        """The step's figures: decodes, distinct prefilling sessions and their tokens, the
+        context (each session's length after the step, once per session) and the drafts
+        verified (how many, and how many were kept, by position)."""
+        decodes = prefill_tokens = 0
+        prefill_sids: set[SessionId] = set()
+        context: dict[SessionId, int] = {}
+        verified: list[tuple[int, int]] = []
+        for task, output in zip(tasks, outputs, strict=True):
+            inp = task.input
+            context[inp.sid] = inp.start + inp.size
+            if task.is_decode:
+                decodes += 1
+            else:
+                prefill_tokens += inp.size
+                prefill_sids.add(inp.sid)
+            if output is not None and output.drafted:
+                verified.append((output.drafted, len(output.tokens) - 1))
+        return cls(
+            start,
+            end,
+            decodes,
+            len(prefill_sids),
+            prefill_tokens,
+            sum(context.values()),
+            generated,
+            tuple(verified),
+        )
 
 
 @dataclass(frozen=True, slots=True)
