@@ -7,16 +7,12 @@
 // maximum and sum) instead of a materialised row of scores. A cache in another dtype than
 // float32 is widened a tile at a time, each cell's K and V rows whole (every KV head: one
 // contiguous read per cell), before the KV heads run over them: read a head at a time, the
-// rows were strided reads that left a 32-row decode step's attention waiting on memory
-// (768 -> 394-414 us a layer, 32 sequences of 150 tokens, bf16). While a cell is widened,
-// the cell kAhead positions on is asked for, adjacent in the pool or not: on 30 layers'
-// caches that do not fit the L3, 32 sequences of 150 cells 465 -> 435-445 us a layer
-// (each sequence's decode cells a step apart) or 390 -> 342-364 (adjacent cells); one
-// sequence of 300 adjacent cells just after 64 MiB of other reads, 68 -> 47-52 us: the
-// hardware prefetcher alone left it waiting. With fewer sequences' blocks than threads (a
-// single stream's decode), each KV head of a block is a work item of its own, so the
-// threads share it: one sequence of 150 (1,000) cells with K/V in cache, 19.6 -> 14.6
-// (104 -> 69) us.
+// rows were strided reads that left a decode step's attention waiting on memory. While a
+// cell is widened, the cell kAhead positions on is asked for, adjacent in the pool or not:
+// the hardware prefetcher alone left a cache beyond the L3 waiting. With fewer sequences'
+// blocks than threads (a single stream's decode), each KV head of a block is a work item
+// of its own, so the threads share it (the figures: docs/benchmarks.md#where-the-time-goes).
+// The tiles' arithmetic and the rows' widening are cell_attention_tiles.h's.
 // Promises: a query's output depends only on its own query vector and the K/V of its own
 // visible cells, computed in a fixed order: tiles are aligned on absolute key positions,
 // each score is one chain of fused multiply-adds over the head dimension, and every sum
@@ -47,6 +43,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cell_attention_tiles.h"
 #include "common.h"
 
 #include <algorithm>
@@ -60,148 +57,21 @@
 
 namespace {
 
+using namespace cellbatch::attention;
 using cellbatch::kLanes;
 using cellbatch::round_to;
 using cellbatch::Vec;
 using cellbatch::widen;
-// Keys per tile: the unit of the online softmax, aligned on absolute positions (so it is
-// part of the numerics: changing it changes results by rounding, never their invariance).
-// 64 rather than 32 halves the per-tile bookkeeping of each score row.
-constexpr int64_t kKeyTile = 64;
+
 // How many cells ahead of the one being widened a bf16 or fp16 cache row is prefetched
 // (4, 8 and 16 measured alike; 8 a little ahead).
 constexpr int64_t kAhead = 8;
-constexpr int64_t kTileVectors = kKeyTile / kLanes;
 // Keys transposed at a time (at::vec's 8 x 8 float transpose).
 constexpr int64_t kTransposeRows = 8;
 // Score rows computed together in registers: kRowGroup rows x (up to) 4 vectors of keys.
 constexpr int kRowGroup = 3;
-// Value columns accumulated together: kRowGroup rows x kValueVectors accumulators.
-constexpr int kValueVectors = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-static_assert(kKeyTile % kLanes == 0 && kKeyTile % kTransposeRows == 0);
-
-template <typename T>
-inline void round_all(float* x, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) x[i] = round_to<T>(x[i]);
-  }
-}
-
-// A cache row as compute dtype T would hold it, widened to float. A bf16 or fp16 row is
-// widened a vector at a time (exact, as the scalar widening): in a decode step each K/V row
-// serves only the few query heads of its KV head, so widening it is most of attention's
-// work, and the scalar loop did not vectorise.
-template <typename T, typename C>
-inline void load_row(const C* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  if constexpr (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>) {
-    using Narrow = at::vec::Vectorized<C>;
-    for (; i + Narrow::size() <= n; i += Narrow::size()) {
-      const auto [low, high] = at::vec::convert_to_float<C>(Narrow::loadu(src + i));
-      low.store(dst + i);
-      high.store(dst + i + kLanes);
-    }
-  }
-  for (; i < n; ++i) dst[i] = widen(src[i]);
-  if constexpr (!std::is_same_v<T, C> && !std::is_same_v<T, float>) round_all<T>(dst, n);
-}
-
-// An int8 cache's head (dim codes, then a float32 scale) as compute dtype T would hold
-// code * scale, widened to float.
-template <typename T>
-inline void load_int8_head(const int8_t* src, float* dst, int64_t n) {
-  float scale;
-  std::memcpy(&scale, src + n, sizeof scale);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-  round_all<T>(dst, n);
-}
-
-// Asks for the cache lines of a row that will be read soon.
-template <typename C>
-inline void prefetch_row(const C* row, int64_t n) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < n * static_cast<int64_t>(sizeof(C)); offset += 64)
-    __builtin_prefetch(bytes + offset);
-}
-
-inline float sum_lanes(Vec x) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, x);
-}
-
-inline float max_lanes(Vec x) {
-  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, x);
-}
-
-// scores[r][c0 * kLanes, (c0 + NC) * kLanes) = q[r] . keys, for R rows of q (dim floats
-// apart) against the tile's keys transposed (keys_t[d][j], kKeyTile floats apart): one
-// fused multiply-add per d, in ascending d, for every score.
-template <int R, int NC>
-inline void tile_scores_part(const float* q, int64_t dim, const float* keys_t, int64_t c0,
-                             float* scores) {
-  Vec acc[R][NC];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = Vec(0.f);
-  for (int64_t d = 0; d < dim; ++d) {
-    Vec qd[R];
-    for (int r = 0; r < R; ++r) qd[r] = Vec(q[r * dim + d]);
-    const float* k = keys_t + d * kKeyTile + c0 * kLanes;
-    for (int c = 0; c < NC; ++c) {
-      const Vec kc = Vec::loadu(k + c * kLanes);
-      for (int r = 0; r < R; ++r) acc[r][c] = at::vec::fmadd(qd[r], kc, acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c].store(scores + r * kKeyTile + (c0 + c) * kLanes);
-}
-
-// The scores of keys [a, b) of the tile (and of the other keys of their vectors), up to
-// four vectors at a time: a sequence's last tile is seldom full.
-template <int R>
-inline void tile_scores(const float* q, int64_t dim, const float* keys_t, int64_t a, int64_t b,
-                        float* scores) {
-  constexpr int kPart = kTileVectors < 4 ? kTileVectors : 4;
-  const int64_t end = (b + kLanes - 1) / kLanes;
-  for (int64_t c0 = a / kLanes; c0 < end; c0 += kPart)
-    cellbatch::with_count<kPart>(std::min<int64_t>(kPart, end - c0), [&](auto n) {
-      tile_scores_part<R, decltype(n)::value>(q, dim, keys_t, c0, scores);
-    });
-}
-
-// acc[r][d0, d0 + NV * kLanes) += sum over keys j in [j0, j1), ascending, of
-// weights[r][j] * values[j][d0 ...], for R rows (acc rows dim floats apart).
-template <int R, int NV>
-inline void tile_values(const float* weights, const float* const* values, int64_t j0,
-                        int64_t j1, float* acc, int64_t dim, int64_t d0) {
-  Vec a[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(acc + r * dim + d0 + v * kLanes);
-  for (int64_t j = j0; j < j1; ++j) {
-    Vec w[R];
-    for (int r = 0; r < R; ++r) w[r] = Vec(weights[r * kKeyTile + j]);
-    const float* row = values[j] + d0;
-    for (int v = 0; v < NV; ++v) {
-      const Vec x = Vec::loadu(row + v * kLanes);
-      for (int r = 0; r < R; ++r) a[r][v] = at::vec::fmadd(w[r], x, a[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v].store(acc + r * dim + d0 + v * kLanes);
-}
-
-template <int R>
-inline void tile_values_all(const float* weights, const float* const* values, int64_t j0,
-                            int64_t j1, float* acc, int64_t dim) {
-  int64_t d0 = 0;
-  for (; d0 + kValueVectors * kLanes <= dim; d0 += kValueVectors * kLanes)
-    tile_values<R, kValueVectors>(weights, values, j0, j1, acc, dim, d0);
-  for (; d0 + kLanes <= dim; d0 += kLanes) tile_values<R, 1>(weights, values, j0, j1, acc, dim, d0);
-  for (; d0 < dim; ++d0)
-    for (int r = 0; r < R; ++r)
-      for (int64_t j = j0; j < j1; ++j) acc[r * dim + d0] += weights[r * kKeyTile + j] * values[j][d0];
-}
+static_assert(kKeyTile % kTransposeRows == 0);
 
 // What one worker reuses from item to item.
 struct Scratch {
