@@ -141,6 +141,34 @@ struct Panels {
   }
 };
 
+// A segment's panels (Panels) seen with the strides its kind's bits and chain fix: the
+// same addresses as Panels' accessors, computed without their run-time choice of kind,
+// which in the few-row loops cost a compare and a multiply at every operand.
+template <int kBits, Chain kChain>
+struct Layout {
+  static constexpr int64_t kCodeBytes = kBits == 4 ? 256 : kBits == 5 ? 320 : 384;
+  static constexpr int64_t kBlockBytes = kChain == Chain::kSix ? 288 : 320;  // scales a block
+
+  Kind kind;
+  int64_t groups;
+  const uint8_t* codes;
+  const uint8_t* scales;
+
+  explicit Layout(const Panels& panels)
+      : kind(panels.kind), groups(panels.groups), codes(panels.codes), scales(panels.scales) {}
+  [[gnu::always_inline]] const uint8_t* group_codes(int64_t p, int64_t g) const {
+    return codes + (p * groups + g) * kCodeBytes;
+  }
+  [[gnu::always_inline]] const uint8_t* halves(int64_t p, int64_t g) const {
+    if constexpr (kChain == Chain::kGroup) return scales + (p * groups + g) * 64;
+    return scales + (p * groups / 8 + g / 8) * kBlockBytes;
+  }
+  [[gnu::always_inline]] const uint8_t* small(int64_t p, int64_t g, int sub) const {
+    if constexpr (kChain == Chain::kSix) return halves(p, g) + 32 + ((g % 8) * 2 + sub) * kPanel;
+    return halves(p, g) + 64 + (g % 8) * 2 * kPanel;
+  }
+};
+
 // Each row's quantised inputs beside the sums the blocks' chains need: Q6_K, per row and
 // 16 inputs, the sum of their codes (qs16 [M, K / 16]); Q4_K/Q5_K's mins, the groups' sums
 // xs.qsum two by two as int16 halves of an int32 (qsum_pairs [M, K / 64]: VPDPWSSD's

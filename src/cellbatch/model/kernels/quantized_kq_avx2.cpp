@@ -65,7 +65,8 @@ inline __m256 halves8(const uint8_t* at) {
 }
 
 // Half j of group g's scales and offsets for the group kinds (Panels::terms, 8 lanes).
-inline void terms(const Panels& panels, int64_t p, int64_t g, int j, __m256* scale,
+template <typename Source>
+inline void terms(const Source& panels, int64_t p, int64_t g, int j, __m256* scale,
                   __m256* offset) {
   const uint8_t* h = panels.halves(p, g);
   const __m256 d = halves8(h + 16 * j);
@@ -102,8 +103,8 @@ inline void steps4(const uint8_t* at, const a8::Quantised& xs, int64_t m, int64_
 }
 
 // The group kinds' fold of group g's dots into the totals.
-template <int R>
-inline void fold(const Panels& panels, const Inputs& in, int64_t p, int64_t m, int64_t g,
+template <int R, typename Source>
+inline void fold(const Source& panels, const Inputs& in, int64_t p, int64_t m, int64_t g,
                  __m256i (&dot)[R][2], __m256 (&total)[R][2]) {
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups;
@@ -120,9 +121,9 @@ inline void fold(const Panels& panels, const Inputs& in, int64_t p, int64_t m, i
 }
 
 // The K-quants' chains (quantized_kq.cpp) of R rows from m over panel p.
-template <int R, int kBits>
-inline void blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
-                              __m256 (&total)[R][2]) {
+template <int R, int kBits, Chain kChain>
+inline void blocks_over_panel(const Layout<kBits, kChain>& panels, const Inputs& in, int64_t m,
+                              int64_t p, __m256 (&total)[R][2]) {
   constexpr bool kSix = kBits == 6;
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups;
@@ -185,16 +186,17 @@ inline void blocks_over_panel(const Panels& panels, const Inputs& in, int64_t m,
 template <int R, int kBits, Chain kChain, typename T>
 void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
                      int64_t out_features, T* y) {
+  const Layout<kBits, kChain> layout(panels);
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  if constexpr (kChain != Chain::kGroup) blocks_over_panel<R, kBits>(panels, in, m, p, total);
+  if constexpr (kChain != Chain::kGroup) blocks_over_panel<R>(layout, in, m, p, total);
   for (int64_t g = 0; kChain == Chain::kGroup && g < panels.groups; ++g) {
-    const uint8_t* at = panels.group_codes(p, g);
+    const uint8_t* at = layout.group_codes(p, g);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     steps4<R, kBits, 0>(at, in.xs, m, g, dot);
     steps4<R, kBits, 4>(at, in.xs, m, g, dot);
-    fold<R>(panels, in, p, m, g, dot, total);
+    fold<R>(layout, in, p, m, g, dot, total);
   }
   const int64_t width = std::min(kPanel, panels.rows - p * kPanel);
   for (int r = 0; r < R; ++r) {

@@ -26,34 +26,6 @@ namespace cellbatch::kq {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
-// A segment's panels (Panels) seen with the strides its kind's bits and chain fix: the
-// same addresses as Panels' accessors, computed without their run-time choice of kind,
-// which in the few-row loops cost a compare and a multiply at every operand.
-template <int kBits, Chain kChain>
-struct Layout {
-  static constexpr int64_t kCodeBytes = kBits == 4 ? 256 : kBits == 5 ? 320 : 384;
-  static constexpr int64_t kBlockBytes = kChain == Chain::kSix ? 288 : 320;  // scales a block
-
-  Kind kind;
-  int64_t groups;
-  const uint8_t* codes;
-  const uint8_t* scales;
-
-  explicit Layout(const Panels& panels)
-      : kind(panels.kind), groups(panels.groups), codes(panels.codes), scales(panels.scales) {}
-  [[gnu::always_inline]] const uint8_t* group_codes(int64_t p, int64_t g) const {
-    return codes + (p * groups + g) * kCodeBytes;
-  }
-  [[gnu::always_inline]] const uint8_t* halves(int64_t p, int64_t g) const {
-    if constexpr (kChain == Chain::kGroup) return scales + (p * groups + g) * 64;
-    return scales + (p * groups / 8 + g / 8) * kBlockBytes;
-  }
-  [[gnu::always_inline]] const uint8_t* small(int64_t p, int64_t g, int sub) const {
-    if constexpr (kChain == Chain::kSix) return halves(p, g) + 32 + ((g % 8) * 2 + sub) * kPanel;
-    return halves(p, g) + 64 + (g % 8) * 2 * kPanel;
-  }
-};
-
 // Operand s of a group (inputs 4s .. 4s + 3 of its 16 outputs) from its codes `at`.
 template <int kBits, int kS>
 inline __m512i operand(const uint8_t* at) {
