@@ -26,7 +26,7 @@ LEFT_OPEN = """
 import sys
 
 from cellbatch.engine import Engine
-from cellbatch.types import FinishReason, GenConfig
+from cellbatch import FinishReason, GenConfig
 
 idle = Engine.from_pretrained(sys.argv[1], dtype="float32", max_sessions=2)
 engine = Engine.from_pretrained(sys.argv[1], dtype="float32", max_sessions=4)

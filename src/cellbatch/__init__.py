@@ -9,7 +9,7 @@ import os
 # value the user set stays.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-from cellbatch.generation_config import GenConfig, SamplingParams
+from cellbatch.generation_config import Constraint, GenConfig, SamplingParams
 from cellbatch.metrics import EngineMetrics, GenerationMetrics
 from cellbatch.runner import GenerationHandle, Runner, Session
 from cellbatch.types import (
@@ -20,6 +20,7 @@ from cellbatch.types import (
 )
 
 __all__ = [
+    "Constraint",
     "Engine",
     "EngineMetrics",
     "FinishReason",
