@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -266,7 +267,11 @@ def _batched_rows(command: list[str]) -> dict[int, dict[str, float]]:
 
 
 def alternated_single(
-    first: Any, whole: Any, path: str, threads: int, rounds: int
+    first: Callable[[], float],
+    whole: Callable[[], tuple[float, int]],
+    path: str,
+    threads: int,
+    rounds: int,
 ) -> dict[str, list[float]]:
     """`rounds` x (cellbatch's one stream: `first()` the seconds to its first token,
     `whole()` (seconds, tokens) of 128; then llama-batched-bench's at 1 sequence): each
