@@ -71,7 +71,7 @@ def cpu_has_amx() -> bool:
 
 def int8_products_path() -> str:
     """Which arithmetic the compiled int8-input products take here, in words, as
-    kernels/quantized_a8.cpp's `products_path` picks it: VPDPBUSD on AVX512-VNNI at the
+    kernels/quantized_a8_inputs.cpp's `products_path` picks it: VPDPBUSD on AVX512-VNNI at the
     AVX512 width, VPMADDUBSW on AVX2, else (or with CELLBATCH_A8_PORTABLE=1) the portable
     loop."""
     if os.environ.get("CELLBATCH_A8_PORTABLE") == "1" or not cpu_has_int8_products():

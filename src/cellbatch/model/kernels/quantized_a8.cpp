@@ -2,12 +2,9 @@
 // for the int4 panels of quantized_matmul.cpp and `cellbatch::int8_matmul_a8` for int8
 // panels laid out for it, with float32 or bfloat16 activations x [M, K].
 //
-// Owns: the quantisation of each row's inputs and the products over it. Per row and group
-// g of 32 inputs (the weights' groups), as llama.cpp's Q8_1 blocks hold them (amax over
-// the group's span: the group here, a K-quant block of 256 for kquant_matmul_a8):
-//   amax = max |x|,  d = amax / 127,  xq = round_half_even(x * (127 / amax))  (0 if amax 0)
-//   sx = the group's sum of x (float32, a fixed order)
-// and then, for each output n with the group's scale s (int4: and offset o, w = q s + o):
+// Owns: the products over each row's inputs quantised per group g of 32 inputs (the
+// weights' groups; quantized_a8_inputs.cpp: scale d, sum sx, codes xq): for each output n
+// with the group's scale s (int4: and offset o, w = q s + o):
 //   int4: y = chain over g in input order of: t = fma(float(dot), s * d, t); t = fma(o, sx, t)
 //   int8: y = chain over g in input order of: t = fma(float(dot), s * d, t)
 // where dot = sum(q xq) over the group, exact in int32. So a row costs 8 VPDPBUSD per
@@ -24,12 +21,12 @@
 // that stays in L1, and run the rows over it, 4 at a time, while the next chunk's codes
 // are prefetched.
 // Promises: y[m, n] is the same chain over the same values whatever the other rows of x,
-// the path their count takes and the thread count (batch invariance); a row's
-// quantisation reads only that row. CPUs without AVX512-VNNI, and processes where torch
-// runs below the AVX512 width (ATEN_CPU_CAPABILITY=avx2), run the AVX2 products
-// (quantized_a8_avx2.cpp), or where AVX2 is missing too a portable loop, over the same
-// quantised values and the same chain (bit-identical results; CELLBATCH_A8_PORTABLE=1
-// runs the portable loop anywhere, for the tests). Results are in x's dtype, bf16
+// the path their count takes and the thread count (batch invariance). CPUs without
+// AVX512-VNNI, and processes where torch runs below the AVX512 width
+// (ATEN_CPU_CAPABILITY=avx2), run the AVX2 products (quantized_a8_avx2.cpp), or where AVX2
+// is missing too a portable loop, over the same quantised values and the same chain
+// (bit-identical results; CELLBATCH_A8_PORTABLE=1 runs the portable loop anywhere, for
+// the tests: a8::products_path). Results are in x's dtype, bf16
 // rounded to nearest even.
 // Never: changes the weights' numbers (only the activations are rounded), or allocates
 // per row.
@@ -48,7 +45,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -72,44 +68,6 @@ constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 3 KiB a
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
 using a8::Quantised;
-
-// The position of input i of a group of 8 in the quantised order: for int4 weights (0, 2,
-// 4, 6, 1, 3, 5, 7), for int8 ones the inputs' own.
-template <bool kInt4>
-constexpr int64_t quantised_slot(int64_t i) {
-  return kInt4 ? (i % 2) * 4 + i / 2 : i;
-}
-
-// The largest |x| of `count` inputs (any order gives the same maximum).
-template <typename T>
-float amax_portable(const T* x, int64_t count) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(widen(x[i])));
-  return amax;
-}
-
-// One group of 32 inputs quantised in portable code with the largest |x| of its span
-// (`amax`): the reference for the vector path, the sum x summed in the order
-// _mm512_reduce_add_ps takes ((i, i + 16), then halves: 8, 4, 2, 1).
-template <bool kInt4, typename T>
-void quantise_group_portable(const T* x, float amax, int8_t* q, float* d, float* sx,
-                             int32_t* qsum) {
-  float values[kGroup];
-  for (int64_t i = 0; i < kGroup; ++i) values[i] = widen(x[i]);
-  float partial[16];
-  for (int64_t i = 0; i < 16; ++i) partial[i] = values[i] + values[i + 16];
-  for (int64_t width = 8; width >= 1; width /= 2)
-    for (int64_t i = 0; i < width; ++i) partial[i] = partial[i] + partial[i + width];
-  *sx = partial[0];
-  *d = amax / 127.0f;
-  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-  *qsum = 0;
-  for (int64_t i = 0; i < kGroup; ++i) {
-    const float scaled = std::clamp(std::nearbyint(values[i] * inverse), -127.0f, 127.0f);
-    q[8 * (i / 8) + quantised_slot<kInt4>(i % 8)] = static_cast<int8_t>(scaled);
-    *qsum += static_cast<int32_t>(scaled);
-  }
-}
 
 // The portable products for rows [m0, m1) and panels [p0, p1): per output (row m, panel
 // p, column c) the chain over groups g of total = add(m, p, c, g, total), the format's
@@ -138,7 +96,7 @@ void product_portable(const Quantised& xs, const int32_t* codes, const S* scales
                       const auto word = static_cast<uint32_t>(panels.words(p, b)[c]);
                       for (int64_t i = 0; i < 8; ++i)
                         dot += static_cast<int32_t>((word >> (4 * i)) & 15u) *
-                               xs.q[m * in_features + 8 * b + quantised_slot<true>(i)];
+                               xs.q[m * in_features + 8 * b + a8::quantised_slot<a8::InputOrder::kInt4>(i)];
                     }
                     const S* group = panels.group(p, g);
                     const float scale = static_cast<float>(group[c]) * xs.d[m * groups + g];
@@ -165,51 +123,9 @@ void product_portable(const Quantised& xs, const int8_t* codes, const S* scales,
 
 #ifdef CELLBATCH_A8_PRODUCTS
 
-bool a8_products_available() {
-  static const bool available = __builtin_cpu_supports("avx512f") &&
-                                __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("avx512vnni") &&
-                                torch_runs_avx512();
-  return available;
-}
-
-// Everything in this region runs only after a8_products_available() said yes.
+// Everything in this region runs only after a8::products_path() said kVnni.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
-
-// The largest |x| of `count` inputs, a multiple of 32 (amax_portable's value).
-template <typename T>
-float amax_of(const T* x, int64_t count) {
-  __m512 most = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(load16(x + i)));
-  return _mm512_reduce_max_ps(most);
-}
-
-// One group of 32 inputs quantised with its span's largest |x| (the vector form of
-// quantise_group_portable).
-template <bool kInt4, typename T>
-void quantise_group(const T* x, float amax, int8_t* q, float* d, float* sx, int32_t* qsum) {
-  const __m512 low = load16(x), high = load16(x + 16);
-  *sx = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
-  *d = amax / 127.0f;
-  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  // |x| <= amax, so every product rounds into [-127, 127]: the narrowing never saturates.
-  const __m512i i_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
-  const __m512i i_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
-  *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(i_low, i_high));
-  const __m256i both = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm512_cvtsepi32_epi8(i_low)), _mm512_cvtsepi32_epi8(i_high), 1);
-  if constexpr (kInt4) {
-    // Within each 8 bytes: 0, 2, 4, 6, 1, 3, 5, 7 (both 128-bit lanes alike).
-    const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
-                                           0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(both, order));
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), both);
-  }
-}
 
 inline void prefetch(const void* p, int64_t bytes) {
   const char* start = static_cast<const char*>(p);
@@ -367,47 +283,7 @@ void product_vnni(const Quantised& xs, const Panels& panels, int64_t count, int6
 
 #pragma GCC pop_options
 
-#else  // not x86-64 with GCC or Clang: the portable loop only
-
-bool a8_products_available() { return false; }
-
 #endif
-
-// CELLBATCH_A8_PORTABLE=1 runs the portable loop on a VNNI CPU too, so that the tests
-// check on this machine the path that CPUs without VNNI take (read at each call: a test
-// sets it for a few calls).
-bool portable_asked() {
-  const char* value = std::getenv("CELLBATCH_A8_PORTABLE");
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
-
-template <bool kInt4, typename T>
-Quantised quantise(const T* x, int64_t count, int64_t in_features, int64_t span, bool vector) {
-  const int64_t groups = in_features / kGroup, per_span = span / kGroup;
-  Quantised xs{decltype(Quantised::q)(count * in_features), std::vector<float>(count * groups),
-               std::vector<float>(count * groups), std::vector<int32_t>(count * groups),
-               in_features};
-  const int64_t spans = count * groups / per_span;
-  at::parallel_for(0, spans, std::max<int64_t>(1, 64 / per_span), [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      const T* from = x + s * span;
-#ifdef CELLBATCH_A8_PRODUCTS
-      if (vector) {
-        const float amax = amax_of(from, span);
-        for (int64_t i = s * per_span; i < (s + 1) * per_span; ++i)
-          quantise_group<kInt4>(x + i * kGroup, amax, xs.q.data() + i * kGroup, &xs.d[i],
-                                &xs.sx[i], &xs.qsum[i]);
-        continue;
-      }
-#endif
-      const float amax = amax_portable(from, span);
-      for (int64_t i = s * per_span; i < (s + 1) * per_span; ++i)
-        quantise_group_portable<kInt4>(x + i * kGroup, amax, xs.q.data() + i * kGroup, &xs.d[i],
-                                       &xs.sx[i], &xs.qsum[i]);
-    }
-  });
-  return xs;
-}
 
 // The product of x [..., K] (float32 or bf16) with int4 or int8 panels whose layout `op`
 // has checked.
@@ -428,14 +304,14 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(out_features);
   if (count == 0) return out.view(shape);
-  const bool portable = portable_asked();
-  const bool vector = a8_products_available() && !portable;
-  const bool avx2 = !vector && !portable && a8::avx2_products_available();
+  const a8::Path path = a8::products_path();
+  const bool vector = path == a8::Path::kVnni;
   const bool amx = a8::amx_takes(count) && vector;  // a bad CELLBATCH_AMX fails everywhere
+  const Quantised xs =
+      a8::quantise_rows(rows, path, kGroup, kInt4 ? a8::InputOrder::kInt4 : a8::InputOrder::kOwn);
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
-    const Quantised xs = quantise<kInt4>(rows.data_ptr<T>(), count, in_features, kGroup, vector);
     T* y = out.data_ptr<T>();
     const Code* c = codes.data_ptr<Code>();
     const S* s = scales.data_ptr<S>();
@@ -449,7 +325,7 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
       return product_vnni(xs, Panels{{c, s, in_features}}, count, panel_count, out_features, y);
     }
 #endif
-    if (avx2) {
+    if (path == a8::Path::kAvx2) {
       if constexpr (kInt4) return a8::int4_products_avx2(xs, c, s, panel_count, out_features, y);
       else return a8::int8_products_avx2(xs, c, s, panel_count, out_features, y);
     }
@@ -487,26 +363,6 @@ at::Tensor int8_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const at
 
 }  // namespace
 
-namespace a8 {
-
-Path products_path() {
-  if (portable_asked()) return Path::kPortable;
-  if (a8_products_available()) return Path::kVnni;
-  return avx2_products_available() ? Path::kAvx2 : Path::kPortable;
-}
-
-Quantised quantise_rows(const at::Tensor& rows, Path path, int64_t span) {
-  const int64_t count = rows.size(0), in_features = rows.size(1);
-  TORCH_CHECK(span % kGroup == 0 && span > 0 && in_features % span == 0,
-              "quantise_rows: a span of ", span, " inputs does not divide K = ", in_features,
-              " into whole groups of 32");
-  if (rows.scalar_type() == at::kBFloat16)
-    return quantise<false>(rows.data_ptr<c10::BFloat16>(), count, in_features, span,
-                           path == Path::kVnni);
-  return quantise<false>(rows.data_ptr<float>(), count, in_features, span, path == Path::kVnni);
-}
-
-}  // namespace a8
 }  // namespace cellbatch
 
 // The schema is defined in Python (cellbatch/model/ops.py), with the torch implementation.

@@ -1,6 +1,7 @@
 // What the int8-activation products (quantized_a8.cpp) share with their AVX2 path
-// (quantized_a8_avx2.cpp): the panel and group sizes, the panels' layouts, each row's
-// quantised inputs, and the AVX2 products' entry points.
+// (quantized_a8_avx2.cpp) and the inputs' quantisation (quantized_a8_inputs.cpp): the panel
+// and group sizes, the panels' layouts, each row's quantised inputs, and the AVX2
+// products' entry points.
 
 #pragma once
 
@@ -82,12 +83,21 @@ struct Int8Layout {
 enum class Path { kVnni, kAvx2, kPortable };
 Path products_path();
 
+// The order of each 8 quantised inputs of a group: their own (int8 and K-quant weights),
+// or the int4 panels' nibble order, 0, 2, 4, 6, 1, 3, 5, 7 (quantised_slot).
+enum class InputOrder { kOwn, kInt4 };
+template <InputOrder kOrder>
+constexpr int64_t quantised_slot(int64_t i) {
+  return kOrder == InputOrder::kInt4 ? (i % 2) * 4 + i / 2 : i;
+}
+
 // rows [M, K] (contiguous float32 or bf16, K a multiple of `span`) quantised per group of
-// 32 as the int8 weights' products take them (the inputs in their own order), each group's
-// scale d from the largest |x| of its span of inputs (32: its own; kquant's 256: its
-// block's, so that a block's dot products add up in int32 before one float step), by the
-// vector code where `path` is kVnni, else the portable loop: the same values either way.
-Quantised quantise_rows(const at::Tensor& rows, Path path, int64_t span);
+// 32 (quantized_a8_inputs.cpp), each group's scale d from the largest |x| of its span of
+// inputs (32: its own; kquant's 256: its block's, so that a block's dot products add up in
+// int32 before one float step), by the vector code where `path` is kVnni, else the
+// portable loop: the same values either way.
+Quantised quantise_rows(const at::Tensor& rows, Path path, int64_t span,
+                        InputOrder order = InputOrder::kOwn);
 
 // True when this library holds the AVX2 products and this CPU runs them (AVX2, FMA, F16C,
 // detected when first asked) with torch at the AVX2 width or wider.
