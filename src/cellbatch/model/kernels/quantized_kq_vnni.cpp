@@ -38,7 +38,7 @@ constexpr int64_t kChunk = 256;    // inputs per buffer fill
 constexpr int64_t kChunkGroups = kChunk / kGroup;
 constexpr int64_t kRows = 4;       // rows per run over a buffer
 constexpr int64_t kFusedRows = 3;  // calls of up to this many rows make operands in registers
-constexpr int64_t kRowChunk = 64;  // rows per pass over a block
+constexpr int64_t kRowChunk = 256;  // rows per pass over a block: one buffer fill serves them
 constexpr int64_t kAhead = 32;     // few-row path: codes asked for this many groups ahead
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
