@@ -195,22 +195,22 @@ def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_thread
     """fp32: calls of up to 3 rows over weights in registers, else row blocks of 6 over a
     buffer; bf16 (the bf16 products): up to 3 rows converting the codes in registers, else
     row blocks of 8 over a buffer; int8 activations (the _a8 products, either dtype): up to
-    3 rows making the operands in registers, else row blocks of 4 over a buffer; all in
-    chunks of 64 rows, threads splitting the panels."""
+    3 rows making the operands in registers, else row blocks of 4 over a buffer; in
+    chunks of 64 rows (the _a8 products: 256), threads splitting the panels."""
     fmt = op_name.split("_")[0]
     weight = _weight(fmt, 1000, 1536)  # 63 panels, the last part-filled; 6 chunks of inputs
     a8_int8 = op_name == "int8_matmul_a8"
     codes, scales = quantized.pack_a8(weight) if a8_int8 else quantized.pack(weight)
     op = getattr(compiled_ops, op_name)
     generator = torch.Generator().manual_seed(3)
-    x = torch.randn(150, 1536, generator=generator).to(dtype)
+    x = torch.randn(300, 1536, generator=generator).to(dtype)
     threads = torch.get_num_threads()  # tests/conftest.py puts it back after the test
     torch.set_num_threads(1)
-    alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(150)])
-    for count in (2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 65, 150):
+    alone = torch.cat([op(x[i : i + 1], codes, scales, 1000) for i in range(300)])
+    for count in (2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 65, 150, 300):
         assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
     torch.set_num_threads(max(2, threads))
-    for count in (1, 7, 70, 150):
+    for count in (1, 7, 70, 300):
         assert torch.equal(op(x[:count], codes, scales, 1000), alone[:count]), count
     assert torch.equal(op(x[40:73], codes, scales, 1000), alone[40:73])
 
