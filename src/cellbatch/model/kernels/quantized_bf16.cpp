@@ -74,7 +74,7 @@ constexpr int64_t kBlock = 3;      // panels per block: three weight registers p
 constexpr int64_t kChunk = 256;    // inputs per buffer fill: 24 KiB of bf16 for a block
 constexpr int64_t kRows = 8;       // rows per call over a buffer: 8 x 3 accumulators
 constexpr int64_t kFusedRows = 3;  // calls of up to this many rows convert in registers
-constexpr int64_t kRowChunk = 64;  // rows per pass over a block: their inputs stay in L2
+constexpr int64_t kRowChunk = 256;  // rows per pass over a block: one buffer fill serves them
 constexpr int64_t kPrefetchWords = 48;  // few-row path: codes asked for 3 KiB ahead per panel
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
