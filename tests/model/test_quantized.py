@@ -196,7 +196,7 @@ def test_a_compiled_product_row_depends_on_neither_the_other_rows_nor_the_thread
     buffer; bf16 (the bf16 products): up to 3 rows converting the codes in registers, else
     row blocks of 8 over a buffer; int8 activations (the _a8 products, either dtype): up to
     3 rows making the operands in registers, else row blocks of 4 over a buffer; in
-    chunks of 64 rows (the _a8 products: 256), threads splitting the panels."""
+    chunks of 64 rows (the bf16 and _a8 products: 256), threads splitting the panels."""
     fmt = op_name.split("_")[0]
     weight = _weight(fmt, 1000, 1536)  # 63 panels, the last part-filled; 6 chunks of inputs
     a8_int8 = op_name == "int8_matmul_a8"
