@@ -26,8 +26,7 @@
 // (ATEN_CPU_CAPABILITY=avx2), run the AVX2 products (quantized_a8_avx2.cpp), or where AVX2
 // is missing too a portable loop, over the same quantised values and the same chain
 // (bit-identical results; CELLBATCH_A8_PORTABLE=1 runs the portable loop anywhere, for
-// the tests: a8::products_path). Results are in x's dtype, bf16
-// rounded to nearest even.
+// the tests: a8::products_path). Results are in x's dtype, bf16 rounded to nearest even.
 // Never: changes the weights' numbers (only the activations are rounded), or allocates
 // per row.
 
@@ -57,8 +56,10 @@
 namespace cellbatch {
 namespace {
 
+using a8::InputOrder;
 using a8::kGroup;
 using a8::kPanel;
+using a8::quantised_slot;
 constexpr int64_t kBlock = 3;      // panels per block
 constexpr int64_t kChunk = 256;    // inputs per buffer fill: 12 KiB for a block
 constexpr int64_t kRows = 4;       // rows per run over a buffer: 12 int32 + 12 float sums
@@ -96,7 +97,7 @@ void product_portable(const Quantised& xs, const int32_t* codes, const S* scales
                       const auto word = static_cast<uint32_t>(panels.words(p, b)[c]);
                       for (int64_t i = 0; i < 8; ++i)
                         dot += static_cast<int32_t>((word >> (4 * i)) & 15u) *
-                               xs.q[m * in_features + 8 * b + a8::quantised_slot<a8::InputOrder::kInt4>(i)];
+                               xs.q[m * in_features + 8 * b + quantised_slot<InputOrder::kInt4>(i)];
                     }
                     const S* group = panels.group(p, g);
                     const float scale = static_cast<float>(group[c]) * xs.d[m * groups + g];
@@ -308,7 +309,7 @@ at::Tensor a8_product(const char* op, const at::Tensor& x, const at::Tensor& cod
   const bool vector = path == a8::Path::kVnni;
   const bool amx = a8::amx_takes(count) && vector;  // a bad CELLBATCH_AMX fails everywhere
   const Quantised xs =
-      a8::quantise_rows(rows, path, kGroup, kInt4 ? a8::InputOrder::kInt4 : a8::InputOrder::kOwn);
+      a8::quantise_rows(rows, path, kGroup, kInt4 ? InputOrder::kInt4 : InputOrder::kOwn);
   auto run = [&](auto input_tag, auto scale_tag) {
     using T = decltype(input_tag);
     using S = decltype(scale_tag);
