@@ -6,7 +6,7 @@
 // the 16 outputs (quantized_kq_vnni.h). Calls of up to 3 rows make the operands in
 // registers, one panel after another; larger ones make one K-quant block's (256 inputs')
 // operands and terms of three panels once, into a buffer that stays in L1, and run the
-// rows over it, 4 at a time.
+// rows over it, 4 at a time, while the blocks two fills on come into L2.
 // Promises: the portable loop's chain over the same exact values, so the same bits whatever
 // the rows, their count and the threads.
 // Never: runs unless vnni_products_available() said yes, or allocates per row.
@@ -40,6 +40,7 @@ constexpr int64_t kRows = 4;       // rows per run over a buffer
 constexpr int64_t kFusedRows = 3;  // calls of up to this many rows make operands in registers
 constexpr int64_t kRowChunk = 256;  // rows per pass over a block: one buffer fill serves them
 constexpr int64_t kAhead = 32;     // few-row path: codes asked for this many groups ahead
+constexpr int64_t kFillAhead = 2 * kChunkGroups;  // buffered path: the same, two fills ahead
 constexpr int64_t kBlockWidth = kBlock * kPanel;
 
 // A chunk of a block's operands and terms, for the rows to run over: one K-quant block.
@@ -112,12 +113,35 @@ struct Buffered {
   [[gnu::always_inline]] __m512 d_of(int p, int64_t) const { return buffer.d[p]; }
 };
 
+// Asks for group g's codes and scales of panel p into L2 (a block's scales with its first
+// group's).
+template <int kBits, Chain kChain>
+[[gnu::always_inline]] inline void ask_for(const Layout<kBits, kChain>& layout, int64_t p, int64_t g) {
+  const char* codes = reinterpret_cast<const char*>(layout.group_codes(p, g));
+  for (int line = 0; line < layout.kCodeBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T1);
+  const char* scales = reinterpret_cast<const char*>(layout.halves(p, g));
+  if constexpr (kChain == Chain::kGroup) {
+    _mm_prefetch(scales, _MM_HINT_T1);
+  } else if (g % 8 == 0) {  // the block's scales, which start anywhere in a line
+    for (int64_t at = 0; at < layout.kBlockBytes; at += 64) _mm_prefetch(scales + at, _MM_HINT_T1);
+    _mm_prefetch(scales + layout.kBlockBytes - 1, _MM_HINT_T1);
+  }
+}
+
+// Groups [g0, g1) of `count` panels from p0 into the buffer, asking for the groups
+// kFillAhead on (two fills later; past a panel's end, those of the same panel of the next
+// block, which a thread's range of blocks takes next), into L2: the rows' runs in between
+// hide the latency the fill otherwise waits on, from memory or L3 alike. Asked into L1,
+// they were gone before their fill (docs/benchmarks.md#scale-models).
 template <int kBits, Chain kChain>
 void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, Buffer* buffer) {
   const Layout<kBits, kChain> layout(panels);
   const Direct<kBits, kChain> direct{layout, p0};
   for (int p = 0; p < count; ++p) {
     for (int64_t g = g0; g < g1; ++g) {
+      int64_t ahead_p = p0 + p, ahead_g = g + kFillAhead;
+      if (ahead_g >= panels.groups) ahead_p += count, ahead_g -= panels.groups;
+      if (ahead_p < panels.panel_count && ahead_g < panels.groups) ask_for(layout, ahead_p, ahead_g);
       const uint8_t* at = layout.group_codes(p0 + p, g);
       auto& ops = buffer->operands[g - g0];
       ops[0][p] = operand<kBits, 0>(at);
