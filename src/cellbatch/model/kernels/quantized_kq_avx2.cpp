@@ -7,7 +7,8 @@
 // VPMADDWD by ones adds those pairs into int32, so each lane holds the dot product of four
 // codes of one output with four inputs, as a VPDPBUSD lane does. A panel's 16 outputs are
 // two 8-lane halves; rows run two at a time over each panel, so a panel's codes stay in L1
-// while every row of the call runs over them. Threads split the panels.
+// while every row of the call runs over them, and the first run asks for the next panel's
+// into L2. Threads split the panels.
 // Promises: y[m, n] is the portable loop's chain over the same values, so the same bits
 // whatever the rows, their count and the threads.
 // Never: runs on a CPU without AVX2, FMA and F16C, or where torch runs below the AVX2 width
@@ -58,6 +59,21 @@ inline __m256i operand(const uint8_t* at, int j) {
     q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
   }
   return q;
+}
+
+// Asks for group g's codes of panel p, and its scales (a block's with its first group's),
+// into L2.
+template <int kBits, Chain kChain>
+inline void ask_for(const Layout<kBits, kChain>& layout, int64_t p, int64_t g) {
+  const char* codes = reinterpret_cast<const char*>(layout.group_codes(p, g));
+  for (int line = 0; line < layout.kCodeBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T1);
+  const char* scales = reinterpret_cast<const char*>(layout.halves(p, g));
+  if constexpr (kChain == Chain::kGroup) {
+    _mm_prefetch(scales, _MM_HINT_T1);
+  } else if (g % 8 == 0) {  // the block's scales, which start anywhere in a line
+    for (int64_t at = 0; at < layout.kBlockBytes; at += 64) _mm_prefetch(scales + at, _MM_HINT_T1);
+    _mm_prefetch(scales + layout.kBlockBytes - 1, _MM_HINT_T1);
+  }
 }
 
 inline __m256 halves8(const uint8_t* at) {
@@ -120,10 +136,11 @@ inline void fold(const Source& panels, const Inputs& in, int64_t p, int64_t m, i
   }
 }
 
-// The K-quants' chains (quantized_kq.cpp) of R rows from m over panel p.
+// The K-quants' chains (quantized_kq.cpp) of R rows from m over panel p (asking for panel
+// p + 1 as it goes where ask_next).
 template <int R, int kBits, Chain kChain>
 inline void blocks_over_panel(const Layout<kBits, kChain>& panels, const Inputs& in, int64_t m,
-                              int64_t p, __m256 (&total)[R][2]) {
+                              int64_t p, bool ask_next, __m256 (&total)[R][2]) {
   constexpr bool kSix = kBits == 6;
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups;
@@ -132,6 +149,7 @@ inline void blocks_over_panel(const Layout<kBits, kChain>& panels, const Inputs&
     for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
     for (int64_t g = b; g < b + 8; ++g) {
       const uint8_t* at = panels.group_codes(p, g);
+      if (ask_next) ask_for(panels, p + 1, g);
       // Q6_K: each sub-group of 16 (its dots less 32 qs) by its scale; else the group's.
       for (int sub = 0; sub < (kSix ? 2 : 1); ++sub) {
         __m256i dot[R][2];
@@ -183,15 +201,19 @@ inline void blocks_over_panel(const Layout<kBits, kChain>& panels, const Inputs&
   }
 }
 
+// R rows from m over panel p into y; where ask_next, asking for panel p + 1's codes and
+// scales into L2 as it goes, for the rows' first run over that panel: the later runs find
+// their panel in L1 or L2, the first one waited on memory for it.
 template <int R, int kBits, Chain kChain, typename T>
-void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p,
+void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t p, bool ask_next,
                      int64_t out_features, T* y) {
   const Layout<kBits, kChain> layout(panels);
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  if constexpr (kChain != Chain::kGroup) blocks_over_panel<R>(layout, in, m, p, total);
+  if constexpr (kChain != Chain::kGroup) blocks_over_panel<R>(layout, in, m, p, ask_next, total);
   for (int64_t g = 0; kChain == Chain::kGroup && g < panels.groups; ++g) {
     const uint8_t* at = layout.group_codes(p, g);
+    if (ask_next) ask_for(layout, p + 1, g);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     steps4<R, kBits, 0>(at, in.xs, m, g, dot);
@@ -215,7 +237,8 @@ void products(const Inputs& in, const Panels& panels, int64_t out_features, T* y
     for (int64_t p = begin; p < end; ++p)
       for (int64_t m = 0; m < count; m += kRows)
         with_count<kRows>(std::min<int64_t>(kRows, count - m), [&](auto rows) {
-          rows_over_panel<decltype(rows)::value, kBits, kChain>(panels, in, m, p, out_features, y);
+          rows_over_panel<decltype(rows)::value, kBits, kChain>(
+              panels, in, m, p, m == 0 && p + 1 < end, out_features, y);
         });
   });
 }
