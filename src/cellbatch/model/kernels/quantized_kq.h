@@ -167,6 +167,19 @@ struct Layout {
     if constexpr (kChain == Chain::kSix) return halves(p, g) + 32 + ((g % 8) * 2 + sub) * kPanel;
     return halves(p, g) + 64 + (g % 8) * 2 * kPanel;
   }
+  // Asks for group g's codes of panel p, and its scales (a block's, which start anywhere in
+  // a line, with its first group's), into L2: locality 2 is PREFETCHT1 on x86.
+  [[gnu::always_inline]] void ask_for(int64_t p, int64_t g) const {
+    const uint8_t* at = group_codes(p, g);
+    for (int64_t line = 0; line < kCodeBytes; line += 64) __builtin_prefetch(at + line, 0, 2);
+    const uint8_t* h = halves(p, g);
+    if constexpr (kChain == Chain::kGroup) {
+      __builtin_prefetch(h, 0, 2);
+    } else if (g % 8 == 0) {
+      for (int64_t line = 0; line < kBlockBytes; line += 64) __builtin_prefetch(h + line, 0, 2);
+      __builtin_prefetch(h + kBlockBytes - 1, 0, 2);
+    }
+  }
 };
 
 // Each row's quantised inputs beside the sums the blocks' chains need: Q6_K, per row and

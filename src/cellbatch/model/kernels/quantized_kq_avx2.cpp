@@ -61,21 +61,6 @@ inline __m256i operand(const uint8_t* at, int j) {
   return q;
 }
 
-// Asks for group g's codes of panel p, and its scales (a block's with its first group's),
-// into L2.
-template <int kBits, Chain kChain>
-inline void ask_for(const Layout<kBits, kChain>& layout, int64_t p, int64_t g) {
-  const char* codes = reinterpret_cast<const char*>(layout.group_codes(p, g));
-  for (int line = 0; line < layout.kCodeBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T1);
-  const char* scales = reinterpret_cast<const char*>(layout.halves(p, g));
-  if constexpr (kChain == Chain::kGroup) {
-    _mm_prefetch(scales, _MM_HINT_T1);
-  } else if (g % 8 == 0) {  // the block's scales, which start anywhere in a line
-    for (int64_t at = 0; at < layout.kBlockBytes; at += 64) _mm_prefetch(scales + at, _MM_HINT_T1);
-    _mm_prefetch(scales + layout.kBlockBytes - 1, _MM_HINT_T1);
-  }
-}
-
 inline __m256 halves8(const uint8_t* at) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
 }
@@ -149,7 +134,7 @@ inline void blocks_over_panel(const Layout<kBits, kChain>& panels, const Inputs&
     for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
     for (int64_t g = b; g < b + 8; ++g) {
       const uint8_t* at = panels.group_codes(p, g);
-      if (ask_next) ask_for(panels, p + 1, g);
+      if (ask_next) panels.ask_for(p + 1, g);
       // Q6_K: each sub-group of 16 (its dots less 32 qs) by its scale; else the group's.
       for (int sub = 0; sub < (kSix ? 2 : 1); ++sub) {
         __m256i dot[R][2];
@@ -213,7 +198,7 @@ void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t 
   if constexpr (kChain != Chain::kGroup) blocks_over_panel<R>(layout, in, m, p, ask_next, total);
   for (int64_t g = 0; kChain == Chain::kGroup && g < panels.groups; ++g) {
     const uint8_t* at = layout.group_codes(p, g);
-    if (ask_next) ask_for(layout, p + 1, g);
+    if (ask_next) layout.ask_for(p + 1, g);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     steps4<R, kBits, 0>(at, in.xs, m, g, dot);

@@ -113,21 +113,6 @@ struct Buffered {
   [[gnu::always_inline]] __m512 d_of(int p, int64_t) const { return buffer.d[p]; }
 };
 
-// Asks for group g's codes and scales of panel p into L2 (a block's scales with its first
-// group's).
-template <int kBits, Chain kChain>
-[[gnu::always_inline]] inline void ask_for(const Layout<kBits, kChain>& layout, int64_t p, int64_t g) {
-  const char* codes = reinterpret_cast<const char*>(layout.group_codes(p, g));
-  for (int line = 0; line < layout.kCodeBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T1);
-  const char* scales = reinterpret_cast<const char*>(layout.halves(p, g));
-  if constexpr (kChain == Chain::kGroup) {
-    _mm_prefetch(scales, _MM_HINT_T1);
-  } else if (g % 8 == 0) {  // the block's scales, which start anywhere in a line
-    for (int64_t at = 0; at < layout.kBlockBytes; at += 64) _mm_prefetch(scales + at, _MM_HINT_T1);
-    _mm_prefetch(scales + layout.kBlockBytes - 1, _MM_HINT_T1);
-  }
-}
-
 // Groups [g0, g1) of `count` panels from p0 into the buffer, asking for the groups
 // kFillAhead on (two fills later; past a panel's end, those of the same panel of the next
 // block, which a thread's range of blocks takes next), into L2: the rows' runs in between
@@ -141,7 +126,7 @@ void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, B
     for (int64_t g = g0; g < g1; ++g) {
       int64_t ahead_p = p0 + p, ahead_g = g + kFillAhead;
       if (ahead_g >= panels.groups) ahead_p += count, ahead_g -= panels.groups;
-      if (ahead_p < panels.panel_count && ahead_g < panels.groups) ask_for(layout, ahead_p, ahead_g);
+      if (ahead_p < panels.panel_count && ahead_g < panels.groups) layout.ask_for(ahead_p, ahead_g);
       const uint8_t* at = layout.group_codes(p0 + p, g);
       auto& ops = buffer->operands[g - g0];
       ops[0][p] = operand<kBits, 0>(at);
