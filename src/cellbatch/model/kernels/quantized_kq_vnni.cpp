@@ -117,7 +117,7 @@ struct Buffered {
 // kFillAhead on (two fills later; past a panel's end, those of the same panel of the next
 // block, which a thread's range of blocks takes next), into L2: the rows' runs in between
 // hide the latency the fill otherwise waits on, from memory or L3 alike. Asked into L1,
-// they were gone before their fill (docs/benchmarks.md#scale-models).
+// they gained nothing measurable (docs/benchmarks.md#fill-ahead).
 template <int kBits, Chain kChain>
 void fill(const Panels& panels, int64_t p0, int count, int64_t g0, int64_t g1, Buffer* buffer) {
   const Layout<kBits, kChain> layout(panels);
