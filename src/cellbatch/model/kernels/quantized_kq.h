@@ -167,11 +167,15 @@ struct Layout {
     if constexpr (kChain == Chain::kSix) return halves(p, g) + 32 + ((g % 8) * 2 + sub) * kPanel;
     return halves(p, g) + 64 + (g % 8) * 2 * kPanel;
   }
-  // Asks for group g's codes of panel p, and its scales (a block's, which start anywhere in
-  // a line, with its first group's), into L2: locality 2 is PREFETCHT1 on x86.
-  [[gnu::always_inline]] void ask_for(int64_t p, int64_t g) const {
+  // Asks for group g's codes of panel p into L2: locality 2 is PREFETCHT1 on x86.
+  [[gnu::always_inline]] void ask_for_codes(int64_t p, int64_t g) const {
     const uint8_t* at = group_codes(p, g);
     for (int64_t line = 0; line < kCodeBytes; line += 64) __builtin_prefetch(at + line, 0, 2);
+  }
+  // ... and its scales too (a block's, which start anywhere in a line, with its first
+  // group's).
+  [[gnu::always_inline]] void ask_for(int64_t p, int64_t g) const {
+    ask_for_codes(p, g);
     const uint8_t* h = halves(p, g);
     if constexpr (kChain == Chain::kGroup) {
       __builtin_prefetch(h, 0, 2);

@@ -65,11 +65,7 @@ struct Direct {
   template <int kS>
   [[gnu::always_inline]] __m512i get(int p, int64_t g) const {
     const uint8_t* at = panels.group_codes(p0 + p, g);
-    if constexpr (kS == 0) {
-      const char* ahead = reinterpret_cast<const char*>(panels.group_codes(p0 + p, g + kAhead));
-      for (int line = 0; line < 4 + (kBits - 4); ++line)  // the group's 256, 320 or 384 bytes
-        _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
-    }
+    if constexpr (kS == 0) panels.ask_for_codes(p0 + p, g + kAhead);
     return operand<kBits, kS>(at);
   }
   [[gnu::always_inline]] void terms_of(int p, int64_t g, __m512* scale, __m512* offset) const {
