@@ -16,6 +16,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -139,28 +140,45 @@ void with_count(int64_t n, Fn&& fn) {
 }
 
 // How the bf16 and int8-activation products split their work: blocks of kBlock panels (16
-// outputs each) between threads, and per block the rows in chunks of kRowChunk. Each
+// outputs each) between threads, and per block the rows in chunks of kRowChunk. The threads
+// claim runs of consecutive blocks as they go, each a share of what is left (half of it
+// split between them, one block at least), so that a thread slowed by others on its core,
+// or by its block's kind, does not leave the rest waiting at the end of the product; a
+// thread's run stays consecutive, which the prefetches across a block's end count on. Each
 // thread holds one Buffer (only when count > kFusedRows: the few-row paths use none) and
 // one chunk's sums [kRowChunk][16 kBlock]; run(width, m0, n, p0, buffer, sums) computes
 // the sums of panels p0 .. p0 + width - 1 for rows m0 .. m0 + n - 1 (width a
 // std::integral_constant, so that the block's register arrays are sized at compile time),
-// and store(m0, n, p0, sums) writes them out.
+// and store(m0, n, p0, sums) writes them out. Which thread computes a block never changes
+// its values.
 template <typename Buffer, int64_t kBlock, int64_t kRowChunk, int64_t kFusedRows, typename Run,
           typename Store>
 void for_each_block(int64_t count, int64_t panel_count, Run&& run, Store&& store) {
   const int64_t blocks = (panel_count + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> next{0};
+  // One task per thread; nested in another parallel region, one task claims every block.
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<Buffer> buffer(count > kFusedRows ? 1 : 0);  // tens of KiB: off the stack
     Buffer* held = buffer.empty() ? nullptr : buffer.data();
     std::vector<float> sums(std::min(count, kRowChunk) * kBlock * 16);
-    for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
-      const int64_t n = std::min(kRowChunk, count - m0);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t p0 = b * kBlock;
-        with_count<kBlock>(std::min(kBlock, panel_count - p0),
-                           [&](auto width) { run(width, m0, n, p0, held, sums.data()); });
-        store(m0, n, p0, sums.data());
+    int64_t begin = next.load(std::memory_order_relaxed);
+    for (;;) {
+      int64_t size;
+      do {
+        if (begin >= blocks) return;
+        size = std::max<int64_t>(1, (blocks - begin) / (2 * threads));
+      } while (!next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed));
+      for (int64_t m0 = 0; m0 < count; m0 += kRowChunk) {
+        const int64_t n = std::min(kRowChunk, count - m0);
+        for (int64_t b = begin; b < begin + size; ++b) {
+          const int64_t p0 = b * kBlock;
+          with_count<kBlock>(std::min(kBlock, panel_count - p0),
+                             [&](auto width) { run(width, m0, n, p0, held, sums.data()); });
+          store(m0, n, p0, sums.data());
+        }
       }
+      begin = next.load(std::memory_order_relaxed);
     }
   });
 }

@@ -111,7 +111,7 @@ struct Buffered {
 
 // Groups [g0, g1) of `count` panels from p0 into the buffer, asking for the groups
 // kFillAhead on (two fills later; past a panel's end, those of the same panel of the next
-// block, which a thread's range of blocks takes next), into L2: the rows' runs in between
+// block, which a thread's run of blocks takes next), into L2: the rows' runs in between
 // hide the latency the fill otherwise waits on, from memory or L3 alike. Asked into L1,
 // they gained nothing measurable (docs/benchmarks.md#fill-ahead).
 template <int kBits, Chain kChain>
