@@ -141,16 +141,15 @@ void with_count(int64_t n, Fn&& fn) {
 
 // How the bf16 and int8-activation products split their work: blocks of kBlock panels (16
 // outputs each) between threads, and per block the rows in chunks of kRowChunk. The threads
-// claim runs of consecutive blocks as they go, each a share of what is left (half of it
-// split between them, one block at least), so that a thread slowed by others on its core,
-// or by its block's kind, does not leave the rest waiting at the end of the product; a
-// thread's run stays consecutive, which the prefetches across a block's end count on. Each
-// thread holds one Buffer (only when count > kFusedRows: the few-row paths use none) and
-// one chunk's sums [kRowChunk][16 kBlock]; run(width, m0, n, p0, buffer, sums) computes
-// the sums of panels p0 .. p0 + width - 1 for rows m0 .. m0 + n - 1 (width a
-// std::integral_constant, so that the block's register arrays are sized at compile time),
-// and store(m0, n, p0, sums) writes them out. Which thread computes a block never changes
-// its values.
+// claim runs of consecutive blocks as they go, each what is left over twice the thread
+// count (one block at least), so that a thread slowed by others on its core, or by its
+// blocks' kind, does not leave the rest waiting at the end of the product; a thread's run
+// stays consecutive, which the prefetches across a block's end count on. Each thread holds
+// one Buffer (only when count > kFusedRows: the few-row paths use none) and one chunk's
+// sums [kRowChunk][16 kBlock]; run(width, m0, n, p0, buffer, sums) computes the sums of
+// panels p0 .. p0 + width - 1 for rows m0 .. m0 + n - 1 (width a std::integral_constant,
+// so that the block's register arrays are sized at compile time), and store(m0, n, p0,
+// sums) writes them out. Which thread computes a block never changes its values.
 template <typename Buffer, int64_t kBlock, int64_t kRowChunk, int64_t kFusedRows, typename Run,
           typename Store>
 void for_each_block(int64_t count, int64_t panel_count, Run&& run, Store&& store) {
