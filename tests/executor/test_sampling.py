@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -57,6 +59,22 @@ def test_greedy_takes_the_first_of_equal_maxima_at_a_real_vocabulary(dtype: torc
     logits[3, 1] = float("nan")  # a NaN row's token is its NaN, as argmax has it
     tokens = sample_rows(logits, torch.tensor([GREEDY_ROW] * 4))
     assert tokens.tolist() == [5, 128255, 77, 1]
+
+
+def test_greedy_tokens_without_the_models_ops_are_torch_max_indices() -> None:
+    """A process without model code (one that runs programs) has no argmax_rows op and
+    takes torch's max: the same tokens."""
+    code = (
+        "import torch\n"
+        "from cellbatch.executor.sampling import greedy_tokens\n"
+        "assert getattr(torch.ops.cellbatch, 'argmax_rows', None) is None\n"
+        "x = torch.zeros(2, 40)\n"
+        "x[0, [3, 9]] = 1.0\n"
+        "x[1, [7, 30]] = float('nan')\n"
+        "print(greedy_tokens(x).tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[3, 7]"
 
 
 def test_full_distribution_samples_in_token_order() -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cellbatch.cache import CellCache, FlatAttentionPlan
+from cellbatch.executor.sampling import greedy_tokens
 from cellbatch.kv_format import head_width, store_heads
 from cellbatch.model import kernels, kquants, quantized
 from cellbatch.model import ops as model_ops
@@ -102,6 +103,32 @@ def test_silu_mul_matches_the_torch_implementation(compiled_ops, torch_ops, dtyp
     assert torch.equal(compiled_ops.silu_mul(gate_up[4:5]), got[4:5])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 33, 100, 49_152])
+def test_argmax_rows_gives_torch_max_indices_with_ties_nans_and_infinities(
+    compiled_ops, dtype, vocab
+) -> None:
+    """The first of equal maxima, the first NaN of a row that holds one, rows of any
+    width (whole vectors and a tail) and strided rows, on one thread or two."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 4, (8, vocab), generator=generator).to(dtype)  # many ties
+    if vocab > 40:
+        logits[1, vocab - 3] = float("nan")
+        logits[2, 37] = logits[2, vocab - 1] = float("nan")
+        logits[3, 20] = logits[3, 36] = float("inf")
+        logits[4] = float("-inf")
+        logits[5, vocab - 1] = 9.0  # the maximum in the tail
+    expected = logits.max(dim=-1).indices
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert torch.equal(compiled_ops.argmax_rows(logits), expected)
+    strided = torch.cat([logits, logits], dim=1)[:, :vocab]
+    assert torch.equal(compiled_ops.argmax_rows(strided), expected)
+    columns = logits.t().contiguous().t()  # column-major: its rows strided, copied first
+    assert torch.equal(compiled_ops.argmax_rows(columns), expected)
+    assert torch.equal(greedy_tokens(logits), expected)
+
+
 def test_the_compiled_ops_refuse_bad_shapes_with_a_message(compiled_ops) -> None:
     with pytest.raises(RuntimeError, match="weight must be"):
         compiled_ops.rms_norm(torch.ones(2, 8), torch.ones(4), 1e-6)
@@ -109,6 +136,8 @@ def test_the_compiled_ops_refuse_bad_shapes_with_a_message(compiled_ops) -> None
         compiled_ops.silu_mul(torch.ones(2, 7))
     with pytest.raises(RuntimeError, match="unsupported dtype"):
         compiled_ops.silu_mul(torch.ones(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"logits must be \[rows, vocab\] with vocab > 0"):
+        compiled_ops.argmax_rows(torch.ones(2, 0))
 
 
 # -- torch.library's checks ------------------------------------------------------------
@@ -230,6 +259,7 @@ def op_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "kquant_rows": (*kquant_inputs(dtype, generator)[1:3], torch.tensor([19, 0, 3]), 256, 20),
         "decoder_layer": layer_inputs(dtype),
         "lora_add": lora_inputs(dtype),
+        "argmax_rows": (torch.randn(3, 50, generator=generator).to(dtype),),
     }
 
 

@@ -64,6 +64,18 @@ def _mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index (a NaN wins), `logits.max(dim=-1).indices`: through
+    `cellbatch::argmax_rows` where the model's ops defined it (on the CPU its compiled
+    kernel is several times faster than torch's max with indices), else torch's max. The
+    op is looked up, not imported: the executor runs programs without model code."""
+    argmax_rows = getattr(torch.ops.cellbatch, "argmax_rows", None)
+    tokens: torch.Tensor = (
+        logits.max(dim=-1).indices if argmax_rows is None else argmax_rows(logits)
+    )
+    return tokens
+
+
 def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Draw one token per row of `logits` [R, V]; returns int64 [R].
 
@@ -84,9 +96,7 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     # Which rows take which draw is decided where `params` are (the host's, normally), so
     # logits on a GPU are never waited for to choose; every row greedy is one argmax.
     chooser = params.float()
-    # max's indices are argmax's (the first of equal maxima; a NaN wins), and torch's CPU
-    # max reduces a bf16 row several times faster than its argmax (docs/benchmarks.md).
-    tokens = logits.max(dim=-1).indices
+    tokens = greedy_tokens(logits)
     stochastic = chooser[:, PARAM_TEMPERATURE] > 0.0
     if not bool(stochastic.any()):
         return tokens

@@ -2,7 +2,8 @@
 `silu_mul`, `int4_matmul`, `int4_matmul_a8`, `int8_matmul`, `int8_matmul_a8` and
 `kquant_matmul_a8` (GGUF block kinds kept as they are, `cellbatch.model.kquants`) and
 `kquant_rows` (such a weight's rows dequantised: a kept embedding),
-`lora_add`, the whole-layer `decoder_layer` over them, and the table of them a model calls.
+`lora_add`, the whole-layer `decoder_layer` over them, `argmax_rows` (greedy draws from a
+step's logits), and the table of them a model calls.
 
 Owns: the ops' schemas; their pure-torch implementations (attention's is
 `cellbatch.model.attention.cell_attention_torch`, the quantised products' are in
@@ -95,6 +96,7 @@ SCHEMAS: dict[str, str] = {
     "lora_add": (
         "lora_add(Tensor(a!) out, Tensor x, Tensor rows, Tensor offsets, Tensor[] weights) -> ()"
     ),
+    "argmax_rows": "argmax_rows(Tensor logits) -> Tensor",
 }
 # decoder_layer's product kinds: a product's kind is the index of its op here (the same
 # order as PRODUCT_OPS in kernels/decoder_layer.cpp).
@@ -156,6 +158,11 @@ def rope_store_torch(
 # rounds differently from the vector one. A block of at most this many elements runs on
 # one thread, where every row takes the same path whatever its place in the step.
 ELEMENTWISE_GRAIN = 32768
+
+
+def argmax_rows_torch(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> int64 [rows]: each row's first maximal index, or its first NaN's."""
+    return logits.max(dim=-1).indices
 
 
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
@@ -305,6 +312,7 @@ _TORCH_IMPLS: dict[str, Callable[..., Any]] = {
     "kquant_rows": kquant_rows_torch,
     "decoder_layer": decoder_layer_torch,
     "lora_add": lora_add_torch,
+    "argmax_rows": argmax_rows_torch,
 }
 
 
@@ -343,6 +351,10 @@ def _decoder_layer_fake(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
 
+def _argmax_rows_fake(logits: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
 _FAKES: dict[str, Callable[..., Any]] = {
     "cell_attention": _returns_nothing,
     "rms_norm": _rms_norm_fake,
@@ -356,6 +368,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "kquant_rows": _kquant_rows_fake,
     "decoder_layer": _decoder_layer_fake,
     "lora_add": _returns_nothing,
+    "argmax_rows": _argmax_rows_fake,
 }
 
 
@@ -398,6 +411,7 @@ class Ops:
     kquant_rows: Callable[..., torch.Tensor]
     decoder_layer: Callable[..., torch.Tensor]
     lora_add: Callable[..., None]
+    argmax_rows: Callable[..., torch.Tensor]
 
 
 def table(namespace: str) -> Ops:
