@@ -67,8 +67,8 @@ def _weight(kinds: tuple[str, ...], rows: tuple[int, ...], cols: int) -> kquants
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_layout_holds_gguf_s_own_values(kind) -> None:
     """Blocks read into the layout, packed and read back give gguf's dequantised values
-    bit for bit, for rows that do not fill the last panel; the layout is about as large as
-    the file."""
+    bit for bit, for rows that do not fill the last panel; the layout is as large as the
+    file (Q4_K and Q5_K: their 6-bit scales and mins a byte each, 2-3% more)."""
     rows, cols = 37, 512
     blocks = _blocks(kind, rows, cols)
     weight = from_gguf(blocks, kind, "kquant")
@@ -78,7 +78,11 @@ def test_the_layout_holds_gguf_s_own_values(kind) -> None:
     assert torch.equal(back.dequantize(), _expected(blocks, kind, rows))
     full = from_gguf(_blocks(kind, 64, cols), kind, "kquant")
     held = sum(s.nbytes for s in full.segments)
-    assert held <= 1.125 * 64 * blocks.shape[1], (held, 64 * blocks.shape[1])
+    file = 64 * blocks.shape[1]
+    if kind in ("Q4_K", "Q5_K"):
+        assert file < held <= 1.03 * file, (held, file)
+    else:
+        assert held == file, (held, file)
 
 
 def test_a_weight_of_mixed_kinds_is_segments_in_row_order() -> None:

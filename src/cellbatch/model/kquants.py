@@ -14,7 +14,7 @@ Promises:
   of 16, sc int8, q 6 bits). `dense` gives gguf's own dequantised values bit for bit (each
   s is exact in float32, and each value is rounded once, in gguf's order).
 - The layout is about as large as the file: Q4_K 4.625 bits per weight (the file 4.5),
-  Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625), Q5_0/Q5_1 6 (5.5/6), Q4_0/Q4_1 5 (4.5/5).
+  Q5_K 5.625 (5.5), Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1 as the file (6.5625, 4.5, 5, 5.5, 6).
 - A weight whose parts are of different kinds (q, k and v of mixed kinds in one qkv) is one
   product: its rows are segments, each of one kind, one after another.
 Never: requantises (a kind not kept here is not this module's), or reads files.
@@ -31,7 +31,7 @@ group of 32 inputs its codes take
 - Q6_K: 128 bytes more, words (w, c), w = 0, 1: bits 8j + 2t, 8j + 2t + 1 are bits 4 and 5
   of input 4(4w + t) + j's code;
 and its scales
-- Q4_0/Q4_1/Q5_0/Q5_1, per group: d[16], m[16] float16 (m 0 for Q4_0, Q5_0);
+- Q4_0/Q5_0, per group: d[16] float16; Q4_1/Q5_1, per group: d[16], m[16] float16;
 - Q4_K/Q5_K, per block of 256: d[16], dmin[16] float16, then per group sc[16], mn[16] uint8;
 - Q6_K, per block of 256: d[16] float16, then per group of 16 sc[16] int8.
 """
@@ -48,12 +48,13 @@ from torch import nn
 
 from cellbatch.model.quantized import GGUF_KEPT_KINDS, GROUP_SIZE, PANEL
 
-MAGIC = 0x3130514B  # "KQ01"
+MAGIC = 0x3230514B  # "KQ02"
 KINDS = GGUF_KEPT_KINDS  # a kind's id in the layout is its place here
 KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}
 BLOCK = 256  # inputs per K-quant block
 _BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-_ZERO = {"Q4_0": 8, "Q5_0": 16}  # w = d (q - zero) for these
+_ZERO = {"Q4_0": 8, "Q5_0": 16}  # w = d (q - zero) for these, which keep no m
+_WITH_M = frozenset({"Q4_1", "Q5_1"})
 CODE_BYTES = {4: 256, 5: 320, 6: 384}  # per panel and group of 32 inputs
 _HEADER_WORDS = 4
 _SEGMENT_WORDS = 4
@@ -76,7 +77,7 @@ def scale_bytes(kind: str, in_features: int) -> int:
         return in_features // BLOCK * (32 + 256)
     if in_blocks(kind):
         return in_features // BLOCK * (64 + 256)
-    return in_features // GROUP_SIZE * 64
+    return in_features // GROUP_SIZE * (64 if kind in _WITH_M else 32)
 
 
 @dataclass
@@ -159,24 +160,22 @@ def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """GGUF blocks of [rows] rows -> (codes uint8 [rows, K], the scale fields): d, m
-    float16 [rows, K / 32] (group kinds); d, dmin float16 [rows, K / 256] and sc, mn uint8
-    [rows, K / 32] (Q4_K, Q5_K); d float16 [rows, K / 256] and sc int8 [rows, K / 16]
-    (Q6_K)."""
+    """GGUF blocks of [rows] rows -> (codes uint8 [rows, K], the scale fields): d (Q4_1,
+    Q5_1: and m) float16 [rows, K / 32] (group kinds); d, dmin float16 [rows, K / 256] and
+    sc, mn uint8 [rows, K / 32] (Q4_K, Q5_K); d float16 [rows, K / 256] and sc int8 [rows,
+    K / 16] (Q6_K)."""
     rows = blocks.shape[0]
     if not in_blocks(kind):
         size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[kind]
         b = blocks.reshape(rows, -1, size)
         d = _halves(b, 0)
-        with_m = kind in ("Q4_1", "Q5_1")
-        m = _halves(b, 2) if with_m else np.zeros_like(d)
-        at = 4 if with_m else 2
+        at = 4 if kind in _WITH_M else 2
         codes = _nibbles(b[..., size - 16 :])
         if kind in ("Q5_0", "Q5_1"):
             high = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)
             bits = (high >> np.arange(32, dtype=np.uint32)) & 1
             codes = codes | (bits.astype(np.uint8) << 4)
-        return codes.reshape(rows, -1), {"d": d, "m": m}
+        return codes.reshape(rows, -1), {"d": d} | ({"m": _halves(b, 2)} if kind in _WITH_M else {})
     if kind in ("Q4_K", "Q5_K"):
         b = blocks.reshape(rows, -1, 144 if kind == "Q4_K" else 176)
         sc, mn = _scales_and_mins(b[..., 4:16])
@@ -238,7 +237,7 @@ def _pack_scales(kind: str, fields: dict[str, np.ndarray]) -> np.ndarray:
     d = _panel_major(fields["d"])  # [P, units, 16]
     panels, units = d.shape[:2]
     if not in_blocks(kind):
-        parts = [_bytes(d, panels, units), _bytes(_panel_major(fields["m"]), panels, units)]
+        parts = [_bytes(_panel_major(fields[f]), panels, units) for f in ("d", "m") if f in fields]
     elif kind == "Q6_K":
         sc = _panel_major(fields["sc"].reshape(-1, units, 16))  # [P, S, 16 groups, c]
         parts = [_bytes(d, panels, units), _bytes(sc, panels, units)]
@@ -317,7 +316,7 @@ def segments_of(codes: torch.Tensor) -> list[Where]:
     """The header of `pack`'s codes."""
     words = codes[: 4 * _HEADER_WORDS].view(torch.int32).tolist()
     if words[0] != MAGIC:
-        raise ValueError("not a kquant weight's codes (no header)")
+        raise ValueError("not this version's kquant codes (no KQ02 header): convert again")
     header = codes[: 4 * (_HEADER_WORDS + _SEGMENT_WORDS * words[1])].view(torch.int32).tolist()
     return [
         Where(KINDS[kind_id], rows, header[2], at, scales_at)
@@ -381,7 +380,8 @@ def segment_terms(
         return values.float().reshape(n * width, units * per)
 
     if not in_blocks(kind):
-        d, m = field(0, 1, torch.float16), field(32, 1, torch.float16)
+        d = field(0, 1, torch.float16)
+        m = field(32, 1, torch.float16) if kind in _WITH_M else torch.zeros_like(d)
         return q.float(), d, m - _ZERO.get(kind, 0) * d
     if kind == "Q6_K":
         s = field(0, 1, torch.float16).repeat_interleave(16, dim=1) * field(32, 16, torch.int8)

@@ -120,7 +120,9 @@ std::vector<Panels> segments(const char* op, const at::Tensor& codes, const at::
     std::memcpy(&value, header + 4 * i, 4);
     return static_cast<int64_t>(value);
   };
-  TORCH_CHECK(word(0) == kMagic, op, ": codes do not start with a kquant header");
+  TORCH_CHECK(word(0) == kMagic, op,
+              ": codes do not start with this version's kquant header (\"KQ02\"); weights "
+              "packed by another version (an older exported program) must be converted again");
   const int64_t count = word(1);
   TORCH_CHECK(word(2) == in_features, op, ": the weight has ", word(2), " inputs, x has ",
               in_features);

@@ -10,7 +10,8 @@
 // (words (w, c): bits 8j + 2t .. + 1 are bits 4-5 of input 16w + 4t + j). So operand s
 // (inputs 4s .. 4s + 3 of the 16 outputs, one 32-bit lane each, the inputs in order) is
 // one mask or shift of a nibble word, plus one shift and mask of a high-bit word.
-// Scales per panel: group kinds per group d[16], m[16] float16; Q4_K/Q5_K per block of 256
+// Scales per panel: group kinds per group d[16] float16, then m[16] for Q4_1 and Q5_1 (Q4_0
+// and Q5_0 have none: their offset is -zero d); Q4_K/Q5_K per block of 256
 // d[16], dmin[16] float16 then per group sc[16], mn[16] uint8; Q6_K per block of 256 d[16]
 // float16 then per group of 16 sc[16] int8.
 
@@ -31,7 +32,7 @@ namespace cellbatch::kq {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockInputs = 256;  // inputs per K-quant block
-constexpr int32_t kMagic = 0x3130514B;  // "KQ01"
+constexpr int32_t kMagic = 0x3230514B;  // "KQ02"
 
 enum Kind : int32_t { kQ4_0 = 0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K, kKinds };
 
@@ -63,12 +64,15 @@ void with_kind(Kind kind, Fn&& fn) {
 }
 // Sub-groups of a group of 32 inputs, each with its own scale: Q6_K's 16-input ones.
 constexpr int subs(Kind kind) { return kind == kQ6_K ? 2 : 1; }
-// w = d (q - zero) for Q4_0 and Q5_0.
+// w = d (q - zero) for Q4_0 and Q5_0, which keep no m.
 constexpr float zero(Kind kind) { return kind == kQ4_0 ? 8.0f : kind == kQ5_0 ? 16.0f : 0.0f; }
+constexpr bool has_m(Kind kind) { return kind == kQ4_1 || kind == kQ5_1; }
+// A group kind's scale bytes per panel and group: d[16] (and m[16]).
+constexpr int64_t group_scale_bytes(Kind kind) { return has_m(kind) ? 64 : 32; }
 [[gnu::always_inline]] inline int64_t scale_bytes(Kind kind, int64_t in_features) {
   if (kind == kQ6_K) return in_features / kBlockInputs * (32 + 256);
   if (in_blocks(kind)) return in_features / kBlockInputs * (64 + 256);
-  return in_features / kGroup * 64;
+  return in_features / kGroup * group_scale_bytes(kind);
 }
 
 // One segment of a weight's rows: `rows` outputs of one kind from output `column`. Its
@@ -88,7 +92,7 @@ struct Panels {
   }
   // The bytes of group g's scales: its d (group kinds: and m), or its block's d (and dmin).
   [[gnu::always_inline]] const uint8_t* halves(int64_t p, int64_t g) const {
-    if (!in_blocks(kind)) return panel_scales(p) + g * 64;
+    if (!in_blocks(kind)) return panel_scales(p) + g * group_scale_bytes(kind);
     return panel_scales(p) + g / 8 * (kind == kQ6_K ? 288 : 320);
   }
   // Group g's integer scales (and mins): sc[16] (then mn[16]); Q6_K: sub-group `sub`'s sc.
@@ -113,7 +117,8 @@ struct Panels {
     const uint8_t* h = halves(p, g);
     const float d = static_cast<float>(half_at(h, c));
     *scale = d;
-    *offset = static_cast<float>(half_at(h + 32, c)) - zero(kind) * d;
+    const float m = has_m(kind) ? static_cast<float>(half_at(h + 32, c)) : 0.0f;
+    *offset = m - zero(kind) * d;
   }
 
   // Q6_K: output c's integer scale of sub-group `sub` of group g, and its block's d.
@@ -151,16 +156,21 @@ struct Layout {
 
   Kind kind;
   int64_t groups;
+  int64_t group_scales;  // the group kinds' bytes per group (group_scale_bytes)
   const uint8_t* codes;
   const uint8_t* scales;
 
   explicit Layout(const Panels& panels)
-      : kind(panels.kind), groups(panels.groups), codes(panels.codes), scales(panels.scales) {}
+      : kind(panels.kind),
+        groups(panels.groups),
+        group_scales(group_scale_bytes(panels.kind)),
+        codes(panels.codes),
+        scales(panels.scales) {}
   [[gnu::always_inline]] const uint8_t* group_codes(int64_t p, int64_t g) const {
     return codes + (p * groups + g) * kCodeBytes;
   }
   [[gnu::always_inline]] const uint8_t* halves(int64_t p, int64_t g) const {
-    if constexpr (kChain == Chain::kGroup) return scales + (p * groups + g) * 64;
+    if constexpr (kChain == Chain::kGroup) return scales + (p * groups + g) * group_scales;
     return scales + (p * groups / 8 + g / 8) * kBlockBytes;
   }
   [[gnu::always_inline]] const uint8_t* small(int64_t p, int64_t g, int sub) const {

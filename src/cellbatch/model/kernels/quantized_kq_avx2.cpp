@@ -72,7 +72,8 @@ inline void terms(const Source& panels, int64_t p, int64_t g, int j, __m256* sca
   const uint8_t* h = panels.halves(p, g);
   const __m256 d = halves8(h + 16 * j);
   *scale = d;
-  *offset = _mm256_sub_ps(halves8(h + 32 + 16 * j), _mm256_mul_ps(_mm256_set1_ps(zero(panels.kind)), d));
+  const __m256 m = has_m(panels.kind) ? halves8(h + 32 + 16 * j) : _mm256_setzero_ps();
+  *offset = _mm256_sub_ps(m, _mm256_mul_ps(_mm256_set1_ps(zero(panels.kind)), d));
 }
 
 // Half j of a Q4_K/Q5_K group's integer scales or mins (`at`: its 16 bytes).

@@ -54,7 +54,9 @@ template <typename Source>
                                          __m512* scale, __m512* offset) {
   const uint8_t* h = panels.halves(p, g);
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+  const __m512 m = has_m(panels.kind)
+                       ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)))
+                       : _mm512_setzero_ps();
   *scale = d;
   *offset = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
 }
