@@ -409,6 +409,18 @@ def test_a_gguf_file_keeps_its_precision_class(
     got = torch.cat(packed_steps(model, STEPS, 2))
     expected = torch.cat(packed_steps(dequantised, STEPS, 2))
     assert (got - expected).abs().max() < ORDER_TOLERANCE
+    # With int8 inputs (what "auto" takes where the CPU has them, as llama.cpp's products
+    # do) the Q4_1 and Q5_0 blocks are kept as they are, in the file's bytes.
+    _, kept = load_model(file, "float32", kernel, activations="int8")
+    kept_summary = weights_summary.describe(kept)
+    assert kept_summary.formats == {"projections": "Q4_1", "embedding": "int8", "lm_head": "int8"}
+    assert kept.layers[0].down.format == "Q4_1" and kept.layers[1].down.format == "Q5_0"
+    assert kept_summary.bytes_by_format["Q4_1"] > 0 and kept_summary.bytes_by_format["Q5_0"] > 0
+    assert "(qkv, o_proj, gate_up, down, lm_head with int8 activations)" in kept_summary.format
+    # Every product's inputs rounded to int8 (a random model amplifies it); a layout read
+    # wrong would be wrong by about 100%.
+    kept_got = torch.cat(packed_steps(kept, STEPS, 2))
+    assert (kept_got - expected).norm() < 0.08 * expected.norm()
     # Asked for int8, the Q4_1 projections become int8 too.
     _, as_int8 = load_model(file, "float32", kernel, "int8", activations="float")
     assert weights_summary.describe(as_int8).format == "int8"

@@ -134,8 +134,9 @@ def add_weight_options(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         default="auto",
         choices=QUANTIZE_CHOICES,
-        help="weights: auto (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; "
-        "other models stay float), none (float), int8 or int4",
+        help="weights: auto (a GGUF file keeps its precision class: Q4_0, Q4_1 and "
+        "K-quant blocks as they are, Q8_0 as int8; other models stay float), none (float), "
+        "int8 or int4",
     )
     parser.add_argument(
         "--activations",

@@ -64,8 +64,9 @@ class LoadOptions:
             process set already is kept).
         kernels: "auto" (the compiled CPU kernels where they build, else pure torch),
             "compiled" or "torch".
-        quantize: "auto" (a GGUF file keeps its precision class, e.g. Q4_1 -> int4; other
-            models stay float), "none", "int8" or "int4" (cellbatch.model.quantized).
+        quantize: "auto" (a GGUF file keeps its precision class: Q4_0, Q4_1 and K-quant
+            blocks as they are, Q8_0 as int8; other models stay float), "none", "int8"
+            or "int4" (cellbatch.model.quantized).
         activations: what the int4 products do with their inputs: "auto" (int8 for some
             products where the kernels have a vector int8 path, AVX512-VNNI or AVX2, and
             the model runs in the dtype `auto` picks, else float), "float" (the model's

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from cellbatch.model.cpu import amx_switch, cpu_has_amx, int8_products_path
-from cellbatch.model.quantized import DecoderModel, a8_products
+from cellbatch.model.quantized import DecoderModel
+
+LAYER_PRODUCTS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's, in order
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,9 @@ def describe(model: DecoderModel) -> WeightsSummary:
     }
     main = formats["projections"]
     words = main + "".join(f", {role} {fmt}" for role, fmt in formats.items() if fmt != main)
-    products = {name: getattr(first, name, None) for name in a8_products(model.dtype)}
+    # Every product that quantises its inputs: int4's chosen set (quantized.a8_products),
+    # kept GGUF blocks' all.
+    products = {name: getattr(first, name, None) for name in LAYER_PRODUCTS}
     products["lm_head"] = model.lm_head
     with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
     if with_a8:
