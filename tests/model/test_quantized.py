@@ -421,9 +421,32 @@ def test_a_gguf_file_keeps_its_precision_class(
     # wrong would be wrong by about 100%.
     kept_got = torch.cat(packed_steps(kept, STEPS, 2))
     assert (kept_got - expected).norm() < 0.08 * expected.norm()
+    # "auto" keeps them so only where the inputs resolve to int8: a model whose products
+    # keep float inputs (float32 on a bf16 CPU, or no vector int8 path) holds them as int4.
+    _, auto = load_model(file, "float32", kernel)
+    a8 = quantized.resolve_activations("auto", auto.ops.kind, torch.float32)
+    assert auto.layers[0].down.format == ("Q4_1" if a8 == "int8" else "int4")
     # Asked for int8, the Q4_1 projections become int8 too.
     _, as_int8 = load_model(file, "float32", kernel, "int8", activations="float")
     assert weights_summary.describe(as_int8).format == "int8"
+
+
+@pytest.mark.parametrize(
+    ("kinds", "activations", "a8", "expected"),
+    [
+        (["Q4_0"], "auto", "int8", "kquant"),
+        (["Q4_1"], "auto", "float", "int4"),  # int4 holds Q4_0/Q4_1 exactly
+        (["Q4_1", "Q5_0"], "auto", "float", "kquant"),  # Q5_0 would be float otherwise
+        (["Q4_K", "Q6_K"], "auto", "float", "kquant"),
+        (["Q4_K", "Q6_K"], "float", "float", "none"),
+        (["Q4_0", "Q4_K"], "float", "float", "int4"),
+        (["Q8_0"], "auto", "int8", "int8"),
+    ],
+)
+def test_auto_keeps_gguf_blocks_where_their_int8_inputs_are_chosen(
+    kinds, activations, a8, expected
+) -> None:
+    assert quantized.target_format("auto", "projection", kinds, activations, a8) == expected
 
 
 def test_a_bad_quantize_choice_fails_before_loading(tmp_path) -> None:

@@ -214,7 +214,7 @@ def _fill(
     Returns what it did, in words."""
     config = checkpoint.config
     check_tensors(checkpoint, config)
-    formats = _formats(checkpoint, quantize, activations)
+    formats = _formats(checkpoint, quantize, activations, a8)
     _check_memory(checkpoint, formats, model.dtype)
     mappings = FileMappings()  # the checkpoint's files are mapped by now
     counts: dict[str, int] = {}
@@ -296,7 +296,7 @@ def _return_freed_memory() -> None:
     trim(0)
 
 
-def _formats(checkpoint: Checkpoint, quantize: str, activations: str) -> dict[str, str]:
+def _formats(checkpoint: Checkpoint, quantize: str, activations: str, a8: str) -> dict[str, str]:
     """Each quantisable weight's format (quantized.target_format); one note names the GGUF
     kinds that "auto" had to load as float."""
     roles = {"embed.weight": "embedding", "lm_head.weight": "lm_head"}
@@ -306,7 +306,7 @@ def _formats(checkpoint: Checkpoint, quantize: str, activations: str) -> dict[st
         if target not in roles and not re.search(r"\.(qkv|o_proj|gate_up|down)\.weight$", target):
             continue
         kinds = checkpoint.kinds([name for name, _ in parts])
-        formats[target] = quantized.target_format(quantize, role, kinds, activations)
+        formats[target] = quantized.target_format(quantize, role, kinds, activations, a8)
         if quantize == "auto" and formats[target] == "none" and kinds is not None:
             unkept |= set(kinds) - quantized.GGUF_FLOAT_KINDS
     if unkept:

@@ -168,18 +168,25 @@ def resolve_activations(choice: str, ops_kind: str, dtype: torch.dtype) -> str:
 
 
 def target_format(
-    quantize: str, role: str, gguf_kinds: list[str] | None, activations: str = "auto"
+    quantize: str,
+    role: str,
+    gguf_kinds: list[str] | None,
+    activations: str = "auto",
+    a8: str = "int8",
 ) -> str:
     """The format ("none", "int8", "int4" or "kquant") of one of the model's weights.
 
     `role`: "projection", "lm_head" or "embedding"; `gguf_kinds`: the GGUF kinds of the
-    tensors concatenated into it (None for a checkpoint that is not GGUF). "auto" keeps a
-    GGUF file's class: any mix of GGUF_KEPT_KINDS (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-    Q6_K: Q4_0 and Q4_K_M files alike) -> "kquant", the blocks kept as they are
-    (`cellbatch.model.kquants`, every product with int8 inputs, as llama.cpp's); Q8_0 ->
-    int8; float kinds and kinds it cannot keep -> float. With `activations` "float" asked
-    for, nothing is kept as "kquant" (its products quantise their inputs): Q4_0, Q4_1 and
-    Q4_K -> int4 (with float inputs) and the other kinds load as float. A float checkpoint
+    tensors concatenated into it (None for a checkpoint that is not GGUF); `activations`
+    as asked for, `a8` as resolved (resolve_activations). "auto" keeps a GGUF file's
+    class: any mix of GGUF_KEPT_KINDS (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: Q4_0 and
+    Q4_K_M files alike) -> "kquant", the blocks kept as they are (`cellbatch.model.kquants`,
+    every product with int8 inputs, as llama.cpp's), except that Q4_0 and Q4_1 alone,
+    which int4 holds exactly, stay int4 where the products' inputs resolved to float (a
+    model asked for float32 on a bf16 CPU keeps float inputs); Q8_0 -> int8; float kinds
+    and kinds it cannot keep -> float. With `activations` "float" asked for, nothing is
+    kept as "kquant" (its products quantise their inputs): Q4_0, Q4_1 and Q4_K -> int4
+    (with float inputs) and the other kinds load as float. A float checkpoint
     stays float. The embedding is never int4 (its rows are gathered, not multiplied), and
     with "int4" asked for, the LM head takes int8, as llama.cpp's 4-bit files keep their
     output tensor at 6-8 bits.
@@ -187,7 +194,10 @@ def target_format(
     if quantize == "auto":
         if gguf_kinds is None:
             return "none"
-        if activations != "float" and all(kind in GGUF_KEPT_KINDS for kind in gguf_kinds):
+        plain_int4 = GGUF_INT4_KINDS - {"Q4_K"}
+        if a8 != "int8" and all(kind in plain_int4 for kind in gguf_kinds):
+            chosen = "int4"
+        elif activations != "float" and all(kind in GGUF_KEPT_KINDS for kind in gguf_kinds):
             return "kquant"
         elif all(kind in GGUF_INT4_KINDS for kind in gguf_kinds):
             chosen = "int4"
