@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from cellbatch.model.cpu import amx_switch, cpu_has_amx, int8_products_path
+from cellbatch.model.decoder_layer import PROJECTIONS
 from cellbatch.model.quantized import DecoderModel
-
-LAYER_PRODUCTS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's, in order
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ def describe(model: DecoderModel) -> WeightsSummary:
     words = main + "".join(f", {role} {fmt}" for role, fmt in formats.items() if fmt != main)
     # Every product that quantises its inputs: int4's chosen set (quantized.a8_products),
     # kept GGUF blocks' all.
-    products = {name: getattr(first, name, None) for name in LAYER_PRODUCTS}
+    products = {name: getattr(first, name, None) for name in PROJECTIONS}
     products["lm_head"] = model.lm_head
     with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
     if with_a8:
