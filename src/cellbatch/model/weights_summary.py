@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from torch import nn
 
 from cellbatch.model.cpu import amx_switch, cpu_has_amx, int8_products_path
-from cellbatch.model.decoder_layer import PROJECTIONS
 from cellbatch.model.quantized import DecoderModel
 
 
@@ -45,11 +44,13 @@ def describe(model: DecoderModel) -> WeightsSummary:
     }
     main = formats["projections"]
     words = main + "".join(f", {role} {fmt}" for role, fmt in formats.items() if fmt != main)
-    # Every product that quantises its inputs: int4's chosen set (quantized.a8_products),
-    # kept GGUF blocks' all.
-    products = {name: getattr(first, name, None) for name in PROJECTIONS}
-    products["lm_head"] = model.lm_head
-    with_a8 = [name for name, m in products.items() if getattr(m, "activations", "") == "int8"]
+    # Every product that quantises its inputs (int4's chosen set, quantized.a8_products;
+    # kept GGUF blocks' all), in the layer's order, then the head.
+    products: list[tuple[str, nn.Module | None]] = []
+    if first is not None:
+        products += first.named_children()
+    products.append(("lm_head", model.lm_head))
+    with_a8 = [name for name, m in products if getattr(m, "activations", "") == "int8"]
     if with_a8:
         words += f" ({', '.join(with_a8)} with int8 activations)"
     kept = describe_kept(model)
