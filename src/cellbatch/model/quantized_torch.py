@@ -184,7 +184,8 @@ def kquant_matmul_a8_torch(
     """The op `kquant_matmul_a8` in torch: x [..., K] times a weight kept in its GGUF kinds
     (`kquants.pack`), with int8 activations, one scale per block of 256 inputs where any
     segment is a K-quant kind: each segment's groups as `_a8_product` sums them (Q4_K and
-    Q5_K: the offsets times the quantised inputs' sums, as the kernels' integer mins;
+    Q5_K: the offsets times the quantised inputs' sums, as the kernels' integer mins; Q4_0
+    and Q5_0 too, as the kernels' dots counted from their zero;
     Q6_K: per sub-group of 16, its codes counted from 32, no offset)."""
     weight = kquants.unpack(codes, scales)
     if weight.shape != (out_features, x.shape[-1]):
@@ -201,7 +202,8 @@ def kquant_matmul_a8_torch(
         q, s = q[: segment.rows], s[: segment.rows]
         grouped = q.view(segment.rows, -1, GROUP_SIZE)
         if o is not None:
-            sums = quantised_sums if kquants.in_blocks(segment.kind) else x_sums
+            exact = kquants.in_blocks(segment.kind) or kquants.counts_from_zero(segment.kind)
+            sums = quantised_sums if exact else x_sums
             parts.append(_a8_product(x, grouped, s, o[: segment.rows], (x_codes, x_scales, sums)))
             continue
         halves = x_codes.unflatten(-1, (2, 16))  # type: ignore[no-untyped-call]

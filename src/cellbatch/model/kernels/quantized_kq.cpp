@@ -13,8 +13,11 @@
 // by the path its kind and row count take: quantized_kq_vnni.cpp on AVX512-VNNI CPUs,
 // quantized_kq_amx.cpp's tiles from a few rows where there is AMX, quantized_kq_avx2.cpp on
 // AVX2 CPUs). Per row (inputs xq, scale d), output n with codes q:
-//   Q4_0 .. Q5_1, w = s q + o per group of 32 (`Panels::terms`), over the groups in order:
-//     t = fma(float(dot), s * d, t); t = fma(o, sx, t),   dot = sum(q xq) over the group
+//   Q4_0 .. Q5_1, w = s (q - z) + o per group of 32 (`Panels::terms`; Q4_0 and Q5_0 have
+//     no o and a zero z of 8 and 16, as llama.cpp's Q4_0 x Q8_0 products, the others z = 0),
+//     over the groups in order:
+//     t = fma(float(dot - z qs), s * d, t); and where there is o, t = fma(o, sx, t),
+//     dot = sum(q xq) over the group
 //   Q4_K, Q5_K, w = D sc q - M mn (sc, mn per group; D, M per block of 256), per block:
 //     t = fma(float(isum), D * d, t); t = fma(float(imin), (-M) * d, t),
 //     isum = sum(sc dot), imin = sum(mn qs) over its 8 groups (|isum| < 2^26)
@@ -99,9 +102,9 @@ void product_portable(const Inputs& in, const Panels& panels, int64_t p0, int64_
         for (int64_t g = 0; chain == Chain::kGroup && g < groups; ++g) {
           float scale, offset;
           panels.terms(p, g, c, &scale, &offset);
-          total = std::fma(static_cast<float>(dot_of(m, p, c, g, 0, kGroup)),
-                           scale * xs.d[m * groups + g], total);
-          total = std::fma(offset, xs.sx[m * groups + g], total);
+          const int32_t dot = dot_of(m, p, c, g, 0, kGroup) - zero(panels.kind) * xs.qsum[m * groups + g];
+          total = std::fma(static_cast<float>(dot), scale * xs.d[m * groups + g], total);
+          if (has_m(panels.kind)) total = std::fma(offset, xs.sx[m * groups + g], total);
         }
         y[m * out_features + panels.column + p * kPanel + c] = static_cast<T>(total);
       }
@@ -214,9 +217,9 @@ at::Tensor kquant_matmul_a8(const at::Tensor& x, const at::Tensor& codes, const 
   return out.view(shape);
 }
 
-// Output c of panel p as floats, as gguf dequantises it: w = q s + o per group of 32 (the
-// group kinds' terms; Q4_K, Q5_K: s = D sc, o = -(M mn)), w = (q - 32) D sc (Q6_K), each
-// product and sum rounded once.
+// Output c of panel p as floats, as gguf dequantises it: w = (q - z) s + o per group of 32
+// (the group kinds' terms; Q4_K, Q5_K: z = 0, s = D sc, o = -(M mn)), w = (q - 32) D sc
+// (Q6_K), each product and sum rounded once.
 void dequantise(const Panels& panels, int64_t p, int c, float* w) {
   const Chain chain = chain_of(panels.kind);
   for (int64_t g = 0; g < panels.groups; ++g) {
@@ -238,7 +241,7 @@ void dequantise(const Panels& panels, int64_t p, int c, float* w) {
       const int q = panels.code(p, g, c, k);
       w[g * kGroup + k] = chain == Chain::kSix
                               ? static_cast<float>(q - 32) * scale[k / 16]
-                              : static_cast<float>(q) * scale[0] + offset;
+                              : static_cast<float>(q - zero(panels.kind)) * scale[0] + offset;
     }
   }
 }

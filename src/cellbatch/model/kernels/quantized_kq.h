@@ -11,7 +11,7 @@
 // (inputs 4s .. 4s + 3 of the 16 outputs, one 32-bit lane each, the inputs in order) is
 // one mask or shift of a nibble word, plus one shift and mask of a high-bit word.
 // Scales per panel: group kinds per group d[16] float16, then m[16] for Q4_1 and Q5_1 (Q4_0
-// and Q5_0 have none: their offset is -zero d); Q4_K/Q5_K per block of 256
+// and Q5_0 have none: their codes count from a zero); Q4_K/Q5_K per block of 256
 // d[16], dmin[16] float16 then per group sc[16], mn[16] uint8; Q6_K per block of 256 d[16]
 // float16 then per group of 16 sc[16] int8.
 
@@ -64,8 +64,8 @@ void with_kind(Kind kind, Fn&& fn) {
 }
 // Sub-groups of a group of 32 inputs, each with its own scale: Q6_K's 16-input ones.
 constexpr int subs(Kind kind) { return kind == kQ6_K ? 2 : 1; }
-// w = d (q - zero) for Q4_0 and Q5_0, which keep no m.
-constexpr float zero(Kind kind) { return kind == kQ4_0 ? 8.0f : kind == kQ5_0 ? 16.0f : 0.0f; }
+// w = d (q - zero) for Q4_0 and Q5_0, which keep no m; the other kinds' zero is 0.
+constexpr int32_t zero(Kind kind) { return kind == kQ4_0 ? 8 : kind == kQ5_0 ? 16 : 0; }
 constexpr bool has_m(Kind kind) { return kind == kQ4_1 || kind == kQ5_1; }
 // A group kind's scale bytes per panel and group: d[16] (and m[16]).
 constexpr int64_t group_scale_bytes(Kind kind) { return has_m(kind) ? 64 : 32; }
@@ -112,13 +112,12 @@ struct Panels {
     return q;
   }
 
-  // Output c's scale and offset of group g for the group kinds: d and m - zero d.
+  // Output c's scale and offset of group g for the group kinds, w = d (q - zero) + m: d,
+  // and m (0 where the kind has none).
   void terms(int64_t p, int64_t g, int c, float* scale, float* offset) const {
     const uint8_t* h = halves(p, g);
-    const float d = static_cast<float>(half_at(h, c));
-    *scale = d;
-    const float m = has_m(kind) ? static_cast<float>(half_at(h + 32, c)) : 0.0f;
-    *offset = m - zero(kind) * d;
+    *scale = static_cast<float>(half_at(h, c));
+    *offset = has_m(kind) ? static_cast<float>(half_at(h + 32, c)) : 0.0f;
   }
 
   // Q6_K: output c's integer scale of sub-group `sub` of group g, and its block's d.

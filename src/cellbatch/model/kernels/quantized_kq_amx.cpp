@@ -6,9 +6,9 @@
 // unsigned codes) of 16 rows' 32 quantised inputs of a group (tile A, the rows' own bytes,
 // K apart) and one panel's operands of that group (tile B, 8 x 64 bytes: row s is the VNNI
 // path's operand s, inputs 4s .. 4s + 3 of the 16 outputs) into a zeroed tile C gives each
-// row's exact int32 dot product per output over the group, the value VPDPBUSD sums in the
-// VNNI path. Tile C goes to an L1 buffer, and the float chain over groups (quantized_kq.cpp's
-// comment) runs there, 4 rows at a time: t = fma(float(dot), s * d, t); t = fma(o, sx, t).
+// row's exact int32 dot product per output over the group. Tile C goes to an L1 buffer, and
+// the float chain over groups (quantized_kq.cpp's comment) runs there, 4 rows at a time:
+// t = fma(float(dot - z qs), s * d, t), and t = fma(o, sx, t) where the kind keeps o.
 // A block of three panels' operands and terms is made once per 4 groups for every row of
 // the call. Tiles: 0 the rows' inputs, 1-3 the block's operands, 4-6 its dot products
 // (a8::TileShape::kGroups).
@@ -92,9 +92,10 @@ void fill(const Panels& panels, int64_t p0, int64_t g0, int64_t chunk, Buffer* b
 }
 
 // The chain of R rows (row `first` of a row tile, row m of the call) over the chunk's
-// `chunk` groups from g0, P panels; sums[r][16 kBlock] continue from group g0.
-template <int R, int P>
-void chain(const Inputs& in, int64_t m, int64_t first, int64_t g0, int64_t chunk,
+// `chunk` groups from g0, P panels; sums[r][16 kBlock] continue from group g0. kOffsets:
+// the kind keeps m (Q4_1, Q5_1); else its codes count from `zero`.
+template <int R, int P, bool kOffsets>
+void chain(const Inputs& in, int32_t zero, int64_t m, int64_t first, int64_t g0, int64_t chunk,
            const Buffer* buffer, float* sums) {
   const a8::Quantised& xs = in.xs;
   const int64_t groups = xs.in_features / kGroup;
@@ -107,12 +108,15 @@ void chain(const Inputs& in, int64_t m, int64_t first, int64_t g0, int64_t chunk
       const int64_t at = (m + r) * groups + g;
       const __m512 row_d = _mm512_set1_ps(xs.d[at]);
       const __m512 row_sx = _mm512_set1_ps(xs.sx[at]);
+      const __m512i row_zero = _mm512_set1_epi32(zero * xs.qsum[at]);
 #pragma GCC unroll 3
       for (int p = 0; p < P; ++p) {
         const __m512 row_scale = _mm512_mul_ps(buffer->scales[i][p], row_d);
-        const __m512i dot = _mm512_load_si512(buffer->dots[i][p] + (first + r) * kPanel);
+        __m512i dot = _mm512_load_si512(buffer->dots[i][p] + (first + r) * kPanel);
+        if constexpr (!kOffsets) dot = _mm512_sub_epi32(dot, row_zero);
         total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, total[r][p]);
-        total[r][p] = _mm512_fmadd_ps(buffer->offsets[i][p], row_sx, total[r][p]);
+        if constexpr (kOffsets)
+          total[r][p] = _mm512_fmadd_ps(buffer->offsets[i][p], row_sx, total[r][p]);
       }
     }
   }
@@ -138,8 +142,12 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
           [&](int64_t i, int p) { return buffer->dots[i][p]; });
       for (int64_t r = 0; r < rows; r += kRunRows)
         with_count<kRunRows>(std::min(kRunRows, rows - r), [&](auto run) {
-          chain<decltype(run)::value, P>(in, m + row0 + r, r, g0, chunk, buffer,
-                                         sums + (row0 + r) * kBlockWidth);
+          constexpr int kRun = decltype(run)::value;
+          float* at = sums + (row0 + r) * kBlockWidth;
+          if (has_m(panels.kind))
+            chain<kRun, P, true>(in, 0, m + row0 + r, r, g0, chunk, buffer, at);
+          else
+            chain<kRun, P, false>(in, zero(panels.kind), m + row0 + r, r, g0, chunk, buffer, at);
         });
     }
   }

@@ -72,8 +72,7 @@ inline void terms(const Source& panels, int64_t p, int64_t g, int j, __m256* sca
   const uint8_t* h = panels.halves(p, g);
   const __m256 d = halves8(h + 16 * j);
   *scale = d;
-  const __m256 m = has_m(panels.kind) ? halves8(h + 32 + 16 * j) : _mm256_setzero_ps();
-  *offset = _mm256_sub_ps(m, _mm256_mul_ps(_mm256_set1_ps(zero(panels.kind)), d));
+  *offset = has_m(panels.kind) ? halves8(h + 32 + 16 * j) : _mm256_setzero_ps();
 }
 
 // Half j of a Q4_K/Q5_K group's integer scales or mins (`at`: its 16 bytes).
@@ -104,12 +103,14 @@ inline void steps4(const uint8_t* at, const a8::Quantised& xs, int64_t m, int64_
   step<R, kBits, kFirst + 3>(at, xs, m, g, dot);
 }
 
-// The group kinds' fold of group g's dots into the totals.
+// The group kinds' fold of group g's dots (started from -zero qs, quantized_kq.cpp's
+// chain) into the totals: the offsets' step only where the kind keeps m.
 template <int R, typename Source>
 inline void fold(const Source& panels, const Inputs& in, int64_t p, int64_t m, int64_t g,
                  __m256i (&dot)[R][2], __m256 (&total)[R][2]) {
   const a8::Quantised& xs = in.xs;
   const int64_t groups = panels.groups;
+  const bool offsets = has_m(panels.kind);
   for (int j = 0; j < 2; ++j) {
     __m256 scale, offset;
     terms(panels, p, g, j, &scale, &offset);
@@ -117,7 +118,7 @@ inline void fold(const Source& panels, const Inputs& in, int64_t p, int64_t m, i
       const int64_t i = (m + r) * groups + g;
       const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(xs.d[i]));
       total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][j]), row_scale, total[r][j]);
-      total[r][j] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs.sx[i]), total[r][j]);
+      if (offsets) total[r][j] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xs.sx[i]), total[r][j]);
     }
   }
 }
@@ -201,7 +202,8 @@ void rows_over_panel(const Panels& panels, const Inputs& in, int64_t m, int64_t 
     const uint8_t* at = layout.group_codes(p, g);
     if (ask_next) layout.ask_for(p + 1, g);
     __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r)
+      dot[r][0] = dot[r][1] = _mm256_set1_epi32(-zero(panels.kind) * in.xs.qsum[(m + r) * panels.groups + g]);
     steps4<R, kBits, 0>(at, in.xs, m, g, dot);
     steps4<R, kBits, 4>(at, in.xs, m, g, dot);
     fold<R>(layout, in, p, m, g, dot, total);

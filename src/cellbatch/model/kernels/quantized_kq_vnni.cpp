@@ -181,16 +181,26 @@ inline void steps4(const Source& source, const a8::Quantised& xs, int64_t m, int
 }
 
 // The group kinds' chain of R rows from m over P panels, groups [g0, g1): sums[r][16 P]
-// continue from group g0.
-template <int R, int P, typename Source>
-inline void groups_of_rows(const Source& source, const a8::Quantised& xs, int64_t m, int64_t g0,
-                           int64_t g1, float* sums) {
+// continue from group g0. kOffsets: the kind keeps m (Q4_1, Q5_1); else its codes count
+// from `zero`.
+template <int R, int P, bool kOffsets, typename Source>
+inline void groups_of_rows(const Source& source, const a8::Quantised& xs, int32_t zero, int64_t m,
+                           int64_t g0, int64_t g1, float* sums) {
   const int64_t groups = xs.in_features / kGroup;
   __m512 total[R][P];
   load_totals<R, P, kBlockWidth>(total, sums, g0 != 0);
   for (int64_t g = g0; g < g1; ++g) {
     __m512i dot[R][P];
-    clear(dot);
+    if constexpr (kOffsets) {
+      clear(dot);
+    } else {  // the codes' zero taken off in the integers: no float step for it per panel
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i minus = _mm512_set1_epi32(-zero * xs.qsum[(m + r) * groups + g]);
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) dot[r][p] = minus;
+      }
+    }
     steps4<R, P, 0>(source, xs, m, g, dot);
     steps4<R, P, 4>(source, xs, m, g, dot);
 #pragma GCC unroll 3
@@ -202,7 +212,8 @@ inline void groups_of_rows(const Source& source, const a8::Quantised& xs, int64_
         const int64_t i = (m + r) * groups + g;
         const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xs.d[i]));
         total[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), row_scale, total[r][p]);
-        total[r][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs.sx[i]), total[r][p]);
+        if constexpr (kOffsets)
+          total[r][p] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs.sx[i]), total[r][p]);
       }
     }
   }
@@ -289,14 +300,17 @@ inline void blocks_of_rows(const Source& source, const Inputs& in, int64_t m, in
   }
 }
 
-// R rows from m over P panels, groups [g0, g1): sums[r][16 P] continue from group g0.
+// R rows from m over P panels of `kind`, groups [g0, g1): sums[r][16 P] continue from
+// group g0.
 template <int R, int P, int kBits, Chain kChain, typename Source>
-void rows_over_groups(const Source& source, const Inputs& in, int64_t m, int64_t g0, int64_t g1,
-                      float* sums) {
-  if constexpr (kChain == Chain::kGroup)
-    groups_of_rows<R, P>(source, in.xs, m, g0, g1, sums);
-  else
+void rows_over_groups(const Source& source, const Inputs& in, Kind kind, int64_t m, int64_t g0,
+                      int64_t g1, float* sums) {
+  if constexpr (kChain != Chain::kGroup)
     blocks_of_rows<R, P, kBits>(source, in, m, g0, g1, sums);
+  else if (has_m(kind))
+    groups_of_rows<R, P, true>(source, in.xs, 0, m, g0, g1, sums);
+  else
+    groups_of_rows<R, P, false>(source, in.xs, zero(kind), m, g0, g1, sums);
 }
 
 // One block (P panels from p0) for `count` rows from m, into sums [count][16 kBlock].
@@ -312,7 +326,7 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
     with_count<kFusedRows>(count, [&](auto rows) {
       for (int p = 0; p < P; ++p)
         rows_over_groups<decltype(rows)::value, 1, kBits, kChain>(
-            Direct<kBits, kChain>{layout, p0 + p}, in, m, 0, groups, sums + p * kPanel);
+            Direct<kBits, kChain>{layout, p0 + p}, in, panels.kind, m, 0, groups, sums + p * kPanel);
     });
     return;
   }
@@ -322,8 +336,8 @@ void block(const Panels& panels, const Inputs& in, int64_t m, int64_t count, int
     const Buffered source{*buffer, g0};
     for (int64_t r = 0; r < count; r += kRows)
       with_count<kRows>(std::min(kRows, count - r), [&](auto rows) {
-        rows_over_groups<decltype(rows)::value, P, kBits, kChain>(source, in, m + r, g0, g1,
-                                                                  sums + r * kBlockWidth);
+        rows_over_groups<decltype(rows)::value, P, kBits, kChain>(source, in, panels.kind, m + r,
+                                                                  g0, g1, sums + r * kBlockWidth);
       });
   }
 }

@@ -47,8 +47,8 @@ inline __m512i operand(const uint8_t* at) {
   return q;
 }
 
-// Group g's 16 scales and offsets for the group kinds (the vector form of Panels::terms:
-// the same products, so the same values).
+// Group g's 16 scales d and offsets m for the group kinds (the vector form of
+// Panels::terms: the same values).
 template <typename Source>
 [[gnu::always_inline]] inline void terms(const Source& panels, int64_t p, int64_t g,
                                          __m512* scale, __m512* offset) {
@@ -58,7 +58,7 @@ template <typename Source>
                        ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)))
                        : _mm512_setzero_ps();
   *scale = d;
-  *offset = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_set1_ps(zero(panels.kind)), d));
+  *offset = m;
 }
 
 // v's lanes as floats, each |v| < 2^22: 1.5 2^23 + v is exact in float32, so one integer
