@@ -136,6 +136,30 @@ def test_the_products_are_the_weight_s_with_int8_inputs(compiled_ops, torch_ops,
         assert ((got.double() - reference[:count]).abs() <= bound[:count] + slack).all(), count
 
 
+@pytest.mark.parametrize("kinds", [("Q4_0",), ("Q4_1",), ("Q5_0",), ("Q5_1",), MIXED[0]])
+def test_the_products_are_the_quantised_inputs_times_gguf_s_values(
+    compiled_ops, torch_ops, kinds
+) -> None:
+    """Every kind's product, its zero or offset included, is that of the inputs as their
+    int8 codes hold them (llama.cpp's Q8_0 / Q8_1 or Q8_K) and gguf's values, to float32
+    sums: an offset multiplies the quantised inputs' sum (Q8_1's s), a zero comes off the
+    dot in the integers (Q4_0 x Q8_0), so the inputs' rounding is never scaled by the
+    codes alone."""
+    rows = MIXED[1] if len(kinds) > 1 else (40,)
+    weight = _weight(kinds, rows, 512)
+    codes, scales = kquants.pack(weight)
+    x = _inputs(9, 512, torch.float32)
+    span = 256 if any(kquants.in_blocks(kind) for kind in kinds) else 32
+    x_codes, x_scales, _ = quantized_torch.quantize_activations(x, span)
+    inputs = (x_codes.double() * x_scales.double()[..., None]).flatten(-2)
+    dense = weight.dequantize().double()
+    reference = inputs @ dense.t()
+    bound = 4 * 512 * torch.finfo(torch.float32).eps * (inputs.abs() @ dense.abs().t()) + 1e-6
+    for table in (compiled_ops, torch_ops):
+        got = table.kquant_matmul_a8(x, codes, scales, weight.shape[0]).double()
+        assert ((got - reference).abs() <= bound).all(), kinds
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_portable_loop_gives_the_vector_path_s_bits(compiled_ops, dtype) -> None:
     """CELLBATCH_A8_PORTABLE=1 runs the portable loop: the same chain, the same bits as the

@@ -51,7 +51,9 @@ def test_activations_are_quantised_per_group_of_32() -> None:
     assert scales[1, 0] == 0 and not codes[1, 0].any()
     # Each input is its code times the group's scale, to half a step.
     assert ((codes * scales[..., None] - groups).abs() <= scales[..., None] / 2 + 1e-7).all()
-    assert torch.allclose(sums, groups.sum(-1))
+    # The sums are the quantised inputs' (llama.cpp's Q8_1 s), not x's.
+    assert torch.equal(sums, scales * codes.sum(-1))
+    assert not torch.equal(sums, groups.sum(-1))
 
 
 def test_int8_panels_for_int8_activations_hold_four_inputs_per_lane() -> None:
@@ -75,8 +77,9 @@ def test_the_product_is_that_of_the_quantised_activations(
 ) -> None:
     """Both implementations, for 1..70 rows (the few-row path, the buffered one and their
     remainders) and outputs in a part-filled block of panels: within float32 sums (and
-    the result's bf16 rounding) of the float64 product, the scaled codes times the
-    dequantised activations (int4, w = q s + o: and the offsets times the activations)."""
+    the result's bf16 rounding) of the float64 product of the dequantised activations and
+    weights (int4, w = q s + o: the offsets too multiply the quantised activations, as
+    llama.cpp's Q8_1 sums do)."""
     weight = _int4(rows, cols, size) if fmt == "int4" else _int8(rows, cols, size)
     codes, scales = quantized.pack(weight) if fmt == "int4" else quantized.pack_a8(weight)
     assert scales.dtype == scale_dtype
@@ -84,13 +87,7 @@ def test_the_product_is_that_of_the_quantised_activations(
     x_codes, x_scales, _ = quantized_torch.quantize_activations(x)
     dequantised = (x_codes.double() * x_scales.double()[..., None]).flatten(-2)
     dense = weight.dequantize().double()
-    if isinstance(weight, quantized.Int4Weight):
-        # The offsets multiply the group's sum of the inputs as they are, the scaled codes
-        # the quantised inputs.
-        offsets = weight.offset.double().repeat_interleave(32, dim=1)
-        reference = dequantised @ (dense - offsets).t() + x.double() @ offsets.t()
-    else:
-        reference = dequantised @ dense.t()
+    reference = dequantised @ dense.t()
     magnitude = x.double().abs() @ dense.abs().t()
     rounding = 2.0**-8 if dtype == torch.bfloat16 else 0.0
     bound = reference.abs() * rounding + 4 * cols * torch.finfo(torch.float32).eps * magnitude

@@ -66,13 +66,6 @@ def in_blocks(kind: str) -> bool:
     return kind.endswith("_K")
 
 
-def counts_from_zero(kind: str) -> bool:
-    """Whether `kind`'s codes count from a zero and it keeps no offset (Q4_0, Q5_0: w = d (q -
-    zero)): its products subtract zero times the quantised inputs' sum from each group's
-    integer dot, as llama.cpp's Q4_0 x Q8_0 products do."""
-    return kind in _ZERO
-
-
 def keeps(kind: str, in_features: int) -> bool:
     """Whether a tensor of `kind` with `in_features` inputs can be kept."""
     return kind in KIND_IDS and in_features % (BLOCK if in_blocks(kind) else GROUP_SIZE) == 0

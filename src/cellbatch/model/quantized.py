@@ -38,13 +38,14 @@ which bf16 holds exactly, go through VDPBF16PS and the scales come in once per g
 for each call: exact, available everywhere, slow.
 With int8 activations (kernels/quantized_a8.cpp on AVX512-VNNI, quantized_a8_avx2.cpp on
 AVX2) VPDPBUSD takes 64 products per instruction where VDPBF16PS takes 32, so from a few
-rows up they beat the bf16 path. They round the inputs, so their perplexity cost decides
-which products take them (`A8_PRODUCTS`, each set the one that stays within 1% of the
-file's own dequantised model by `benchmarks/perplexity.py`): in bf16 qkv, o_proj and
-gate_up, whose inputs follow a norm or attention, and the LM head; in float32 (the AVX2
-CPUs' speed mode), where every set costs more, gate_up and the head, which hold most of
-the time the int8 inputs save. down's inputs (silu(gate) * up) are heavy-tailed, so down
-keeps the model's dtype. The figures: docs/benchmarks.md.
+rows up they beat the bf16 path. They round the inputs, and the weights' offsets multiply
+the quantised inputs' sums (llama.cpp's Q8_1 s), so an output's error is the inputs'
+rounding times the weights. `A8_PRODUCTS` names the products that take them: in bf16 qkv,
+o_proj and gate_up, whose inputs follow a norm or attention, and the LM head; in float32
+(the AVX2 CPUs' speed mode) gate_up and the head, which hold most of the time the int8
+inputs save. Each set stays within 1% of the file's own dequantised model by
+`benchmarks/perplexity.py` (so does every product together). The figures:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations

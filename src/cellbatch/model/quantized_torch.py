@@ -83,10 +83,11 @@ Quantised = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def quantize_activations(rows: torch.Tensor, span: int = GROUP_SIZE) -> Quantised:
     """rows [M, K] -> (codes [M, K / 32, 32] as float32 integers in [-127, 127], scales d
-    [M, K / 32], sums of x [M, K / 32]): per group of 32, d = amax / 127 and codes =
-    round_half_even(x * (127 / amax)), amax the largest |x| of the group's span of inputs
+    [M, K / 32], sums d sum(codes) [M, K / 32]): per group of 32, d = amax / 127 and codes
+    = round_half_even(x * (127 / amax)), amax the largest |x| of the group's span of inputs
     (32: the group; 256 for weights with K-quant blocks), as the compiled `_a8` products
-    compute them."""
+    compute them. The sums are the quantised inputs' (llama.cpp's Q8_1 s), which the
+    weights' offsets multiply."""
     spans = rows.float().unflatten(-1, (-1, span))  # type: ignore[no-untyped-call]
     amax = spans.abs().amax(dim=-1).repeat_interleave(span // GROUP_SIZE, dim=-1)
     groups = rows.float().unflatten(-1, (-1, GROUP_SIZE))  # type: ignore[no-untyped-call]
@@ -95,7 +96,8 @@ def quantize_activations(rows: torch.Tensor, span: int = GROUP_SIZE) -> Quantise
     limit = torch.full_like(amax, 127.0)
     inverse = torch.where(amax > 0, limit / amax.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     codes = torch.round(groups * inverse[..., None]).clamp(-127, 127)
-    return codes, amax / 127.0, groups.sum(dim=-1)
+    scales = amax / 127.0
+    return codes, scales, scales * codes.sum(dim=-1)
 
 
 def _a8_product(
@@ -107,7 +109,7 @@ def _a8_product(
 ) -> torch.Tensor:
     """x [..., K] quantised per group of 32 (`quantize_activations`, or `quantised` as it
     gave them) times weight codes [N, K / 32, 32]: y = sum over groups of dot * s * d (+ o
-    * sum(x) with an offset), scale and offset [N, K / 32], the dots exact (integers below
+    * d sum(codes) with an offset), scale and offset [N, K / 32], the dots exact (integers below
     2^24 in float32)."""
     rows = x.reshape(-1, x.shape[-1])
     x_codes, x_scales, x_sums = quantised or quantize_activations(rows)
@@ -183,10 +185,10 @@ def kquant_matmul_a8_torch(
 ) -> torch.Tensor:
     """The op `kquant_matmul_a8` in torch: x [..., K] times a weight kept in its GGUF kinds
     (`kquants.pack`), with int8 activations, one scale per block of 256 inputs where any
-    segment is a K-quant kind: each segment's groups as `_a8_product` sums them (Q4_K and
-    Q5_K: the offsets times the quantised inputs' sums, as the kernels' integer mins; Q4_0
-    and Q5_0 too, as the kernels' dots counted from their zero;
-    Q6_K: per sub-group of 16, its codes counted from 32, no offset)."""
+    segment is a K-quant kind: each segment's groups as `_a8_product` sums them (the
+    offsets times the quantised inputs' sums, as the kernels' integer mins of Q4_K and Q5_K
+    and their dots of Q4_0 and Q5_0 counted from the codes' zero; Q6_K: per sub-group of
+    16, its codes counted from 32, no offset)."""
     weight = kquants.unpack(codes, scales)
     if weight.shape != (out_features, x.shape[-1]):
         raise ValueError(
@@ -194,17 +196,15 @@ def kquant_matmul_a8_torch(
         )
     rows = x.reshape(-1, x.shape[-1])
     blocks = any(kquants.in_blocks(segment.kind) for segment in weight.segments)
-    x_codes, x_scales, x_sums = quantize_activations(rows, 256 if blocks else GROUP_SIZE)
-    quantised_sums = x_scales * x_codes.sum(-1)
+    quantised = quantize_activations(rows, 256 if blocks else GROUP_SIZE)
+    x_codes, x_scales, _ = quantised
     parts = []
     for segment in weight.segments:
         q, s, o = kquants.segment_terms(segment)
         q, s = q[: segment.rows], s[: segment.rows]
         grouped = q.view(segment.rows, -1, GROUP_SIZE)
         if o is not None:
-            exact = kquants.in_blocks(segment.kind) or kquants.counts_from_zero(segment.kind)
-            sums = quantised_sums if exact else x_sums
-            parts.append(_a8_product(x, grouped, s, o[: segment.rows], (x_codes, x_scales, sums)))
+            parts.append(_a8_product(x, grouped, s, o[: segment.rows], quantised))
             continue
         halves = x_codes.unflatten(-1, (2, 16))  # type: ignore[no-untyped-call]
         dots = torch.einsum("mghk,nghk->mngh", halves, grouped.unflatten(-1, (2, 16)))  # type: ignore[no-untyped-call]

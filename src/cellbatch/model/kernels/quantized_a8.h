@@ -34,8 +34,8 @@ struct LineAllocator {
   bool operator==(const LineAllocator&) const { return true; }
 };
 
-// Each row's quantised inputs: q [M, K] (in the byte order of the weights' format), d, sx
-// and qsum (the sum of the group's q: int8 weights' correction) [M, K / 32].
+// Each row's quantised inputs: q [M, K] (in the byte order of the weights' format), and per
+// group [M, K / 32] d, qsum (the sum of the group's q) and sx = d qsum (quantized_a8_inputs.cpp).
 struct Quantised {
   std::vector<int8_t, LineAllocator<int8_t>> q;
   std::vector<float> d, sx;

@@ -5,7 +5,9 @@
 // Owns: the quantisation, per row and group g of 32 inputs as llama.cpp's Q8_1 blocks
 // hold them (amax over the group's span: the group, or a K-quant block of 256):
 //   amax = max |x|,  d = amax / 127,  xq = round_half_even(x * (127 / amax))  (0 if amax 0)
-//   sx = the group's sum of x (float32, a fixed order),  qsum = the sum of xq
+//   qsum = the sum of xq,  sx = d qsum (the quantised inputs' sum, llama.cpp's Q8_1 s: an
+//   offset times it adds o sum(d xq), so that an offset's error is the inputs' rounding
+//   times the weight, not times the weight less its offset)
 // by AVX512 code on the VNNI path and a portable loop elsewhere.
 // Promises: both give the same values (the portable loop sums in the vector code's order);
 // a row's quantisation reads only that row; the order of a group's bytes is the weights'
@@ -45,18 +47,12 @@ float amax_portable(const T* x, int64_t count) {
 }
 
 // One group of 32 inputs quantised in portable code with the largest |x| of its span
-// (`amax`): the reference for the vector path, the sum x summed in the order
-// _mm512_reduce_add_ps takes ((i, i + 16), then halves: 8, 4, 2, 1).
+// (`amax`): the reference for the vector path.
 template <InputOrder kOrder, typename T>
 void quantise_group_portable(const T* x, float amax, int8_t* q, float* d, float* sx,
                              int32_t* qsum) {
   float values[kGroup];
   for (int64_t i = 0; i < kGroup; ++i) values[i] = widen(x[i]);
-  float partial[16];
-  for (int64_t i = 0; i < 16; ++i) partial[i] = values[i] + values[i + 16];
-  for (int64_t width = 8; width >= 1; width /= 2)
-    for (int64_t i = 0; i < width; ++i) partial[i] = partial[i] + partial[i + width];
-  *sx = partial[0];
   *d = amax / 127.0f;
   const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
   *qsum = 0;
@@ -65,6 +61,7 @@ void quantise_group_portable(const T* x, float amax, int8_t* q, float* d, float*
     q[8 * (i / 8) + quantised_slot<kOrder>(i % 8)] = static_cast<int8_t>(scaled);
     *qsum += static_cast<int32_t>(scaled);
   }
+  *sx = *d * static_cast<float>(*qsum);
 }
 
 #ifdef CELLBATCH_A8_VECTOR_INPUTS
@@ -96,13 +93,13 @@ float amax_of(const T* x, int64_t count) {
 template <InputOrder kOrder, typename T>
 void quantise_group(const T* x, float amax, int8_t* q, float* d, float* sx, int32_t* qsum) {
   const __m512 low = load16(x), high = load16(x + 16);
-  *sx = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
   *d = amax / 127.0f;
   const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   // |x| <= amax, so every product rounds into [-127, 127]: the narrowing never saturates.
   const __m512i i_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
   const __m512i i_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
   *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(i_low, i_high));
+  *sx = *d * static_cast<float>(*qsum);
   const __m256i both = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm512_cvtsepi32_epi8(i_low)), _mm512_cvtsepi32_epi8(i_high), 1);
   if constexpr (kOrder == InputOrder::kInt4) {
