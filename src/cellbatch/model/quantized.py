@@ -44,7 +44,7 @@ rounding times the weights. `A8_PRODUCTS` names the products that take them: in 
 o_proj and gate_up, whose inputs follow a norm or attention, and the LM head; in float32
 (the AVX2 CPUs' speed mode) gate_up and the head, which hold most of the time the int8
 inputs save. Each set stays within 1% of the file's own dequantised model by
-`benchmarks/perplexity.py` (so does every product together). The figures:
+`benchmarks/perplexity.py`, for int4 and int8 weights alike. The figures:
 docs/benchmarks.md.
 """
 
