@@ -9,7 +9,7 @@
 //   offset times it adds o sum(d xq), so that an offset's error is the inputs' rounding
 //   times the weight, not times the weight less its offset)
 // by AVX512 code on the VNNI path and a portable loop elsewhere.
-// Promises: both give the same values (the portable loop sums in the vector code's order);
+// Promises: both give the same values (xq by the same products and roundings, then integers);
 // a row's quantisation reads only that row; the order of a group's bytes is the weights'
 // (a8::InputOrder).
 // Never: allocates per row.
